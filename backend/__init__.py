@@ -1,0 +1,1 @@
+"""kvscope's backend: the model, the engine, the event stream and the server."""

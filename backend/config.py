@@ -1,0 +1,213 @@
+"""Model configuration: one pydantic model read from and written to a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AttentionKind = Literal["mha", "gqa", "mqa", "mla"]
+
+# Architectures whose config.json we read as Llama-style decoders; the difference between them is
+# only which optional biases exist (Qwen2: q/k/v bias) and a few defaults.
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+KVSCOPE_ARCHITECTURE = "KvscopeForCausalLM"
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+
+
+class RopeScaling(BaseModel):
+    """Llama 3 style frequency scaling; `rope_type: default` means none."""
+
+    model_config = ConfigDict(extra="ignore")
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class MLAConfig(BaseModel):
+    """DeepSeek-V2 multi-head latent attention sizes."""
+
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+
+class ModelConfig(BaseModel):
+    """Everything the reference decoder needs to build itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    architecture: str = KVSCOPE_ARCHITECTURE
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    max_position_embeddings: int = Field(default=2048, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    mla: MLAConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "float32"
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+    @property
+    def attention(self) -> AttentionKind:
+        """Which attention variant the head counts describe."""
+        if self.mla is not None:
+            return "mla"
+        if self.num_key_value_heads == self.num_attention_heads:
+            return "mha"
+        if self.num_key_value_heads == 1:
+            return "mqa"
+        return "gqa"
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    def kv_values_per_token_per_layer(self) -> int:
+        """Numbers the cache stores for one token in one layer (K and V, or MLA's latent + rope key)."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: str = "float16") -> int:
+        """The KV formula: 2·L·N_kv·D_h·bytes (MLA: L·(kv_lora_rank + qk_rope_head_dim)·bytes)."""
+        return self.num_hidden_layers * self.kv_values_per_token_per_layer() * DTYPE_BYTES[dtype]
+
+    def num_parameters(self) -> int:
+        """Parameter count, counting tied embeddings once."""
+        import torch  # local: reading a config needs no torch
+
+        from backend.model.transformer import CausalLM
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in CausalLM(self).parameters())
+
+    # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Read a Hugging Face style config.json dict (Llama, Qwen2, Mistral or kvscope's own)."""
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in HF_ARCHITECTURES + (KVSCOPE_ARCHITECTURE,):
+            known = ", ".join(HF_ARCHITECTURES + (KVSCOPE_ARCHITECTURE,))
+            raise ValueError(f"architectures: unsupported architecture {arch or '(none)'!r}; known: {known}")
+        n_heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        head_dim = d.get("head_dim") or hidden // n_heads
+        attn_bias = bool(d.get("attention_bias", False))
+        mla = MLAConfig(**d["mla"]) if d.get("mla") else None
+        scaling = d.get("rope_scaling") or d.get("rope_parameters")  # transformers 5 writes rope_parameters
+        rope_theta = d.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
+        rope_scaling = RopeScaling(**scaling) if scaling and scaling.get("rope_type", "default") != "default" else None
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            qkv_bias=attn_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attn_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            mla=mla,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            torch_dtype=d.get("torch_dtype") or d.get("dtype") or "float32",
+        )
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that transformers reads (Llama form) or kvscope's own form (MLA)."""
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "llama" if self.architecture == "LlamaForCausalLM" else "kvscope",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.mla is not None:
+            d["mla"] = self.mla.model_dump()
+        return d
+
+
+# ---- Engine configuration -----------------------------------------------------------------------
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["draft", "ngram"] = "draft"
+    draft_model: str = "demo-draft"
+    num_tokens: int = Field(default=4, ge=1, le=16)
+
+
+class EngineConfig(BaseModel):
+    """Every knob of the engine; a scenario's `engine:` section. Unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    block_size: int = Field(default=16, ge=1, le=256, description="tokens per KV block")
+    num_blocks: int | None = Field(default=256, ge=1, le=1_000_000,
+                                   description="KV blocks; null = derive from kv_cache_memory_mb")
+    kv_cache_memory_mb: float = Field(default=64.0, gt=0, description="budget used when num_blocks is null")
+    max_num_seqs: int = Field(default=8, ge=1, le=1024, description="sequences running at once")
+    max_num_batched_tokens: int = Field(default=256, ge=1, le=65536, description="token budget per iteration")
+    batching: Literal["continuous", "static"] = "continuous"
+    kv_layout: Literal["paged", "contiguous"] = "paged"
+    kv_cache: bool = Field(default=True, description="false: recompute the whole prefix every step")
+    prefix_caching: bool = True
+    chunked_prefill: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    max_model_len: int = Field(default=1024, ge=2, le=1_000_000, description="prompt + output limit")
+    events: Literal["full", "summary", "off"] = "full"
+    dist_top_n: int = Field(default=10, ge=1, le=100, description="tokens kept in each token event's dist")
+    speculative: SpeculativeConfig | None = None
+    weight_quant: Literal["none", "int8", "int4"] = "none"
+    quant_group_size: int = Field(default=64, ge=0, le=4096)
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"

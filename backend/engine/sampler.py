@@ -1,0 +1,98 @@
+"""From logits to tokens, vectorized over the batch.
+
+Order of the stages (each one is a view in the dashboard's sampling panel):
+raw softmax at T=1 -> penalties -> temperature -> top-k -> top-p -> min-p -> final distribution.
+Each row draws its uniform number from its own request's generator, so a seeded request gets the
+same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # log of the raw (T=1) probability of each chosen token
+    raw_probs: torch.Tensor  # [B, V] softmax of the model's logits at T=1
+    final_probs: torch.Tensor  # [B, V] the distribution the token was drawn from
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                    outputs: list[list[int]]) -> torch.Tensor:
+    """Repetition (over prompt + output, divides positive logits), presence and frequency (over output)."""
+    logits = logits.clone()
+    for row, p in enumerate(params):
+        if p.repetition_penalty != 1.0 and histories[row]:
+            seen = torch.tensor(sorted(set(histories[row])), device=logits.device)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and outputs[row]:
+            ids, counts = torch.tensor(outputs[row], device=logits.device).unique(return_counts=True)
+            logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens survive top-k, top-p and min-p: bool [B, V]. probs [B, V] after temperature."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    keep_sorted = (top_k[:, None] == 0) | (ranks < top_k[:, None])
+    # top-p: the smallest prefix whose mass reaches p; the most likely token always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted &= mass_before < top_p[:, None]
+    keep_sorted &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:
+    """The distribution each row samples from, [B, V]; greedy rows are one-hot on the argmax."""
+    device = logits.device
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    keep = truncation_mask(
+        probs,
+        torch.tensor([p.top_k for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+        torch.tensor([p.min_p for p in params], device=device),
+    )
+    protect = torch.tensor([not p.truncate_eos for p in params], device=device)
+    for eos in eos_ids:
+        keep[:, eos] |= protect
+    probs = torch.where(keep, probs, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    if greedy.any():
+        one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Inverse-CDF sampling with one uniform per row from that row's generator: [B] token ids."""
+    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)
+    return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           eos_ids: list[int], histories: list[list[int]] | None = None,
+           outputs: list[list[int]] | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V]."""
+    logits = logits.float()
+    raw_log = torch.log_softmax(logits, dim=-1)
+    histories = histories or [[] for _ in params]
+    outputs = outputs or [[] for _ in params]
+    adjusted = apply_penalties(logits, params, histories, outputs)
+    final = final_distribution(adjusted, params, eos_ids)
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    tokens = torch.where(greedy, adjusted.argmax(dim=-1), draw(final, generators))
+    chosen = raw_log.gather(-1, tokens[:, None]).squeeze(-1)
+    return SamplerOutput(tokens.tolist(), chosen.tolist(), raw_log.exp(), final)

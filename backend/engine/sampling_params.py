@@ -1,0 +1,33 @@
+"""Per-request sampling settings, validated at the edge (scenario files, API bodies, CLI)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How one request picks its tokens. temperature 0 means greedy."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_k: int = Field(default=0, ge=0, description="keep the k most likely tokens; 0 = off")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="keep the smallest set with this mass")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top probability")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    n: int = Field(default=1, ge=1, le=16)
+    beam_width: int = Field(default=0, ge=0, le=16)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    logprobs: int = Field(default=0, ge=0, le=20, description="top alternatives reported per token")
+    # The seeds' point: truncating EOS away means generation cannot stop by itself.
+    truncate_eos: bool = Field(default=False, description="allow top-k/top-p/min-p to remove EOS")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

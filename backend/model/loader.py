@@ -1,0 +1,146 @@
+"""Model folders (config.json + *.safetensors + tokenizer.json): find, validate, load and save.
+
+Every failure is a `ModelLoadError` whose message names the file and the reason, so the CLI and the
+server can show one clear line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from backend.config import ModelConfig
+from backend.model.tokenizer import Tokenizer
+from backend.model.transformer import CausalLM
+
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be used, with the file and the reason."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+
+
+def resolve_model_dir(name_or_path: str | Path) -> Path:
+    """A shipped model name ("demo", "demo-draft", ...) or a folder path."""
+    if str(name_or_path) in SHIPPED_MODELS:
+        return SHIPPED_MODELS_DIR / str(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        shipped = ", ".join(SHIPPED_MODELS)
+        raise ModelLoadError(f"{path}: no such model folder (shipped models: {shipped})")
+    return path
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a model folder needs config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing field {e.args[0]}") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        raise ModelLoadError(f"{path}: {field}: {err['msg']}") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files: one model.safetensors, or the shards named by the index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: missing (named by the safetensors index)")
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+    return tensors
+
+
+def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Copy tensors into the model, insisting on exact names and shapes."""
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise ModelLoadError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
+    unexpected = sorted(k for k in set(tensors) - set(params) if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ModelLoadError(f"{where}: unexpected tensor {unexpected[0]} for this config.json")
+    with torch.no_grad():
+        for name, param in params.items():
+            t = tensors[name]
+            if tuple(t.shape) != tuple(param.shape):
+                raise ModelLoadError(
+                    f"{where}: tensor {name} has shape {list(t.shape)}, config.json implies {list(param.shape)}"
+                )
+            param.copy_(t.to(param.dtype))
+
+
+def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a model folder (or a shipped model by name) ready for inference."""
+    model_dir = resolve_model_dir(name_or_path)
+    config = read_config(model_dir)
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise ModelLoadError(f"{tok_path}: missing (a model folder needs tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None)
+    except Exception as e:  # tokenizers raises its own Exception subclass for any bad file
+        raise ModelLoadError(f"{tok_path}: cannot read tokenizer ({e})") from None
+    model = CausalLM(config).to(dtype)
+    load_weights(model, read_weights(weight_files(model_dir)), model_dir)
+    model = model.to(device).eval()
+    return LoadedModel(str(name_or_path), model_dir, config, model, tokenizer)
+
+
+def save_model(model: CausalLM, tokenizer: Tokenizer, out_dir: Path) -> None:
+    """Write a model folder: config.json, fp16 model.safetensors, tokenizer.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = model.config.model_copy(update={"torch_dtype": "float16"})
+    (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # safetensors refuses shared storage; loaders re-tie it
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(out_dir / "tokenizer.json")

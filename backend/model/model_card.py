@@ -1,0 +1,55 @@
+"""The short README.md written beside each shipped model: data, size, steps, time, loss, a sample."""
+
+from __future__ import annotations
+
+import json
+
+from backend.engine.sampling_params import SamplingParams
+from backend.model.loader import SHIPPED_MODELS_DIR, load_model
+from backend.model.quality import acceptance_rate, validation_windows
+from backend.model.reference import reference_generate
+
+SAMPLE_PROMPT = "ROMEO:\n"
+
+
+def write_model_card(name: str) -> None:
+    """(Re)write backend/models/NAME/README.md from its metrics.json; the draft also gets alpha."""
+    folder = SHIPPED_MODELS_DIR / name
+    metrics = json.loads((folder / "metrics.json").read_text())
+    loaded = load_model(name)
+    if name == "demo-draft" and (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file():
+        rows = validation_windows(loaded.tokenizer)
+        metrics["alpha_vs_demo_T1"] = round(acceptance_rate(load_model("demo").model, loaded.model, rows), 4)
+        (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    tok = loaded.tokenizer
+    prompt = tok.encode(SAMPLE_PROMPT)
+    params = SamplingParams(temperature=0.8, seed=0)
+    sample = tok.decode([t for t in reference_generate(loaded.model, prompt, 120, params, tok.eos_token_ids)
+                         if t not in tok.eos_token_ids])
+    c = loaded.config
+    shape = f"{c.num_hidden_layers} layers x {c.hidden_size} wide, {c.num_attention_heads} query / " \
+            f"{c.num_key_value_heads} KV heads ({c.attention.upper()}), head_dim {c.head_dim}, ffn {c.intermediate_size}"
+    if c.mla:
+        shape += f"; MLA kv_lora_rank {c.mla.kv_lora_rank}, rope key {c.mla.qk_rope_head_dim}"
+    lines = [
+        f"# {name}",
+        "",
+        f"Trained by `kvscope train --model {name}` on Tiny Shakespeare (`shared/data/tinyshakespeare.txt`, "
+        "first 90% train, last 10% validation), byte-level BPE with 2,048 tokens and an end-of-text token "
+        "between speeches.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | `{c.architecture}` |",
+        f"| shape | {shape} |",
+        f"| parameters | {metrics['parameters']:,} |",
+        f"| KV cache | {c.kv_bytes_per_token('float16'):,} bytes per token in fp16 |",
+        f"| training | {metrics['steps']} steps of {metrics['batch']}, AdamW 1e-3, cosine, seed {metrics['seed']} |",
+        f"| time | {metrics['train_seconds']} s on {metrics['threads']} CPU threads |",
+        f"| validation | {metrics['val_nats_per_token']} nats/token, {metrics['val_bits_per_char']} bits/char |",
+    ]
+    if "alpha_vs_demo_T1" in metrics:
+        lines.append(f"| acceptance vs demo | alpha = {metrics['alpha_vs_demo_T1']} at T=1 (E[sum min(p, q)]) |")
+    lines += ["", f"Sample (prompt `{SAMPLE_PROMPT!r}`, temperature 0.8, seed 0):", "", "```",
+              SAMPLE_PROMPT + sample, "```", ""]
+    (folder / "README.md").write_text("\n".join(lines))

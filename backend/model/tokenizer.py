@@ -1,0 +1,89 @@
+"""Tokenizer: a thin wrapper over `tokenizers`, and the byte-level BPE the demo models use.
+
+Byte-level BPE maps every byte to a symbol before merging, so any string round-trips exactly:
+decode(encode(s)) == s. The corpus is cut into speeches (blank-line separated in Tiny Shakespeare)
+and an end-of-text token is placed between them, so that the models learn to stop on their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+EOS_TEXT = "<|endoftext|>"
+# The project root sits beside shared/ (developers and CI alike).
+DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+class Tokenizer:
+    """encode/decode plus the ids the engine needs (EOS, per-token text)."""
+
+    def __init__(self, tok: HFTokenizer, eos_token_ids: list[int]) -> None:
+        self._tok = tok
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def from_file(cls, path: Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+        tok = HFTokenizer.from_file(str(path))
+        if eos_token_ids is None:
+            eos = tok.token_to_id(EOS_TEXT)
+            eos_token_ids = [] if eos is None else [eos]
+        return cls(tok, eos_token_ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token stands for (may be a partial UTF-8 character, shown as U+FFFD)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def save(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+
+def read_corpus(path: Path = DEFAULT_CORPUS) -> tuple[str, str]:
+    """The corpus split by position: first 90% train, last 10% validation (its README's rule)."""
+    text = path.read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    return text[:cut], text[cut:]
+
+
+def speeches(text: str) -> list[str]:
+    """Blank-line separated speeches, each ending in its own newline."""
+    return [s.strip("\n") + "\n" for s in text.split("\n\n") if s.strip()]
+
+
+def train_bpe(train_text: str, vocab_size: int = 2048) -> Tokenizer:
+    """Train byte-level BPE on the training split with <|endoftext|> as token 0."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(speeches(train_text), trainer=trainer)
+    return Tokenizer(tok, [tok.token_to_id(EOS_TEXT)])
+
+
+def encode_corpus(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of a split: speeches joined by the end-of-text token."""
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    ids: list[int] = []
+    for speech in speeches(text):
+        ids.extend(tokenizer.encode(speech))
+        ids.append(eos)
+    return ids
