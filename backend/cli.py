@@ -27,9 +27,11 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from backend.config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.request import RequestError
     from backend.engine.sampling_params import SamplingParams
     from backend.model.loader import load_model
-    from backend.model.reference import reference_generate
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -37,19 +39,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except ValidationError as e:
         field = e.errors()[0]["loc"][0]
         raise UserError(f"{SAMPLING_FLAGS.get(str(field), field)}: {e.errors()[0]['msg']}") from None
-    if args.max_tokens < 1:
-        raise UserError("--max-tokens: must be at least 1")
     loaded = load_model(args.model)
-    prompt_ids = loaded.tokenizer.encode(args.prompt)
     context = loaded.config.max_position_embeddings
-    if not prompt_ids:
-        raise UserError("--prompt: empty prompt")
-    if len(prompt_ids) >= context:
-        raise UserError(f"--prompt: {len(prompt_ids)} tokens do not fit the model's context of {context} tokens")
-    max_tokens = min(args.max_tokens, context - len(prompt_ids))
-    out = reference_generate(loaded.model, prompt_ids, max_tokens, params, loaded.tokenizer.eos_token_ids)
-    text_ids = [t for t in out if t not in loaded.tokenizer.eos_token_ids]
-    print(loaded.tokenizer.decode(text_ids))
+    engine = Engine(loaded, EngineConfig(max_model_len=context, num_blocks=None, events="off"))
+    try:
+        req = engine.add_request("cli", args.prompt, args.max_tokens, params)
+    except RequestError as e:
+        flag = {"prompt": "--prompt", "max_tokens": "--max-tokens"}.get(e.field, e.field)
+        raise UserError(f"{flag}: {e.reason}") from None
+    while engine.has_unfinished():
+        engine.step()
+    print(req.output_text)
 
 
 # ---- kvscope train ------------------------------------------------------------------------------
@@ -63,6 +63,47 @@ def cmd_train(args: argparse.Namespace) -> None:
         metrics = train_model(name, steps=args.steps, threads=args.threads)
         write_model_card(name)
         print(f"{name}: {metrics['val_bits_per_char']} bits/char, {metrics['train_seconds']} s")
+
+
+# ---- kvscope run -------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> None:
+    import json
+
+    from backend.events.trace import TraceWriter
+    from backend.run import ScenarioRun
+    from backend.scenario import load_scenario
+    from backend.report import print_summary, progress_bar
+
+    scenario = load_scenario(args.scenario, args.set or [])
+    run = ScenarioRun(scenario)
+    writer = TraceWriter(args.trace) if args.trace else None
+    if writer:
+        run.bus.subscribe(writer)
+    try:
+        with progress_bar(run.total) as advance:
+            summary = run.run(on_step=lambda r: advance(r.num_finished))
+    finally:
+        if writer:
+            writer.close()
+    print_summary(summary)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def cmd_schema(args: argparse.Namespace) -> None:
+    import json
+
+    if args.what == "events":
+        from backend.events.schema import json_schema
+
+        schema = json_schema()
+    else:
+        from backend.scenario import Scenario
+
+        schema = Scenario.model_json_schema()
+    print(json.dumps(schema, indent=2))
 
 
 # ---- wiring ------------------------------------------------------------------------------------
@@ -82,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="demo", help="a shipped model name or a model folder")
     g.set_defaults(func=cmd_generate)
 
+    r = sub.add_parser("run", help="run a scenario headless and print its metrics")
+    r.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
+    r.add_argument("--trace", help="write every event to this JSONL file")
+    r.add_argument("--report", help="write the summary to this JSON file")
+    r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("schema", help="print a JSON Schema")
+    s.add_argument("what", choices=["events", "scenario"])
+    s.set_defaults(func=cmd_schema)
+
     t = sub.add_parser("train", help="train the demo models on Tiny Shakespeare (resumable)")
     t.add_argument("--model", default="all", help="demo, demo-draft, demo-mha, demo-mqa, demo-mla or all")
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
@@ -92,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
     """Run a subcommand; user-facing errors become one line on stderr and exit status 2."""
+    from backend.engine.request import RequestError
     from backend.model.loader import ModelLoadError
+    from backend.scenario import ScenarioError
 
     try:
         func(args)
-    except (UserError, ModelLoadError) as e:
+    except (UserError, ModelLoadError, ScenarioError, RequestError, OSError) as e:
         print(f"kvscope {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

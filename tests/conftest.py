@@ -8,11 +8,6 @@ import torch
 from backend.model.loader import LoadedModel, load_model
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _torch_threads() -> None:
-    torch.set_num_threads(2)
-
-
 @pytest.fixture(scope="session")
 def demo() -> LoadedModel:
     return load_model("demo")
@@ -21,3 +16,32 @@ def demo() -> LoadedModel:
 @pytest.fixture(scope="session")
 def draft() -> LoadedModel:
     return load_model("demo-draft")
+
+
+def make_tiny_model(n_kv_heads: int = 2, seed: int = 0, mla: bool = False) -> LoadedModel:
+    """A small random decoder with the shipped tokenizer: fast, and with peaked, varied logits."""
+    from pathlib import Path
+
+    from backend.config import MLAConfig, ModelConfig
+    from backend.model.loader import SHIPPED_MODELS_DIR
+    from backend.model.tokenizer import Tokenizer
+    from backend.model.transformer import CausalLM
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=n_kv_heads, head_dim=16,
+                      max_position_embeddings=1024, eos_token_id=0,
+                      mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+                      if mla else None)
+    model = CausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(10.0)  # std 0.2: far from uniform, so greedy ties never happen
+    tok = Tokenizer.from_file(SHIPPED_MODELS_DIR / "tokenizer.json")
+    return LoadedModel("tiny", Path("."), cfg, model, tok)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return make_tiny_model()

@@ -1,0 +1,86 @@
+"""Serving metrics: per request TTFT / TPOT / end-to-end, and per iteration throughput and KV use."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from backend.engine.sequence import Sequence
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    num_output_tokens: int = 0
+
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token is None or self.finish is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+
+def slots_holding_tokens(seqs: Iterable[Sequence], block_size: int) -> int:
+    """Distinct cache slots that hold a computed token (a shared block counts once)."""
+    fill: dict[int, int] = {}
+    for seq in seqs:
+        for i, block in enumerate(seq.block_table):
+            used = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
+            fill[block] = max(fill.get(block, 0), used)
+    return sum(fill.values())
+
+
+class MetricsTracker:
+    """Accumulates what the `metrics` events and the final table report."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        self.window_s = window_s
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent iterations
+        self.total_output_tokens = 0
+        self.total_prefill_tokens = 0
+        self.start: float | None = None
+        self.last: float | None = None
+        # Time-averaged over iterations: what fraction of reserved slots were holding tokens.
+        self._waste_sum = 0.0
+        self._usage_sum = 0.0
+        self._samples = 0
+
+    def on_iteration(self, now: float, num_prefill_tokens: int, num_output_tokens: int) -> None:
+        self.start = now if self.start is None else self.start
+        self.last = now
+        self.total_prefill_tokens += num_prefill_tokens
+        self.total_output_tokens += num_output_tokens
+        self._recent.append((now, num_output_tokens))
+        while self._recent and now - self._recent[0][0] > self.window_s:
+            self._recent.popleft()
+
+    def tokens_per_s(self) -> float:
+        """Output tokens per second over the recent window."""
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+
+    def kv_snapshot(self, seqs: list[Sequence], used_blocks: int, num_blocks: int, block_size: int) -> tuple[float, float]:
+        """(usage, waste): reserved blocks over all, and reserved-but-empty slots over all slots."""
+        total_slots = num_blocks * block_size
+        usage = used_blocks / num_blocks
+        waste = (used_blocks * block_size - slots_holding_tokens(seqs, block_size)) / total_slots
+        self._usage_sum += usage
+        self._waste_sum += waste
+        self._samples += 1
+        return usage, waste
+
+    def mean_kv(self) -> tuple[float, float]:
+        """Mean (usage, waste) over the iterations seen."""
+        n = max(1, self._samples)
+        return self._usage_sum / n, self._waste_sum / n

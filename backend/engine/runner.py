@@ -1,0 +1,113 @@
+"""The model runner: flattens a scheduled batch into one forward pass over the paged cache.
+
+Every scheduled sequence contributes its query tokens to one flat list (prefill chunks and decode
+tokens side by side). The attention metadata says, per sequence, where its queries start in that
+list, how long its context is, and which blocks hold it; the slot mapping says where each new
+token's K/V is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.kv_cache import KVCache
+from backend.engine.scheduler import ScheduledSeq
+from backend.model.attention import causal_attention
+from backend.model.transformer import CausalLM
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block_id * block_size + offset) per query token
+    query_starts: list[int]  # [num_seqs + 1] offsets of each sequence's queries in the flat batch
+    context_lens: list[int]  # [num_seqs] keys each sequence attends to (cached + new)
+    block_tables: list[list[int]]  # [num_seqs][blocks]
+    decode_seqs: list[int]  # sequences with exactly one query token: attended in one padded batch
+    prefill_seqs: list[int]  # the others: attended one by one, causal within the chunk
+
+
+class PagedTorchBackend:
+    """Attention over the paged cache in plain torch: the reference for the Triton kernels."""
+
+    absorb_mla = True  # the cache holds MLA's latent, so MLA layers attend in the absorbed form
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+        self.cache, self.meta = cache, meta
+        dev = cache.data.device
+        decode = meta.decode_seqs
+        width = max((len(meta.block_tables[i]) for i in decode), default=0)
+        # Padded block tables of the decode rows; padding points at block 0 and is masked out.
+        self.decode_tables = torch.tensor([meta.block_tables[i] + [0] * (width - len(meta.block_tables[i]))
+                                           for i in decode], dtype=torch.long, device=dev).view(len(decode), width)
+        self.decode_lens = torch.tensor([meta.context_lens[i] for i in decode], device=dev)
+        self.decode_rows = torch.tensor([meta.query_starts[i] for i in decode], dtype=torch.long, device=dev)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [num_tokens, n_heads, v_dim]
+        if self.meta.decode_seqs:
+            out[self.decode_rows] = self._decode(layer, q[self.decode_rows], scale)
+        for i in self.meta.prefill_seqs:
+            start, end = self.meta.query_starts[i], self.meta.query_starts[i + 1]
+            out[start:end] = self._prefill(layer, q[start:end], i, scale)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query row per sequence over its whole context: q [B, Hq, D] -> [B, Hq, Dv]."""
+        b, hq, _ = q.shape
+        keys = self.cache.keys(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, D]
+        values = self.cache.values(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, Dv]
+        hkv = keys.shape[2]
+        qg = q.float().view(b, hkv, hq // hkv, -1)  # [B, Hkv, group, D]
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
+        past_end = torch.arange(keys.shape[1], device=q.device)[None, :] >= self.decode_lens[:, None]  # [B, L]
+        scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), values.float())
+        return out.reshape(b, hq, -1).to(q.dtype)
+
+    def _prefill(self, layer: int, q: torch.Tensor, i: int, scale: float) -> torch.Tensor:
+        """A chunk of queries over the cached prefix plus itself, causal within the chunk."""
+        ctx, table = self.meta.context_lens[i], self.meta.block_tables[i]
+        keys = self.cache.keys(layer)[table].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
+        values = self.cache.values(layer)[table].flatten(0, 1)[:ctx]  # [ctx, Hkv, Dv]
+        return causal_attention(q, keys, values, scale, q_offset=ctx - q.shape[0])
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids and positions [num_tokens], and the attention metadata."""
+        bs = self.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for item in batch:
+            seq, begin = item.seq, item.context_len - item.num_tokens
+            ids += seq.token_ids[begin : item.context_len]
+            positions += range(begin, item.context_len)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, item.context_len)]
+            starts.append(len(ids))
+        dev = self.cache.data.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_starts=starts,
+            context_lens=[item.context_len for item in batch],
+            block_tables=[item.seq.block_table for item in batch],
+            decode_seqs=[i for i, item in enumerate(batch) if item.num_tokens == 1],
+            prefill_seqs=[i for i, item in enumerate(batch) if item.num_tokens > 1],
+        )
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
+
+    @torch.no_grad()
+    def execute(self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run one iteration; logits [num_sampling_seqs, vocab] for the sequences that sample."""
+        self.cache.copy_blocks(block_copies)
+        ids, positions, meta = self.prepare(batch)
+        hidden = self.model(ids, positions, PagedTorchBackend(self.cache, meta))  # [num_tokens, hidden]
+        last = [meta.query_starts[i + 1] - 1 for i, item in enumerate(batch) if item.samples]
+        return self.model.logits(hidden[last])

@@ -1,0 +1,166 @@
+"""Which sequences run in the next iteration, and with how many tokens each.
+
+Continuous batching, first come first served: each iteration has a token budget and a cap on
+running sequences. Running sequences go first (decodes, then the rest of chunked prefills), then
+waiting ones are admitted while budget, slots and blocks last. When blocks run out, the most
+recently arrived running sequence is preempted by recompute: its blocks are freed and it goes back
+to the front of the queue. `static` batching admits a new batch only when the last one has fully
+finished, as servers did before continuous batching.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backend.config import EngineConfig
+from backend.engine.block_manager import BlockManager
+from backend.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # query tokens computed this iteration
+    context_len: int  # tokens in the cache after this iteration (keys attended to)
+    phase: str  # prefill | decode
+
+    @property
+    def samples(self) -> bool:
+        """Whether this iteration reaches the sequence's last token, so a new token is drawn."""
+        return self.context_len == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager,
+                 on_preempt: Callable[[Sequence, int], None]) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.on_preempt = on_preempt
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if self._may_admit():
+            self._admit_waiting(out, budget)
+        return out
+
+    # ---- running sequences ----------------------------------------------------------------------
+
+    def _entry(self, seq: Sequence, num: int) -> ScheduledSeq:
+        context_len = seq.num_computed_tokens + num
+        # Decode: the step that extends an already generating sequence by its newest token (without
+        # a cache that step recomputes everything, but it is still the decode of one new token).
+        generating = bool(seq.output_token_ids) and context_len == len(seq)
+        decode = generating and (num == 1 or not self.config.kv_cache)
+        return ScheduledSeq(seq, num, context_len, "decode" if decode else "prefill")
+
+    def _tokens_to_compute(self, seq: Sequence) -> int:
+        if not self.config.kv_cache:
+            # No KV cache: every step recomputes the whole sequence, which is what makes it O(n^2).
+            seq.num_computed_tokens = 0
+        return seq.num_uncomputed_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num = min(self._tokens_to_compute(seq), budget)
+            if not self.config.kv_cache and num < len(seq):
+                i += 1  # without a cache a sequence is computed whole or not at all
+                continue
+            copies = self.blocks.allocate_slots(seq, num)
+            while copies is None:
+                # The most recently arrived of those not yet scheduled this iteration.
+                victim = max(self.running[i:], key=lambda s: s.seq_id)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                copies = self.blocks.allocate_slots(seq, num)
+            if copies is None:
+                continue  # seq itself was preempted; self.running[i] is now the next one
+            out.block_copies += copies
+            out.scheduled.append(self._entry(seq, num))
+            budget -= num
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        num_blocks = len(seq.block_table)
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        self.on_preempt(seq, num_blocks)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def _may_admit(self) -> bool:
+        if self.config.batching == "static":
+            return not self.running  # a static batch waits for its longest member
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and self.config.kv_cache:
+                self.blocks.match_prefix(seq)
+            num = self._tokens_to_compute(seq)
+            if num > budget:
+                if not self.config.chunked_prefill or not self.config.kv_cache:
+                    self._release_prefix(seq)
+                    return  # FCFS: the head of the queue waits for a fresh budget
+                num = budget
+            copies = self.blocks.allocate_slots(seq, self._slots_to_reserve(seq, num))
+            if copies is None:
+                self._release_prefix(seq)
+                return
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.block_copies += copies
+            out.scheduled.append(self._entry(seq, num))
+            budget -= num
+
+    def _slots_to_reserve(self, seq: Sequence, num: int) -> int:
+        if self.config.kv_layout == "contiguous":
+            # Before paging, a server reserved the longest possible sequence up front.
+            return max(num, self.config.max_model_len - seq.num_computed_tokens)
+        return num
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        """Undo a prefix match of a sequence that could not be admitted after all."""
+        if seq.block_table:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            seq.num_cached_prompt_tokens = 0

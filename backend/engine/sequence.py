@@ -1,0 +1,35 @@
+"""A sequence: one stream of tokens with its block table. A request has one (n = 1) or several."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SeqStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # logical block index -> physical block id
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,83 @@
+"""EventBus: numbers, time-stamps and fans out events to subscribers (trace writer, websocket, ...).
+
+Events are plain dicts and nothing is validated here: emit runs inside the step loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+Level = Literal["full", "summary", "off"]
+Subscriber = Callable[[dict[str, Any]], None]
+
+LEVELS: tuple[str, ...] = ("full", "summary", "off")
+# High-volume detail that a summary trace can live without. Block events are never dropped:
+# the reducer needs every one of them to rebuild block tables and the free list.
+SUMMARY_DROPPED = frozenset({"attention_mask", "spec_propose"})
+SUMMARY_STRIPPED = {"token": "dist"}
+OFF_KEPT = frozenset(
+    {"header", "request_arrived", "request_finished", "run_finished", "metrics", "request_rejected"}
+)
+
+
+class EventBus:
+    """emit(type, **fields) -> the event dict (None when the level drops it)."""
+
+    def __init__(self, level: Level = "full", clock: Callable[[], float] = time.perf_counter):
+        self.level = level
+        self.step = -1
+        self._clock = clock
+        self._start = clock()
+        self._seq = 0
+        # Replaced, never mutated, so that a subscribe from another thread cannot break an emit.
+        self._subscribers: tuple[Subscriber, ...] = ()
+        self._subscribers_lock = threading.Lock()
+
+    @property
+    def level(self) -> Level:
+        return self._level
+
+    @level.setter
+    def level(self, value: Level) -> None:
+        if value not in LEVELS:
+            raise ValueError(f"events level must be one of {', '.join(LEVELS)}, not {value!r}")
+        self._level = value
+
+    @property
+    def wants_dist(self) -> bool:
+        """Whether token events keep their `dist` (so the sampler may skip building it)."""
+        return self._level == "full"
+
+    def wants(self, type: str) -> bool:
+        """Whether an event of this type would be emitted at the current level."""
+        if self._level == "full":
+            return True
+        if self._level == "summary":
+            return type not in SUMMARY_DROPPED
+        return type in OFF_KEPT
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call fn(event) for every emitted event; returns a function that unsubscribes it."""
+        with self._subscribers_lock:
+            self._subscribers = (*self._subscribers, fn)
+
+        def unsubscribe() -> None:
+            with self._subscribers_lock:
+                self._subscribers = tuple(s for s in self._subscribers if s is not fn)
+
+        return unsubscribe
+
+    def emit(self, type: str, **fields: Any) -> dict[str, Any] | None:
+        if not self.wants(type):
+            return None
+        if self._level == "summary" and type in SUMMARY_STRIPPED:
+            fields.pop(SUMMARY_STRIPPED[type], None)
+        event = {"type": type, "seq": self._seq, "step": self.step, "t": self._clock() - self._start}
+        event.update(fields)
+        self._seq += 1
+        for fn in self._subscribers:
+            fn(event)
+        return event

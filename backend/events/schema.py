@@ -1,0 +1,279 @@
+"""The event schema (CONTRACT.md §4): one pydantic model per event type and their tagged union.
+
+Producers build plain dicts on the hot path (see bus.py); these models are for the edges: reading
+traces, tests, `kvscope schema events`. Events allow extra fields so producers may add detail.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+SCHEMA_VERSION = 1
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelInfo(_Open):
+    name: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    attention: Literal["mha", "gqa", "mqa", "mla"]
+    vocab_size: int
+    dtype: str
+    kv_bytes_per_token: int
+
+
+class CacheInfo(_Open):
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    formula: dict[str, Any] | None = None  # how bytes_per_block was computed, for the UI to show
+
+
+class BatchEntry(_Open):
+    request_id: str
+    seq_id: int
+    phase: Literal["prefill", "decode", "verify"]
+    num_query_tokens: int
+    context_len: int
+
+
+class TokenDist(_Open):
+    top: list[tuple[int, str, float, float]]  # [token_id, text, raw_prob, final_prob]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+
+
+class SpecResult(_Open):
+    token_id: int
+    p: float
+    q: float
+    accepted: bool
+
+
+class _Event(_Open):
+    seq: int
+    step: int
+    t: float
+
+
+class HeaderEvent(_Event):
+    type: Literal["header"]
+    schema_version: int
+    run_id: str
+    scenario: dict[str, Any] | None
+    config: dict[str, Any]
+    model: ModelInfo
+    cache: CacheInfo
+
+
+class RequestArrivedEvent(_Event):
+    type: Literal["request_arrived"]
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str
+    sampling: dict[str, Any]
+    max_tokens: int
+
+
+class RequestRejectedEvent(_Event):
+    """A request refused at submission; request_id is null when it never got one."""
+
+    type: Literal["request_rejected"]
+    request_id: str | None
+    field: str
+    reason: str
+
+
+class IterationEvent(_Event):
+    type: Literal["iteration"]
+    batch: list[BatchEntry]
+    num_batched_tokens: int
+    token_budget: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    duration_s: float
+    phase_counts: dict[str, int] | None = None
+
+
+class BlockAllocEvent(_Event):
+    type: Literal["block_alloc"]
+    block_id: int
+    seq_id: int
+    request_id: str
+    logical_index: int
+
+
+class BlockFreeEvent(_Event):
+    type: Literal["block_free"]
+    block_id: int
+    seq_id: int
+    request_id: str
+    cached: bool
+
+
+class BlockShareEvent(_Event):
+    type: Literal["block_share"]
+    block_id: int
+    seq_id: int
+    request_id: str
+    logical_index: int
+    ref_count: int
+    reason: Literal["prefix_cache", "fork"]
+
+
+class BlockCopyEvent(_Event):
+    type: Literal["block_copy"]
+    src_block_id: int
+    dst_block_id: int
+    seq_id: int
+
+
+class BlockEvictEvent(_Event):
+    type: Literal["block_evict"]
+    block_id: int
+
+
+class AttentionMaskEvent(_Event):
+    type: Literal["attention_mask"]
+    request_id: str
+    seq_id: int
+    kind: Literal["prefill", "chunked_prefill", "decode", "verify"]
+    query_positions: tuple[int, int]  # [start, end)
+    key_len: int
+
+
+class TokenEvent(_Event):
+    type: Literal["token"]
+    request_id: str
+    seq_id: int
+    position: int
+    token_id: int
+    text: str
+    logprob: float
+    source: Literal["target", "draft_accepted", "resampled", "bonus"]
+    dist: TokenDist | None = None  # dropped at events level "summary"
+    finish_reason: str | None = None
+
+
+class SpecProposeEvent(_Event):
+    type: Literal["spec_propose"]
+    request_id: str
+    seq_id: int
+    token_ids: list[int]
+    q_probs: list[float]
+
+
+class SpecVerifyEvent(_Event):
+    type: Literal["spec_verify"]
+    request_id: str
+    seq_id: int
+    results: list[SpecResult]
+    num_accepted: int
+    resampled_token_id: int | None
+    bonus_token_id: int | None
+
+
+class PreemptEvent(_Event):
+    type: Literal["preempt"]
+    request_id: str
+    seq_id: int
+    num_blocks_freed: int
+    mode: Literal["recompute"]
+
+
+class RequestFinishedEvent(_Event):
+    type: Literal["request_finished"]
+    request_id: str
+    finish_reason: Literal["eos", "stop", "length", "abort"]
+    output_token_ids: list[int]
+    output_text: str
+    ttft_s: float | None  # null when aborted before its first token
+    tpot_s: float | None  # null with fewer than two output tokens
+    e2e_s: float
+    reason: str | None = None  # why it was aborted
+
+
+class MetricsEvent(_Event):
+    type: Literal["metrics"]
+    tokens_per_s: float
+    kv_usage: float
+    kv_waste: float  # reserved-but-unused slots / total slots
+    prefix_hit_rate: float
+    num_preemptions: int
+
+
+class RunFinishedEvent(_Event):
+    type: Literal["run_finished"]
+    num_steps: int
+    reason: str
+
+
+class ControlEvent(_Event):
+    """pause / resume / step / speed, recorded so that replay shows them."""
+
+    type: Literal["control"]
+    action: str
+    value: float | str | None = None
+
+
+EVENT_MODELS: tuple[type[_Event], ...] = (
+    HeaderEvent,
+    RequestArrivedEvent,
+    RequestRejectedEvent,
+    IterationEvent,
+    BlockAllocEvent,
+    BlockFreeEvent,
+    BlockShareEvent,
+    BlockCopyEvent,
+    BlockEvictEvent,
+    AttentionMaskEvent,
+    TokenEvent,
+    SpecProposeEvent,
+    SpecVerifyEvent,
+    PreemptEvent,
+    RequestFinishedEvent,
+    MetricsEvent,
+    RunFinishedEvent,
+    ControlEvent,
+)
+EVENT_TYPES: tuple[str, ...] = tuple(m.model_fields["type"].annotation.__args__[0] for m in EVENT_MODELS)
+
+Event = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # noqa: UP007
+_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(data: dict[str, Any]) -> Event:
+    """Validate one event dict; raises pydantic.ValidationError (see describe_error)."""
+    return _ADAPTER.validate_python(data)
+
+
+def describe_error(error: ValidationError) -> str:
+    """One line a user can act on, from parse_event's ValidationError."""
+    first = error.errors()[0]
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    if first["type"] == "union_tag_invalid":
+        return f"unknown event type {first['ctx']['tag']!r}{more}"
+    if first["type"] == "union_tag_not_found":
+        return f"missing field 'type'{more}"
+    if not first["loc"]:
+        return f"{first['msg']}{more}"
+    event_type, *path = first["loc"]
+    where = ".".join(str(p) for p in path)
+    if not where:
+        return f"{event_type} event: {first['msg']}{more}"
+    return f"{event_type} event: field {where!r}: {first['msg']}{more}"
+
+
+def json_schema() -> dict[str, Any]:
+    """The union's JSON Schema, printed by `kvscope schema events`."""
+    return _ADAPTER.json_schema()

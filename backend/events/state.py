@@ -1,0 +1,326 @@
+"""RunState: the one reducer. `apply(event)` for each event rebuilds what a run looks like.
+
+The server's snapshot, replay's seek, every dashboard view and the block-replay test use it, so
+there is exactly one definition of "the state after these events". Events are never mutated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+Event = dict[str, Any]
+# Snapshot keys restored as they are; the rest need int keys back or a rebuilt structure.
+_PLAIN_FIELDS = (
+    "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
+    "metrics", "num_preemptions", "paused", "speed", "finished", "finish_reason", "last_token_by_request",
+)  # fmt: skip
+
+
+@dataclass
+class RequestView:
+    id: str
+    status: str = "waiting"  # waiting | running | preempted | finished | rejected
+    prompt_len: int = 0
+    prompt_text: str = ""
+    max_tokens: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    # With n > 1 the tokens of all its sequences land here in arrival order until request_finished
+    # replaces them with the final output.
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    arrival_step: int = -1
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    finish_reason: str | None = None
+    reason: str | None = None  # why it was aborted or rejected
+    num_preemptions: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+
+class RunState:
+    """Block tables, free list, queues, requests and metrics, as the events say they are."""
+
+    def __init__(self, max_iterations: int = 256):
+        self.max_iterations = max_iterations
+        self._handlers = {
+            name.removeprefix("_on_"): getattr(self, name) for name in dir(self) if name.startswith("_on_")
+        }
+        self._reset()
+
+    def _reset(self) -> None:
+        self.schema_version: int | None = None
+        self.run_id: str | None = None
+        self.scenario: dict[str, Any] | None = None
+        self.config: dict[str, Any] = {}
+        self.model: dict[str, Any] = {}
+        self.cache: dict[str, Any] = {}
+        self.block_tables: dict[int, list[int]] = {}
+        self.ref_counts: dict[int, int] = {}
+        self.block_owner: dict[int, set[int]] = {}
+        self._free: dict[int, None] = {}  # an ordered set: O(1) removal from the middle
+        self.cached_blocks: set[int] = set()  # free blocks still findable by prefix hash
+        self.seq_request: dict[int, str] = {}
+        self.requests: dict[str, RequestView] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.iterations: deque[Event] = deque(maxlen=self.max_iterations)
+        self.last_token_by_request: dict[str, Event] = {}
+        self.metrics: Event | None = None
+        self.num_preemptions = 0
+        self.paused = False
+        self.speed: float | str | None = None
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.step = -1
+        self.last_seq = -1
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Free block ids, oldest-freed first."""
+        return list(self._free)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.get("num_blocks", 0)
+
+    def apply(self, event: Event) -> None:
+        handler = self._handlers.get(event["type"])
+        if handler is not None:  # types this reducer does not track are fine
+            handler(event)
+        self.step = event["step"]
+        self.last_seq = event["seq"]
+
+    # -- run ---------------------------------------------------------------------------------
+
+    def _on_header(self, e: Event) -> None:
+        self._reset()
+        self.schema_version = e["schema_version"]
+        self.run_id = e["run_id"]
+        self.scenario = e["scenario"]
+        self.config = e["config"]
+        self.model = e["model"]
+        self.cache = e["cache"]
+        self._free = dict.fromkeys(range(self.cache["num_blocks"]))
+
+    def _on_iteration(self, e: Event) -> None:
+        self.iterations.append(e)
+        for entry in e["batch"]:
+            self.seq_request[entry["seq_id"]] = entry["request_id"]
+            self._mark_running(entry["request_id"])
+
+    def _on_metrics(self, e: Event) -> None:
+        self.metrics = e
+
+    def _on_control(self, e: Event) -> None:
+        if e["action"] in ("pause", "resume"):
+            self.paused = e["action"] == "pause"
+        elif e["action"] == "speed":
+            self.speed = e.get("value")
+
+    def _on_run_finished(self, e: Event) -> None:
+        self.finished = True
+        self.finish_reason = e["reason"]
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _on_request_arrived(self, e: Event) -> None:
+        rid = e["request_id"]
+        self.requests[rid] = RequestView(
+            id=rid,
+            prompt_len=len(e["prompt_token_ids"]),
+            prompt_text=e["prompt_text"],
+            max_tokens=e["max_tokens"],
+            sampling=e["sampling"],
+            arrival_step=e["step"],
+        )
+        self.waiting.append(rid)
+
+    def _on_request_rejected(self, e: Event) -> None:
+        rid = e["request_id"]
+        if rid is None:
+            return
+        view = self.requests.setdefault(rid, RequestView(id=rid, arrival_step=e["step"]))
+        view.status = "rejected"
+        view.reason = f"{e['field']}: {e['reason']}"
+        self._leave_queues(rid)
+
+    def _mark_running(self, rid: str) -> None:
+        view = self.requests.get(rid)
+        if view is None or view.status in ("running", "finished", "rejected"):
+            return
+        self._leave_queues(rid)
+        self.running.append(rid)
+        view.status = "running"
+
+    def _on_preempt(self, e: Event) -> None:
+        self.num_preemptions += 1
+        rid = e["request_id"]
+        view = self.requests.get(rid)
+        if view is None:
+            return
+        view.num_preemptions += 1
+        view.status = "preempted"
+        if rid in self.running:
+            self.running.remove(rid)
+        if rid not in self.waiting:  # n > 1: its other sequences may have put it back already
+            self.waiting.insert(0, rid)
+
+    def _on_token(self, e: Event) -> None:
+        rid = e["request_id"]
+        self.last_token_by_request[rid] = e
+        self.seq_request[e["seq_id"]] = rid
+        view = self.requests.get(rid)
+        if view is None:
+            return
+        view.output_token_ids.append(e["token_id"])
+        view.output_text += e["text"]
+        if view.first_token_step is None:
+            view.first_token_step = e["step"]
+
+    def _on_request_finished(self, e: Event) -> None:
+        rid = e["request_id"]
+        view = self.requests.setdefault(rid, RequestView(id=rid))
+        view.status = "finished"
+        view.finish_step = e["step"]
+        view.finish_reason = e["finish_reason"]
+        view.reason = e.get("reason")
+        view.output_token_ids = list(e["output_token_ids"])
+        view.output_text = e["output_text"]
+        view.ttft_s, view.tpot_s, view.e2e_s = e["ttft_s"], e["tpot_s"], e["e2e_s"]
+        self._leave_queues(rid)
+
+    def _leave_queues(self, rid: str) -> None:
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        if rid in self.running:
+            self.running.remove(rid)
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def _on_block_alloc(self, e: Event) -> None:
+        block = e["block_id"]
+        self._place(e["seq_id"], e["logical_index"], block)
+        self.seq_request[e["seq_id"]] = e["request_id"]
+        self.ref_counts[block] = 1
+        self.block_owner[block] = {e["seq_id"]}
+        self._free.pop(block, None)
+        self.cached_blocks.discard(block)  # its old contents are about to be overwritten
+
+    def _on_block_share(self, e: Event) -> None:
+        block = e["block_id"]
+        self._place(e["seq_id"], e["logical_index"], block)
+        self.seq_request[e["seq_id"]] = e["request_id"]
+        self.ref_counts[block] = e["ref_count"]
+        self.block_owner.setdefault(block, set()).add(e["seq_id"])
+        self._free.pop(block, None)  # a prefix hit on a freed-but-cached block revives it
+        self.cached_blocks.discard(block)
+
+    def _on_block_copy(self, e: Event) -> None:
+        # Ref counts move with the block_alloc / block_free events around the copy; here only the
+        # table entry changes (if the alloc already put dst in place there is nothing to do).
+        src, dst, seq = e["src_block_id"], e["dst_block_id"], e["seq_id"]
+        table = self.block_tables.get(seq, [])
+        if src not in table:
+            return
+        table[table.index(src)] = dst
+        self.block_owner.get(src, set()).discard(seq)
+        self.block_owner.setdefault(dst, set()).add(seq)
+
+    def _on_block_free(self, e: Event) -> None:
+        block, seq = e["block_id"], e["seq_id"]
+        self._unplace(seq, block)
+        self.block_owner.get(block, set()).discard(seq)
+        ref_count = self.ref_counts.get(block, 1) - 1
+        if ref_count > 0:  # still shared: only the count drops
+            self.ref_counts[block] = ref_count
+            return
+        self.ref_counts.pop(block, None)
+        self.block_owner.pop(block, None)
+        self._free[block] = None
+        if e["cached"]:
+            self.cached_blocks.add(block)
+        else:
+            self.cached_blocks.discard(block)
+
+    def _on_block_evict(self, e: Event) -> None:
+        self.cached_blocks.discard(e["block_id"])
+
+    def _place(self, seq: int, logical_index: int, block: int) -> None:
+        table = self.block_tables.setdefault(seq, [])
+        if logical_index >= len(table):
+            table.extend([-1] * (logical_index + 1 - len(table)))  # -1: a hole, never expected
+        replaced, table[logical_index] = table[logical_index], block
+        if replaced != block and replaced not in table:  # copy-on-write: the alloc replaces src
+            self.block_owner.get(replaced, set()).discard(seq)
+
+    def _unplace(self, seq: int, block: int) -> None:
+        table = self.block_tables.get(seq)
+        if table is None or block not in table:
+            return
+        # Sequences free tail first, so the last occurrence is the one being dropped.
+        del table[len(table) - 1 - table[::-1].index(block)]
+        if not table:
+            del self.block_tables[seq]
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as a JSON-able dict (a websocket client's starting point)."""
+        return {
+            "schema_version": self.schema_version,
+            "run_id": self.run_id,
+            "scenario": self.scenario,
+            "config": self.config,
+            "model": self.model,
+            "cache": self.cache,
+            "step": self.step,
+            "seq": self.last_seq,
+            "block_tables": {seq: list(table) for seq, table in self.block_tables.items()},
+            "ref_counts": dict(self.ref_counts),
+            "free_blocks": self.free_blocks,
+            "cached_blocks": sorted(self.cached_blocks),
+            "seq_request": dict(self.seq_request),
+            "waiting": list(self.waiting),
+            "running": list(self.running),
+            "requests": {rid: asdict(view) for rid, view in self.requests.items()},
+            "iterations": list(self.iterations),
+            "last_token_by_request": dict(self.last_token_by_request),
+            "metrics": self.metrics,
+            "num_preemptions": self.num_preemptions,
+            "paused": self.paused,
+            "speed": self.speed,
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+        }
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any], max_iterations: int = 256) -> RunState:
+        """The state a snapshot describes; also accepts one that went through JSON (str keys)."""
+        d = copy.deepcopy(snapshot)
+        state = cls(max_iterations)
+        for name in _PLAIN_FIELDS:
+            setattr(state, name, d[name])
+        state.last_seq = d["seq"]
+        state.block_tables = {int(seq): table for seq, table in d["block_tables"].items()}
+        state.ref_counts = {int(block): count for block, count in d["ref_counts"].items()}
+        state.block_owner = _owners(state.block_tables)
+        state._free = dict.fromkeys(d["free_blocks"])
+        state.cached_blocks = set(d["cached_blocks"])
+        state.seq_request = {int(seq): rid for seq, rid in d["seq_request"].items()}
+        state.requests = {rid: RequestView(**view) for rid, view in d["requests"].items()}
+        state.iterations.extend(d["iterations"])
+        return state
+
+
+def _owners(block_tables: dict[int, list[int]]) -> dict[int, set[int]]:
+    owners: dict[int, set[int]] = {}
+    for seq, table in block_tables.items():
+        for block in table:
+            owners.setdefault(block, set()).add(seq)
+    owners.pop(-1, None)
+    return owners

@@ -1,0 +1,87 @@
+"""JSONL traces: TraceWriter (a bus subscriber), read_trace (validating), strip_times."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from backend.events.schema import describe_error, parse_event
+
+# Wall-clock fields: they differ between two runs of the same scenario with the same seed.
+TIME_FIELDS = frozenset({"t", "duration_s", "ttft_s", "tpot_s", "e2e_s", "tokens_per_s"})
+
+
+class TraceError(ValueError):
+    """A bad trace line; the message starts with `path:line_no:`."""
+
+
+class TraceWriter:
+    """Writes one compact JSON line per event; use as `bus.subscribe(TraceWriter(path))`."""
+
+    def __init__(self, path: str | Path, flush_every: int = 64):
+        self.path = Path(path)
+        self._file = self.path.open("w", encoding="utf-8")
+        self._flush_every = flush_every
+        self._unflushed = 0
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self._file.write(json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n")
+        self._unflushed += 1
+        if self._unflushed >= self._flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._unflushed = 0
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    """Every event of a trace file, each validated; raises TraceError naming the bad line."""
+    events = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                events.append(_parse_line(line, is_first=not events))
+            except ValueError as e:
+                raise TraceError(f"{path}:{line_no}: {e}") from None
+    return events
+
+
+def _parse_line(line: str, is_first: bool) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(event, dict):
+        raise ValueError(f"expected a JSON object, got {type(event).__name__}")
+    try:
+        parse_event(event)
+    except ValidationError as e:
+        raise ValueError(describe_error(e)) from None
+    if is_first and event["type"] != "header":
+        raise ValueError(f"the first event must be a header, not {event['type']!r}")
+    return event
+
+
+def strip_times(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the events without wall-clock fields (and the header's run_id), for comparing runs."""
+    stripped = []
+    for event in events:
+        drop = TIME_FIELDS | {"run_id"} if event.get("type") == "header" else TIME_FIELDS
+        stripped.append({k: v for k, v in event.items() if k not in drop})
+    return stripped

@@ -1,0 +1,106 @@
+"""A scenario run: an engine fed its requests at their arrival steps, stepped until all are done.
+
+Headless (`kvscope run`, the tests, the benchmarks) and served runs (which add pacing and a
+thread around it) share this one loop.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from backend.engine.engine import Engine
+from backend.engine.request import RequestError
+from backend.events.bus import EventBus
+from backend.model.loader import LoadedModel, load_model
+from backend.scenario import PlannedRequest, Scenario, plan_requests
+
+_MODEL_CACHE: dict[str, LoadedModel] = {}
+
+
+def cached_model(name: str) -> LoadedModel:
+    """Models are read-only at inference, so runs in one process share them."""
+    if name not in _MODEL_CACHE:
+        _MODEL_CACHE[name] = load_model(name)
+    return _MODEL_CACHE[name]
+
+
+class ScenarioRun:
+    def __init__(self, scenario: Scenario, bus: EventBus | None = None, loaded: LoadedModel | None = None) -> None:
+        self.scenario = scenario
+        self.loaded = loaded or cached_model(scenario.model)
+        self.engine = Engine(self.loaded, scenario.engine, bus, seed=scenario.seed)
+        self.bus = self.engine.bus
+        self.pending: deque[PlannedRequest] = deque(plan_requests(scenario, self.loaded.tokenizer))
+        self.total = len(self.pending)
+        self.rejected: dict[str, str] = {}
+        self.engine.emit_header(scenario.model_dump(mode="json"), scenario.model)
+        # A bound on iterations so that no bug can loop forever (a prompt's characters bound its tokens).
+        self.max_steps = 64 + sum(4 * (len(p.prompt) + p.max_tokens) for p in self.pending) + \
+            (self.pending[-1].arrival_step if self.pending else 0)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        """Deliver the requests due now, then run one engine iteration."""
+        while self.pending and self.pending[0].arrival_step <= self.engine.step_no:
+            p = self.pending.popleft()
+            try:
+                self.engine.add_request(p.request_id, p.prompt, p.max_tokens, p.sampling)
+            except RequestError as e:
+                self.rejected[p.request_id] = str(e)
+        self.engine.step()
+
+    def run(self, on_step=None) -> dict:
+        """Step to the end; returns the summary. on_step(run) is called after every iteration."""
+        while not self.done and self.engine.step_no < self.max_steps:
+            self.step()
+            if on_step:
+                on_step(self)
+        self.bus.emit("run_finished", num_steps=self.engine.step_no,
+                      reason="completed" if self.done else "step_limit")
+        return self.summary()
+
+    @property
+    def num_finished(self) -> int:
+        return sum(r.finish_reason is not None for r in self.engine.requests.values()) + len(self.rejected)
+
+    def summary(self) -> dict:
+        """The numbers of the final table and of --report."""
+        reqs = list(self.engine.requests.values())
+        done = [r for r in reqs if r.finish_reason and r.finish_reason != "abort"]
+        m = self.engine.metrics
+        elapsed = (m.last - m.start) if m.start is not None and m.last is not None else 0.0
+        usage, waste = m.mean_kv()
+        return {
+            "scenario": self.scenario.name,
+            "steps": self.engine.step_no,
+            "requests": len(reqs) + len(self.rejected),
+            "finished": len(done),
+            "aborted": sum(r.finish_reason == "abort" for r in reqs),
+            "rejected": len(self.rejected),
+            "output_tokens": m.total_output_tokens,
+            "prefill_tokens_computed": m.total_prefill_tokens,
+            "tokens_per_s": m.total_output_tokens / elapsed if elapsed > 0 else 0.0,
+            "ttft_s": _stats([r.times.ttft() for r in done]),
+            "tpot_s": _stats([r.times.tpot() for r in done]),
+            "e2e_s": _stats([r.times.e2e() for r in done]),
+            "kv_usage_mean": usage,
+            "kv_waste_mean": waste,
+            "prefix_hit_rate": self.engine.blocks.prefix_hit_rate,
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+            "per_request": {r.request_id: {"finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
+                                           "output_tokens": len(r.seq.output_token_ids), "ttft_s": r.times.ttft(),
+                                           "e2e_s": r.times.e2e(), "output_text": r.output_text}
+                            for r in reqs},
+            "rejections": self.rejected,
+        }
+
+
+def _stats(values: list[float | None]) -> dict:
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"mean": None, "p50": None, "p95": None}
+    return {"mean": statistics.fmean(xs), "p50": xs[len(xs) // 2], "p95": xs[min(len(xs) - 1, int(0.95 * len(xs)))]}

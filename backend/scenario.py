@@ -1,0 +1,223 @@
+"""Scenario files: a named request mix plus engine settings, validated and expanded into requests.
+
+See docs/scenarios.md for the format. Drawn prompts (`prompt_tokens: N`) come, seeded, from the
+project's own prompt pool: the validation split of Tiny Shakespeare, tokenized by the run's model.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from backend.config import EngineConfig
+from backend.engine.sampling_params import SamplingParams
+from backend.model.tokenizer import Tokenizer, read_corpus
+
+SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
+NAME_PATTERN = r"^[a-z0-9-]+$"
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be used: the message names the file, the field and the reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class RequestSpec(_Strict):
+    id: str = Field(min_length=1, max_length=64)
+    arrival_step: int = Field(default=0, ge=0, le=1_000_000)
+    prompt: str | None = Field(default=None, max_length=200_000)
+    prompt_tokens: int | None = Field(default=None, ge=1, le=100_000, description="drawn from the prompt pool")
+    max_tokens: int = Field(default=32, ge=1, le=100_000)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "RequestSpec":
+        if (self.prompt is None) == (self.prompt_tokens is None):
+            raise ValueError("give exactly one of prompt and prompt_tokens")
+        return self
+
+
+class IntRange(_Strict):
+    min: int = Field(ge=1, le=100_000)
+    max: int = Field(ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "IntRange":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+class Arrival(_Strict):
+    process: Literal["poisson", "uniform", "burst"] = "poisson"
+    rate_per_step: float = Field(default=0.5, gt=0, le=1000)
+
+
+class SharedPrefix(_Strict):
+    tokens: int = Field(ge=1, le=100_000)
+    fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+class GenerateSpec(_Strict):
+    count: int = Field(ge=1, le=10_000)
+    arrival: Arrival = Field(default_factory=Arrival)
+    prompt_tokens: IntRange = Field(default_factory=lambda: IntRange(min=16, max=128))
+    max_tokens: IntRange = Field(default_factory=lambda: IntRange(min=8, max=64))
+    shared_prefix: SharedPrefix | None = None
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+
+
+class Scenario(_Strict):
+    name: str = Field(pattern=NAME_PATTERN, max_length=64)
+    description: str = ""
+    lesson: str = Field(default="", description="what to look at while it runs")
+    model: str = "demo"
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    requests: list[RequestSpec] = Field(default_factory=list, max_length=10_000)
+    generate: GenerateSpec | None = None
+
+    @model_validator(mode="after")
+    def _has_requests(self) -> "Scenario":
+        if not self.requests and self.generate is None:
+            raise ValueError("a scenario needs requests or generate")
+        ids = [r.id for r in self.requests]
+        if len(ids) != len(set(ids)):
+            raise ValueError("request ids must be unique")
+        return self
+
+
+@dataclass
+class PlannedRequest:
+    """A concrete request of a run: what arrives, and when."""
+
+    request_id: str
+    arrival_step: int
+    prompt: str | list[int]
+    max_tokens: int
+    sampling: SamplingParams
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def resolve_path(name_or_path: str) -> Path:
+    """A file path, or the name of a file in scenarios/ (names cannot reach outside it)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ScenarioError(f"{path}: no such scenario file")
+        return path
+    if not re.match(NAME_PATTERN, name_or_path):
+        raise ScenarioError(f"{name_or_path!r}: not a scenario name (use [a-z0-9-]+) or a .yaml file")
+    path = SCENARIOS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ScenarioError(f"{name_or_path}: no such scenario (see `kvscope run --list` or scenarios/)")
+    return path
+
+
+def set_dotted(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set a.b.c=VALUE` (VALUE parsed as YAML) to a raw scenario dict."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ScenarioError(f"--set {assignment!r}: expected KEY=VALUE")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"--set {key}: value is not valid YAML ({e.problem})") from None
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ScenarioError(f"--set {key}: {part} is not a section")
+    node[leaf] = value
+
+
+def validate(data: Any, source: str) -> Scenario:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{source}: a scenario is a YAML mapping")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "scenario"
+        raise ScenarioError(f"{source}: {loc}: {err['msg']}") from None
+
+
+def load_scenario(name_or_path: str, overrides: list[str] = ()) -> Scenario:
+    path = resolve_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{path}: not valid YAML ({e})") from None
+    for assignment in overrides:
+        set_dotted(data, assignment)
+    return validate(data, str(path))
+
+
+def list_scenarios() -> list[Scenario]:
+    return [load_scenario(str(p)) for p in sorted(SCENARIOS_DIR.glob("*.yaml"))]
+
+
+# ---- expansion into requests --------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _pool_text() -> str:
+    return read_corpus()[1]
+
+
+def draw_prompt(tokenizer: Tokenizer, num_tokens: int, rng: random.Random) -> list[int]:
+    """num_tokens consecutive tokens from a seeded place in the prompt pool."""
+    text = _pool_text()
+    for _ in range(100):
+        start = rng.randrange(0, max(1, len(text) - 8 * num_tokens))
+        ids = tokenizer.encode(text[start : start + 8 * num_tokens + 64])
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens]
+    raise ScenarioError(f"prompt_tokens: cannot draw {num_tokens} tokens from the prompt pool")
+
+
+def plan_requests(scenario: Scenario, tokenizer: Tokenizer) -> list[PlannedRequest]:
+    """Every request of the scenario, explicit and generated, in arrival order (deterministic)."""
+    rng = random.Random(scenario.seed)
+    planned = [PlannedRequest(r.id, r.arrival_step,
+                              r.prompt if r.prompt is not None else draw_prompt(tokenizer, r.prompt_tokens, rng),
+                              r.max_tokens, r.sampling) for r in scenario.requests]
+    if scenario.generate:
+        planned += _generated(scenario.generate, tokenizer, rng)
+    return sorted(planned, key=lambda p: p.arrival_step)
+
+
+def _generated(g: GenerateSpec, tokenizer: Tokenizer, rng: random.Random) -> list[PlannedRequest]:
+    prefix = draw_prompt(tokenizer, g.shared_prefix.tokens, rng) if g.shared_prefix else []
+    out, clock = [], 0.0
+    for i in range(g.count):
+        own = draw_prompt(tokenizer, rng.randint(g.prompt_tokens.min, g.prompt_tokens.max), rng)
+        shares = g.shared_prefix is not None and rng.random() < g.shared_prefix.fraction
+        sampling = g.sampling.model_copy(update={"seed": g.sampling.seed + i}) if g.sampling.seed is not None \
+            else g.sampling
+        out.append(PlannedRequest(f"g{i}", int(clock), (prefix if shares else []) + own,
+                                  rng.randint(g.max_tokens.min, g.max_tokens.max), sampling))
+        clock += _gap(g.arrival, rng)
+    return out
+
+
+def _gap(arrival: Arrival, rng: random.Random) -> float:
+    """Steps until the next arrival."""
+    if arrival.process == "poisson":
+        return rng.expovariate(arrival.rate_per_step)
+    if arrival.process == "uniform":
+        return 1.0 / arrival.rate_per_step
+    return 0.0  # burst: everything at step 0

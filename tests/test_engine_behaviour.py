@@ -1,0 +1,107 @@
+"""Engine behaviour beyond greedy equality: seeded sampling, block invariants under random
+workloads, replay of block events, determinism, and refusal of bad requests."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backend.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.engine.request import RequestError
+from backend.engine.sampling_params import SamplingParams
+from backend.events.state import RunState
+from backend.events.trace import strip_times
+from tests.engine_helpers import mixed_workload, outputs, run_engine
+
+
+def seeded(rid: str) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, top_k=40, seed=int(rid[1:]) + 100)
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_in_any_batch(tiny):
+    work = mixed_workload(tiny, count=10, seed=5)
+    together = outputs(run_engine(tiny, EngineConfig(block_size=4, num_blocks=400), work, seeded))
+    squeezed = outputs(run_engine(tiny, EngineConfig(block_size=8, num_blocks=400, max_num_seqs=3,
+                                                     max_num_batched_tokens=16), work, seeded))
+    for rid, _, prompt, max_tokens in work[:4]:
+        alone = outputs(run_engine(tiny, EngineConfig(block_size=4, num_blocks=400), [(rid, 0, prompt, max_tokens)],
+                                   seeded))
+        assert alone[rid] == together[rid] == squeezed[rid]
+    assert len({tuple(v) for v in together.values()}) > 1
+
+
+workloads = st.lists(
+    st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 12)),  # arrival, prompt len, max tokens
+    min_size=1, max_size=8,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(work=workloads, block_size=st.sampled_from([1, 2, 3, 4, 8]), spare=st.integers(0, 12),
+       budget=st.sampled_from([4, 9, 64]), prefix=st.booleans(), static=st.booleans())
+def test_random_workloads_keep_block_invariants_and_replay_exactly(tiny, work, block_size, spare, budget, prefix,
+                                                                   static):
+    # Tiny caches: just enough blocks for the longest request alone, plus a few spare.
+    longest = max(p + m for _, p, m in work)
+    num_blocks = math.ceil((longest + 1) / block_size) + spare
+    shared = list(range(3, 3 + 12))
+    requests = [(f"r{i}", arrival, (shared + list(range(100 + i, 100 + i + p)))[:p], m)
+                for i, (arrival, p, m) in enumerate(work)]
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
+                          prefix_caching=prefix, batching="static" if static else "continuous", max_model_len=256)
+    state = RunState()
+    engine = run_engine(tiny, config, requests, replay=state)
+    assert engine.blocks.num_used_blocks == 0
+    assert state.ref_counts == {} and len(state.free_blocks) == num_blocks
+
+
+def test_same_scenario_and_seed_give_identical_events(tiny):
+    work = mixed_workload(tiny, count=8, seed=9)
+    runs = []
+    for _ in range(2):
+        events = []
+        run_engine(tiny, EngineConfig(block_size=4, num_blocks=60, max_num_batched_tokens=32), work, seeded,
+                   events=events)
+        runs.append(strip_times(events))
+    assert runs[0] == runs[1]
+    assert any(e["type"] == "token" for e in runs[0])
+
+
+def test_bad_requests_are_refused_with_a_reason_while_others_finish(tiny):
+    engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=12, max_model_len=60))
+    engine.add_request("ok", [5, 6, 7], 4, SamplingParams(temperature=0))
+    bad = [
+        (("long", list(range(1, 70)), 4, None), "prompt", "max_model_len"),
+        (("huge", list(range(1, 59)), 1, None), "prompt", "whole cache"),
+        (("neg", [1, 2], 4, {"temperature": -1}), "sampling.temperature", "greater than or equal"),
+        (("nan", [1, 2], 4, {"top_p": float("nan")}), "sampling.top_p", "finite"),
+        (("unknown", [1, 2], 4, {"temprature": 1}), "sampling.temprature", "Extra inputs"),
+        (("zero", [1, 2], 0, None), "max_tokens", "at least 1"),
+        (("empty", [], 4, None), "prompt", "empty"),
+        (("vocab", [99999], 4, None), "prompt", "token ids"),
+    ]
+    for args, field, reason in bad:
+        with pytest.raises(RequestError) as err:
+            engine.add_request(*args)
+        assert err.value.field == field and reason in err.value.reason, str(err.value)
+    engine.add_request("ok2", [8, 9], 3, SamplingParams(temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests["ok"].finish_reason in ("length", "eos")
+    assert engine.requests["ok2"].finish_reason in ("length", "eos")
+    assert set(engine.requests) == {"ok", "ok2"}
+
+
+def test_a_sequence_that_outgrows_the_whole_cache_is_aborted_and_the_others_go_on(tiny):
+    engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=6, max_model_len=200))
+    grower = engine.add_request("grower", [1, 2, 3], 40, SamplingParams(temperature=0, ignore_eos=True))
+    small = engine.add_request("small", [4, 5], 2, SamplingParams(temperature=0, ignore_eos=True))
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert grower.finish_reason == "abort" and "KV blocks" in grower.abort_reason
+    assert small.finish_reason == "length"
+    assert engine.blocks.num_used_blocks == 0
