@@ -105,3 +105,37 @@ def test_a_sequence_that_outgrows_the_whole_cache_is_aborted_and_the_others_go_o
     assert grower.finish_reason == "abort" and "KV blocks" in grower.abort_reason
     assert small.finish_reason == "length"
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_stop_strings_end_the_request_and_stay_out_of_the_text(tiny):
+    free = Engine(tiny, EngineConfig(block_size=4, num_blocks=64))
+    req = free.add_request("free", [10, 11, 12], 12, SamplingParams(temperature=0, ignore_eos=True))
+    while free.has_unfinished():
+        free.step()
+    text = req.output_text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped_engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=64))
+    stopped = stopped_engine.add_request("s", [10, 11, 12], 12,
+                                         SamplingParams(temperature=0, ignore_eos=True, stop=[stop]))
+    by_id = stopped_engine.add_request("t", [10, 11, 12], 12, SamplingParams(
+        temperature=0, ignore_eos=True, stop_token_ids=[req.seq.output_token_ids[2]]))
+    while stopped_engine.has_unfinished():
+        stopped_engine.step()
+    assert stopped.finish_reason == "stop" and stopped.output_text == text[: text.find(stop)]
+    assert by_id.finish_reason == "stop" and by_id.seq.output_token_ids == req.seq.output_token_ids[:3]
+
+
+def test_token_events_carry_the_distribution_snapshot(tiny):
+    events = []
+    params = lambda rid: SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1, logprobs=3)  # noqa: E731
+    run_engine(tiny, EngineConfig(block_size=4, num_blocks=64, dist_top_n=4), [("a", 0, [5, 6, 7], 3)], params,
+               events=events)
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["position"] for e in tokens] == [3, 4, 5]
+    for e in tokens:
+        ids = [row[0] for row in e["dist"]["top"]]
+        assert e["token_id"] in ids and 0 in ids  # the choice and EOS are always shown
+        raw = [row[2] for row in e["dist"]["top"][:4]]
+        assert raw == sorted(raw, reverse=True)
+        assert sum(row[3] > 0 for row in e["dist"]["top"]) <= 5 + 1  # top-k 5, plus protected EOS
+        assert e["dist"]["temperature"] == 0.7 and len(e["top_logprobs"]) == 3

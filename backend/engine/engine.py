@@ -237,7 +237,8 @@ class Engine:
         raw, final = result.raw_probs[row], result.final_probs[row]
         ids = raw.topk(self.config.dist_top_n).indices.tolist()
         ids += [t for t in [token, *self.eos_ids] if t not in ids]
-        return [[t, self.token_text(t), raw[t].item(), final[t].item()] for t in ids]
+        index = torch.tensor(ids, device=raw.device)
+        return [[t, self.token_text(t), r, f] for t, r, f in zip(ids, raw[index].tolist(), final[index].tolist())]
 
     def _emit_metrics(self) -> None:
         seqs = [r.seq for r in self.unfinished.values()]

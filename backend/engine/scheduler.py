@@ -133,18 +133,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and self.config.kv_cache:
-                self.blocks.match_prefix(seq)
-            num = self._tokens_to_compute(seq)
+            hits = self.blocks.lookup_prefix(seq) if self.config.kv_cache else []
+            cached = len(hits) * self.config.block_size
+            num = len(seq) - cached if self.config.kv_cache else len(seq)
             if num > budget:
                 if not self.config.chunked_prefill or not self.config.kv_cache:
-                    self._release_prefix(seq)
                     return  # FCFS: the head of the queue waits for a fresh budget
                 num = budget
-            copies = self.blocks.allocate_slots(seq, self._slots_to_reserve(seq, num))
-            if copies is None:
-                self._release_prefix(seq)
+            # Look before taking anything, so that a request that must keep waiting leaves no trace.
+            if not self.blocks.can_admit(seq, hits, self._slots_to_reserve(cached, num)):
                 return
+            self.blocks.match_prefix(seq, hits)
+            copies = self.blocks.allocate_slots(seq, self._slots_to_reserve(cached, num))
+            assert copies is not None, "can_admit promised these blocks"
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -152,15 +153,8 @@ class Scheduler:
             out.scheduled.append(self._entry(seq, num))
             budget -= num
 
-    def _slots_to_reserve(self, seq: Sequence, num: int) -> int:
+    def _slots_to_reserve(self, num_computed: int, num: int) -> int:
         if self.config.kv_layout == "contiguous":
             # Before paging, a server reserved the longest possible sequence up front.
-            return max(num, self.config.max_model_len - seq.num_computed_tokens)
+            return max(num, self.config.max_model_len - num_computed)
         return num
-
-    def _release_prefix(self, seq: Sequence) -> None:
-        """Undo a prefix match of a sequence that could not be admitted after all."""
-        if seq.block_table:
-            self.blocks.free(seq)
-            seq.num_computed_tokens = 0
-            seq.num_cached_prompt_tokens = 0
