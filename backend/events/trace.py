@@ -50,15 +50,21 @@ class TraceWriter:
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
     """Every event of a trace file, each validated; raises TraceError naming the bad line."""
+    return parse_trace(Path(path).read_text(encoding="utf-8"), str(path))
+
+
+def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
+    """Every event of JSONL trace text, each validated; TraceError names `source:line`."""
     events = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                events.append(_parse_line(line, is_first=not events))
-            except ValueError as e:
-                raise TraceError(f"{path}:{line_no}: {e}") from None
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            events.append(_parse_line(line, is_first=not events))
+        except ValueError as e:
+            raise TraceError(f"{source}:{line_no}: {e}") from None
+    if not events:
+        raise TraceError(f"{source}: empty trace")
     return events
 
 

@@ -1,0 +1,1 @@
+"""The HTTP / websocket service around the engine (Litestar)."""

@@ -1,0 +1,182 @@
+"""The Litestar application: REST routes for scenarios and runs, the websocket, the OpenAI API.
+
+Every user error is a 4xx with a JSON body `{"error": ..., "field": ...}`; nothing a client sends
+may produce a 5xx. Routes that start, control or add to runs need the bearer token when one is set
+(non-loopback binds); watching stays open.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any, Literal
+
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.config.cors import CORSConfig
+from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from pydantic import BaseModel, ConfigDict, Field
+
+from backend.engine.request import RequestError
+from backend.events.trace import TraceError, parse_trace
+from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
+from backend.server.manager import RunManager
+from backend.server.runs import EngineRun, Run, RunError
+
+
+# ---- bodies -----------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StartRun(_Body):
+    scenario: str | dict[str, Any] | None = Field(default=None, description="a scenario name or an inline scenario")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="dotted paths, e.g. engine.block_size")
+    trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay")
+    speed: float = Field(default=4.0, ge=0, le=10_000, description="iterations per second; 0 = unpaced")
+    paused: bool = False
+
+
+class Control(_Body):
+    action: Literal["pause", "resume", "step", "speed", "seek"]
+    value: float | None = Field(default=None, ge=0, le=1_000_000)
+
+
+class AddRequest(_Body):
+    prompt: str = Field(min_length=1, max_length=100_000)
+    max_tokens: int = Field(default=32, ge=1, le=100_000)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---- guards and errors --------------------------------------------------------------------------------
+
+
+def require_token(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    token = connection.app.state.token
+    if token and connection.headers.get("authorization", "") != f"Bearer {token}":
+        raise NotAuthorizedException("this server needs 'Authorization: Bearer <token>' to change runs")
+
+
+def _error(status: int, message: str, field: str | None = None) -> Response:
+    return Response({"error": message, "field": field}, status_code=status, media_type=MediaType.JSON)
+
+
+def user_error(_: Request, exc: Exception) -> Response:
+    field = getattr(exc, "field", None)
+    return _error(400, str(exc), field)
+
+
+def http_error(_: Request, exc: HTTPException) -> Response:
+    extra = exc.extra if isinstance(exc, ValidationException) else None
+    field = None
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        field = extra[0].get("key")
+        message = f"{field}: {extra[0].get('message')}" if field else str(extra[0].get("message"))
+    else:
+        message = exc.detail
+    return _error(exc.status_code, message, field)
+
+
+def run_or_404(request: Request, run_id: str) -> Run:
+    run = request.app.state.manager.get(run_id)
+    if run is None:
+        raise NotFoundException(f"no run {run_id!r}")
+    return run
+
+
+# ---- routes ---------------------------------------------------------------------------------------------
+
+
+@get("/api/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@get("/api/scenarios", sync_to_thread=True)
+def scenarios() -> list[dict]:
+    return [{"name": s.name, "description": s.description, "lesson": s.lesson, "model": s.model}
+            for s in list_scenarios()]
+
+
+@get("/api/scenarios/{name:str}", sync_to_thread=True)
+def scenario(name: str) -> dict:
+    # The name pattern keeps lookups inside scenarios/ (no dots, no slashes).
+    if not re.match(NAME_PATTERN, name) or not (SCENARIOS_DIR / f"{name}.yaml").is_file():
+        raise NotFoundException(f"no scenario {name!r}")
+    return load_scenario(name).model_dump(mode="json")
+
+
+@get("/api/runs")
+async def list_runs(request: Request) -> list[dict]:
+    return [run.describe() for run in request.app.state.manager.runs.values()]
+
+
+@post("/api/runs", guards=[require_token], sync_to_thread=True, status_code=201)
+def start_run(request: Request, data: StartRun) -> dict:
+    manager: RunManager = request.app.state.manager
+    if data.trace is not None:
+        run = manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
+    elif data.scenario is not None:
+        run = manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
+    else:
+        raise RunError("scenario: give a scenario (name or object) or a trace")
+    return {"run_id": run.run_id, "kind": run.kind}
+
+
+@get("/api/runs/{run_id:str}", sync_to_thread=True)
+def run_snapshot(request: Request, run_id: str) -> dict:
+    return run_or_404(request, run_id).snapshot()
+
+
+@post("/api/runs/{run_id:str}/control", guards=[require_token], sync_to_thread=True, status_code=200)
+def control(request: Request, run_id: str, data: Control) -> dict:
+    run = run_or_404(request, run_id)
+    run.control(data.action, data.value)
+    return run.describe()
+
+
+@post("/api/runs/{run_id:str}/requests", guards=[require_token], sync_to_thread=True, status_code=201)
+def add_request(request: Request, run_id: str, data: AddRequest) -> dict:
+    run = run_or_404(request, run_id)
+    if not isinstance(run, EngineRun):
+        raise RunError("run_id: a replay cannot take new requests")
+    return {"request_id": run.add_request(data.prompt, data.max_tokens, data.sampling)}
+
+
+@get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)
+def run_trace(request: Request, run_id: str) -> str:
+    return run_or_404(request, run_id).trace_jsonl()
+
+
+# ---- the application ------------------------------------------------------------------------------------
+
+
+def create_app(manager: RunManager | None = None, token: str | None = None, max_body_bytes: int = 2_000_000,
+               cors_origins: list[str] | None = None) -> Litestar:
+    """The whole service. `token`: required on changing routes (set it for non-loopback binds)."""
+    from backend.server.openai_api import openai_routes
+    from backend.server.ws import run_socket
+
+    manager = manager or RunManager()
+    app = Litestar(
+        route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
+                        run_trace, run_socket, *openai_routes],
+        exception_handlers={RunError: user_error, RequestError: user_error, ScenarioError: user_error,
+                            TraceError: user_error, HTTPException: http_error},
+        openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
+        cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
+        request_max_body_size=max_body_bytes,
+        on_shutdown=[manager.stop_all],
+        debug=False,
+    )
+    app.state.manager = manager
+    app.state.token = token
+    return app
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
