@@ -52,6 +52,29 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(req.output_text)
 
 
+# ---- kvscope serve / replay -----------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from backend.events.trace import read_trace
+    from backend.server.app import create_app, new_token
+    from backend.server.manager import RunManager
+    from backend.server.serve import is_loopback, serve_forever
+
+    manager = RunManager(default_model=args.model)
+    if getattr(args, "trace", None):
+        events = read_trace(args.trace)
+        run = manager.start_replay(events, paused=True)
+        print(f"replaying {args.trace} as run {run.run_id} ({len(events)} events)")
+    token = None if is_loopback(args.host) else new_token()
+    app = create_app(manager, token=token, cors_origins=args.cors_origin or None)
+    print(f"kvscope API on http://{args.host}:{args.port} (OpenAPI at /schema/openapi.json)")
+    if token:
+        print(f"changing runs needs the header  Authorization: Bearer {token}")
+    if not args.no_ui:
+        print("the dashboard is not part of this build yet; serving the API only")
+    serve_forever(app, args.host, args.port)
+
+
 # ---- kvscope train ------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -123,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="demo", help="a shipped model name or a model folder")
     g.set_defaults(func=cmd_generate)
 
+    for name, helptext in (("serve", "start the backend (and the dashboard)"),
+                           ("replay", "serve a recorded trace for replay, no model needed")):
+        v = sub.add_parser(name, help=helptext)
+        if name == "replay":
+            v.add_argument("trace", help="a trace .jsonl file")
+        v.add_argument("--host", default="127.0.0.1", help="non-loopback hosts require a bearer token")
+        v.add_argument("--port", type=int, default=8000)
+        v.add_argument("--ui-port", type=int, default=8080)
+        v.add_argument("--no-ui", action="store_true", help="the API only, no dashboard")
+        v.add_argument("--model", default="demo", help="model of the OpenAI-compatible API")
+        v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
+        v.set_defaults(func=cmd_serve)
+
     r = sub.add_parser("run", help="run a scenario headless and print its metrics")
     r.add_argument("scenario", help="a scenario file, or the name of one in scenarios/")
     r.add_argument("--trace", help="write every event to this JSONL file")
@@ -146,12 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
     """Run a subcommand; user-facing errors become one line on stderr and exit status 2."""
     from backend.engine.request import RequestError
+    from backend.events.trace import TraceError
     from backend.model.loader import ModelLoadError
     from backend.scenario import ScenarioError
 
     try:
         func(args)
-    except (UserError, ModelLoadError, ScenarioError, RequestError, OSError) as e:
+    except (UserError, ModelLoadError, ScenarioError, RequestError, TraceError, OSError) as e:
         print(f"kvscope {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -45,3 +45,13 @@ def make_tiny_model(n_kv_heads: int = 2, seed: int = 0, mla: bool = False) -> Lo
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny) -> str:
+    """The tiny model saved as a model folder, for scenarios and servers (`model: <folder>`)."""
+    from backend.model.loader import save_model
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    save_model(tiny.model, tiny.tokenizer, folder)
+    return str(folder)

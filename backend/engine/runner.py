@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from backend.engine.kv_cache import KVCache
 from backend.engine.scheduler import ScheduledSeq
@@ -60,12 +61,11 @@ class PagedTorchBackend:
         keys = self.cache.keys(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, D]
         values = self.cache.values(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, Dv]
         hkv = keys.shape[2]
-        qg = q.float().view(b, hkv, hq // hkv, -1)  # [B, Hkv, group, D]
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
-        past_end = torch.arange(keys.shape[1], device=q.device)[None, :] >= self.decode_lens[:, None]  # [B, L]
-        scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
-        out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), values.float())
-        return out.reshape(b, hq, -1).to(q.dtype)
+        qg = q.view(b, hkv, hq // hkv, -1)  # [B, Hkv, group, D]: the group's queries share one K/V head
+        visible = torch.arange(keys.shape[1], device=q.device)[None, :] < self.decode_lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=visible[:, None, None, :], scale=scale)
+        return out.reshape(b, hq, -1)
 
     def _prefill(self, layer: int, q: torch.Tensor, i: int, scale: float) -> torch.Tensor:
         """A chunk of queries over the cached prefix plus itself, causal within the chunk."""

@@ -54,8 +54,13 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:
     """The distribution each row samples from, [B, V]; greedy rows are one-hot on the argmax."""
     device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    if greedy.all():
+        return torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     temps = torch.tensor([p.temperature or 1.0 for p in params], device=device)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if not any(_truncates(p) for p in params):
+        return _greedy_rows_one_hot(probs, logits, greedy)
     keep = truncation_mask(
         probs,
         torch.tensor([p.top_k for p in params], device=device),
@@ -67,11 +72,22 @@ def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_i
         keep[:, eos] |= protect
     probs = torch.where(keep, probs, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    if greedy.any():
-        one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    return _greedy_rows_one_hot(probs, logits, greedy)
+
+
+def _greedy_rows_one_hot(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    if not greedy.any():
+        return probs
+    one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -90,9 +106,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     raw_log = torch.log_softmax(logits, dim=-1)
     histories = histories or [[] for _ in params]
     outputs = outputs or [[] for _ in params]
-    adjusted = apply_penalties(logits, params, histories, outputs)
+    adjusted = apply_penalties(logits, params, histories, outputs) if any(_penalised(p) for p in params) else logits
     final = final_distribution(adjusted, params, eos_ids)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    tokens = torch.where(greedy, adjusted.argmax(dim=-1), draw(final, generators))
+    tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
+                                                                      draw(final, generators))
     chosen = raw_log.gather(-1, tokens[:, None]).squeeze(-1)
     return SamplerOutput(tokens.tolist(), chosen.tolist(), raw_log.exp(), final)

@@ -59,7 +59,7 @@ PRESETS: dict[str, ModelConfig] = {
         update={"architecture": KVSCOPE_ARCHITECTURE}),
     "demo-draft": _config(2, 128, 4, 1, 384),
 }
-STEPS = {"demo": 800, "demo-mha": 800, "demo-mqa": 800, "demo-mla": 800, "demo-draft": 1600}
+STEPS = {"demo": 1100, "demo-mha": 1100, "demo-mqa": 1100, "demo-mla": 1100, "demo-draft": 1600}
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
+from litestar.params import FromPath, JSONBody
 from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
@@ -103,7 +104,7 @@ def scenarios() -> list[dict]:
 
 
 @get("/api/scenarios/{name:str}", sync_to_thread=True)
-def scenario(name: str) -> dict:
+def scenario(name: FromPath[str]) -> dict:
     # The name pattern keeps lookups inside scenarios/ (no dots, no slashes).
     if not re.match(NAME_PATTERN, name) or not (SCENARIOS_DIR / f"{name}.yaml").is_file():
         raise NotFoundException(f"no scenario {name!r}")
@@ -116,7 +117,7 @@ async def list_runs(request: Request) -> list[dict]:
 
 
 @post("/api/runs", guards=[require_token], sync_to_thread=True, status_code=201)
-def start_run(request: Request, data: StartRun) -> dict:
+def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
     manager: RunManager = request.app.state.manager
     if data.trace is not None:
         run = manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
@@ -128,19 +129,19 @@ def start_run(request: Request, data: StartRun) -> dict:
 
 
 @get("/api/runs/{run_id:str}", sync_to_thread=True)
-def run_snapshot(request: Request, run_id: str) -> dict:
+def run_snapshot(request: Request, run_id: FromPath[str]) -> dict:
     return run_or_404(request, run_id).snapshot()
 
 
 @post("/api/runs/{run_id:str}/control", guards=[require_token], sync_to_thread=True, status_code=200)
-def control(request: Request, run_id: str, data: Control) -> dict:
+def control(request: Request, run_id: FromPath[str], data: JSONBody[Control]) -> dict:
     run = run_or_404(request, run_id)
     run.control(data.action, data.value)
     return run.describe()
 
 
 @post("/api/runs/{run_id:str}/requests", guards=[require_token], sync_to_thread=True, status_code=201)
-def add_request(request: Request, run_id: str, data: AddRequest) -> dict:
+def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
     run = run_or_404(request, run_id)
     if not isinstance(run, EngineRun):
         raise RunError("run_id: a replay cannot take new requests")
@@ -148,7 +149,7 @@ def add_request(request: Request, run_id: str, data: AddRequest) -> dict:
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)
-def run_trace(request: Request, run_id: str) -> str:
+def run_trace(request: Request, run_id: FromPath[str]) -> str:
     return run_or_404(request, run_id).trace_jsonl()
 
 

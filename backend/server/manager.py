@@ -16,8 +16,9 @@ API_RUN_ID = "api"
 
 
 class RunManager:
-    def __init__(self, default_model: str = "demo") -> None:
+    def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None) -> None:
         self.default_model = default_model
+        self.watcher_queue_limit = watcher_queue_limit
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
 
@@ -65,6 +66,8 @@ class RunManager:
             if len(self.runs) >= MAX_RUNS:
                 raise RunError(f"too many runs at once (at most {MAX_RUNS}); let one finish first")
             self.runs[run.run_id] = run
+        if self.watcher_queue_limit:
+            run.queue_limit = self.watcher_queue_limit
         return run.start()
 
     def stop_all(self) -> None:

@@ -67,6 +67,7 @@ class Run:
         self.state = RunState()
         self.lock = threading.Lock()
         self.watchers: list[Watcher] = []
+        self.queue_limit = WATCHER_QUEUE_LIMIT
         self.trace_lines: list[str] = []
         self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
         self.speed = speed
@@ -92,7 +93,7 @@ class Run:
             self.listeners[rid](event)
 
     def attach(self, wake: Callable[[], None]) -> Watcher:
-        watcher = Watcher(wake)
+        watcher = Watcher(wake, self.queue_limit)
         with self.lock:
             self.watchers.append(watcher)
         return watcher

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 
 from litestar import WebSocket, websocket
+from litestar.params import FromPath
 from litestar.exceptions import WebSocketDisconnect
 
 from backend.server.runs import Run
 
 
 @websocket("/ws/runs/{run_id:str}")
-async def run_socket(socket: WebSocket, run_id: str) -> None:
+async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
     run: Run | None = socket.app.state.manager.get(run_id)
     await socket.accept()
     if run is None:

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.engine` (see docs/benchmarks.md)."""

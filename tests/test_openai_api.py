@@ -1,0 +1,189 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against a real server."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from backend.engine.sampling_params import SamplingParams
+from backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
+from backend.model.reference import reference_generate
+from backend.server.app import create_app
+from backend.server.chat_template import ChatTemplateError, render_chat
+from backend.server.manager import RunManager
+from backend.server.serve import serve_in_thread
+
+PROMPT = "ROMEO:\n"
+CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
+
+
+@pytest.fixture(scope="module")
+def model_name() -> str:
+    # The shipped demo model is retrained from time to time; an earlier copy stands in meanwhile.
+    return "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
+
+
+@pytest.fixture(scope="module")
+def url(model_name: str) -> Iterator[str]:
+    with serve_in_thread(create_app(RunManager(default_model=model_name))) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_name: str) -> LoadedModel:
+    return load_model(model_name)  # its own copy: the reference runs beside the server's engine
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, model_name: str) -> None:
+    models = client.models.list().data
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(model_name, "model", "kvscope")]
+
+
+def test_a_greedy_completion_is_what_the_reference_generates(client, model_name, loaded: LoadedModel) -> None:
+    tok = loaded.tokenizer
+    ids = reference_generate(loaded.model, tok.encode(PROMPT), 24, SamplingParams(temperature=0.0), tok.eos_token_ids)
+    expected = tok.decode([t for t in ids if t not in tok.eos_token_ids])
+
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+
+    assert r.object == "text_completion"
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == ("stop" if ids[-1] in tok.eos_token_ids else "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode(PROMPT)), len(ids))
+
+
+def test_streamed_deltas_add_up_to_the_plain_completion(client, model_name) -> None:
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
+                                            stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_chat_with_and_without_stream(client, model_name) -> None:
+    plain = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True))
+
+    assert plain.object == "chat.completion"
+    assert plain.choices[0].message.role == "assistant" and plain.choices[0].message.content
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_n_with_a_seed_gives_n_reproducible_choices(client, model_name) -> None:
+    def sample() -> list[tuple[int, str]]:
+        r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, n=2, seed=7)
+        return [(c.index, c.text) for c in r.choices]
+
+    first = sample()
+    assert [i for i, _ in first] == [0, 1]
+    assert sample() == first
+
+
+def test_a_stop_string_cuts_the_text_before_it(client, model_name) -> None:
+    full = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full.split()[2]
+    expected = full[: full.index(stop)]
+
+    cut = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    streamed = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_logprobs_name_each_token_and_its_alternatives(client, model_name) -> None:
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(p <= 0 for p in lp.token_logprobs)
+    # Greedy: the chosen token is the most likely of the alternatives.
+    assert all(0 < len(top) <= 3 and max(top, key=top.get) == t for t, top in zip(lp.tokens, lp.top_logprobs))
+
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 for e in content)
+
+
+def test_refused_requests_are_openai_400s(client, model_name) -> None:
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=model_name, prompt="To be or not to be. " * 400, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as cold:
+        client.completions.create(model=model_name, prompt=PROMPT, temperature=-1)
+
+    assert too_long.value.body["param"] == "prompt" and "max_model_len" in too_long.value.body["message"]
+    assert (cold.value.body["param"], cold.value.body["type"]) == ("temperature", "invalid_request_error")
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(url: str, model_name: str) -> None:
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        first = next(r.iter_lines())
+    rid = json.loads(first.removeprefix("data: "))["id"] + "-0"
+
+    deadline = time.monotonic() + 20
+    while (view := httpx.get(f"{url}/api/runs/api").json()["requests"][rid])["finish_reason"] is None:
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
+    assert view["finish_reason"] == "abort" and len(view["output_token_ids"]) < 500
+
+
+def test_the_dashboard_sees_api_requests_in_the_api_run(client, url: str, model_name: str) -> None:
+    text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4)
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4)
+
+    snapshot = httpx.get(f"{url}/api/runs/api").json()
+
+    assert snapshot["kind"] == "api"
+    assert snapshot["requests"][text.id + "-0"]["output_text"] == text.choices[0].text
+    assert snapshot["requests"][chat.id + "-0"]["prompt_text"].startswith("ROMEO:\nGood morrow, fair lady.\n")
+
+
+def test_with_a_server_token_the_api_key_must_be_that_token(model_name: str) -> None:
+    with serve_in_thread(create_app(RunManager(default_model=model_name), token="s3cret")) as base:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0).completions.create(
+                model=model_name, prompt=PROMPT, max_tokens=1)
+        ok = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0).completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=1)
+    assert ok.usage.completion_tokens == 1
+
+
+# ---- the chat template, without a server -----------------------------------------------------------------
+
+
+def test_the_default_chat_template_writes_speeches_as_the_demo_models_learned_them() -> None:
+    messages = [{"role": "system", "content": "Verona."}, {"role": "user", "content": "Hello?\n"},
+                {"role": "user", "name": "Tybalt", "content": "Draw!"}]
+    assert render_chat(messages, None, "<eos>") == \
+        "CHORUS:\nVerona.\n<eos>ROMEO:\nHello?\n<eos>TYBALT:\nDraw!\n<eos>JULIET:\n"
+
+
+def test_a_model_folder_with_a_hugging_face_chat_template_uses_it(tmp_path) -> None:
+    template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+                "<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    config = {"chat_template": template, "eos_token": {"content": "</s>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+    assert render_chat([{"role": "user", "content": "hi"}], tmp_path, "<eos>") == "<user>hi</s><assistant>"
+    with pytest.raises(ChatTemplateError, match="no system"):
+        render_chat([{"role": "system", "content": "x"}], tmp_path, "<eos>")
+    (tmp_path / "chat_template.jinja").write_text("[{{ messages[0].content }}]")
+    assert render_chat([{"role": "user", "content": "hi"}], tmp_path, "<eos>") == "[hi]"

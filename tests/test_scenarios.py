@@ -1,0 +1,334 @@
+"""The scenario library: every scenario runs headless, and its lesson holds in its own trace.
+
+A lesson is asserted the way the dashboard shows it: from the events (iteration, token, block,
+metrics, header), never from engine internals. Scenarios that compare two settings are run again
+with `--set`-style overrides, exactly as their lesson tells a user to.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from backend.events.bus import EventBus
+from backend.events.schema import parse_event
+from backend.model.loader import SHIPPED_MODELS_DIR, read_config
+from backend.run import ScenarioRun
+from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
+
+# The scenarios whose lesson a test below asserts; a new scenario file must join them.
+LESSONS = {"long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",
+           "paged-vs-contiguous", "chunked-prefill", "attention-variants", "sampling-knobs", "poisson-load"}
+
+# The shipped demo models are retrained now and then, and a folder caught without its weights
+# cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
+# with the weights in place every test runs the real model the scenario names.
+FALLBACK_MODEL = "/tmp/demo800"
+
+
+def has_weights(name: str) -> bool:
+    return (SHIPPED_MODELS_DIR / name / "model.safetensors").is_file()
+
+
+def model_for(name: str) -> str:
+    if has_weights(name):
+        return name
+    if (Path(FALLBACK_MODEL) / "model.safetensors").is_file():
+        return FALLBACK_MODEL
+    pytest.skip(f"{name} has no weights (being retrained?) and there is no fallback at {FALLBACK_MODEL}")
+
+
+@dataclass
+class Trace:
+    """The events of one headless run, with the views the lessons read."""
+
+    events: list[dict]
+
+    def of(self, type: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == type]
+
+    @property
+    def header(self) -> dict:
+        return self.of("header")[0]
+
+    @property
+    def iterations(self) -> list[dict]:
+        return self.of("iteration")
+
+    @property
+    def outputs(self) -> dict[str, list[int]]:
+        return {e["request_id"]: e["output_token_ids"] for e in self.of("request_finished")}
+
+    def tokens(self, request_id: str) -> list[dict]:
+        return [e for e in self.of("token") if e["request_id"] == request_id]
+
+    def prompt_len(self, request_id: str) -> int:
+        return next(len(e["prompt_token_ids"]) for e in self.of("request_arrived") if e["request_id"] == request_id)
+
+    def rows(self, request_id: str | None = None, phase: str | None = None) -> list[dict]:
+        """Batch entries over the run, in order: of one request and/or phase, or all."""
+        return [b for it in self.iterations for b in it["batch"]
+                if request_id in (None, b["request_id"]) and phase in (None, b["phase"])]
+
+    def query_tokens(self, phase: str | None = None) -> int:
+        """Tokens computed over the run (of one phase, or all)."""
+        return sum(b["num_query_tokens"] for b in self.rows(phase=phase))
+
+    def mean(self, type: str, field: str) -> float:
+        values = [e[field] for e in self.of(type)]
+        return sum(values) / len(values)
+
+
+@cache
+def _run(name: str, overrides: tuple[str, ...], model: str) -> Trace:
+    scenario = load_scenario(name, [*overrides, f"model={model}"])
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(scenario, bus=bus).run()
+    return Trace(events)
+
+
+def run(name: str, *overrides: str, model: str | None = None) -> Trace:
+    """Run a scenario headless (once per distinct setting in this session) and return its trace."""
+    model = model or load_scenario(name, list(overrides)).model
+    return _run(name, tuple(overrides), model_for(model))
+
+
+# ---- the library as a whole ---------------------------------------------------------------------
+
+
+def test_library_has_a_tested_documented_lesson_per_scenario():
+    scenarios = list_scenarios()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "scenarios.md").read_text(encoding="utf-8")
+    assert len(scenarios) >= 10
+    for s in scenarios:
+        assert s.description.strip() and s.lesson.strip(), s.name
+        assert s.name in LESSONS, f"{s.name}: add a test of its lesson to tests/test_scenarios.py"
+        assert re.search(rf"^\| `{s.name}` \|", docs, re.M), f"{s.name}: missing from the table in docs/scenarios.md"
+    assert {s.name for s in scenarios} == LESSONS
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml")))
+def test_every_scenario_runs_headless_to_completion(name):
+    trace = run(name)
+    for e in trace.events:
+        parse_event(e)
+    arrived = {e["request_id"] for e in trace.of("request_arrived")}
+    assert arrived and set(trace.outputs) == arrived
+    assert all(e["finish_reason"] != "abort" for e in trace.of("request_finished"))
+    assert not trace.of("request_rejected")
+    assert trace.of("run_finished")[0]["reason"] == "completed"
+
+
+# ---- one lesson each ----------------------------------------------------------------------------
+
+
+def test_long_prompt_prefills_in_budget_sized_chunks_then_decodes_one_token_at_a_time():
+    trace = run("long-prompt")
+    budget = trace.header["config"]["max_num_batched_tokens"]
+    block_size = trace.header["cache"]["block_size"]
+    prompt_len = trace.prompt_len("long")
+    assert all(len(it["batch"]) == 1 for it in trace.iterations)
+    entries = [it["batch"][0] for it in trace.iterations]
+    num_prefill = math.ceil(prompt_len / budget)
+    prefill, decode = entries[:num_prefill], entries[num_prefill:]
+
+    assert [e["phase"] for e in prefill] == ["prefill"] * num_prefill
+    assert [e["num_query_tokens"] for e in prefill] == [budget] * (num_prefill - 1) + [prompt_len % budget or budget]
+    assert decode and all(e["phase"] == "decode" and e["num_query_tokens"] == 1 for e in decode)
+    assert [e["context_len"] for e in decode] == list(range(prompt_len + 1, prompt_len + 1 + len(decode)))
+    # The block table grows by one block exactly when a decode token starts a new block.
+    allocs = {e["step"] for e in trace.of("block_alloc")}
+    decode_steps = [it["step"] for it in trace.iterations[num_prefill:]]
+    assert [s for s in decode_steps if s in allocs] == \
+        [s for s, e in zip(decode_steps, decode) if (e["context_len"] - 1) % block_size == 0]
+
+
+def test_continuous_batching_refills_slots_that_static_batching_leaves_idle():
+    continuous = run("continuous-batching")
+    static = run("continuous-batching", "engine.batching=static")
+    max_seqs = continuous.header["config"]["max_num_seqs"]
+
+    def idle(trace: Trace) -> list[dict]:
+        """Iterations with a free slot in the batch while requests wait in the queue."""
+        return [it for it in trace.iterations if len(it["batch"]) < max_seqs and it["num_waiting"] > 0]
+
+    assert static.outputs == continuous.outputs
+    assert len(static.iterations) > 1.2 * len(continuous.iterations)
+    assert len(idle(static)) > 10
+    assert not idle(continuous)
+
+
+def test_shared_prefix_is_computed_once_and_shared_by_hash():
+    cached = run("shared-prefix")
+    uncached = run("shared-prefix", "engine.prefix_caching=false")
+
+    shares = cached.of("block_share")
+    assert shares and all(e["reason"] == "prefix_cache" for e in shares)
+    assert len({e["request_id"] for e in shares}) == len(cached.outputs) - 1  # all but the first
+    assert not uncached.of("block_share")
+    assert cached.query_tokens("prefill") < 0.5 * uncached.query_tokens("prefill")
+
+
+def test_memory_pressure_preempts_and_recomputes_without_changing_outputs():
+    tight = run("memory-pressure")
+    roomy = run("memory-pressure", "engine.num_blocks=256")
+
+    assert tight.of("preempt") and not roomy.of("preempt")
+    assert len(tight.outputs) == len(tight.of("request_arrived"))
+    assert tight.outputs == roomy.outputs
+    # A preempted request comes back as a prefill of its prompt and the tokens it already had.
+    victim = tight.of("preempt")[0]
+    recompute = [b for it in tight.iterations if it["step"] > victim["step"] for b in it["batch"]
+                 if b["request_id"] == victim["request_id"] and b["phase"] == "prefill"]
+    assert recompute and recompute[-1]["context_len"] > tight.prompt_len(victim["request_id"])
+
+
+def test_without_kv_cache_every_iteration_recomputes_the_whole_context():
+    with_cache = run("kv-cache-off")
+    without = run("kv-cache-off", "engine.kv_cache=false")
+
+    assert without.outputs == with_cache.outputs
+    assert all(b["num_query_tokens"] == 1 for b in with_cache.rows(phase="decode"))
+    for rid in without.outputs:
+        rows = without.rows(rid)
+        assert all(b["num_query_tokens"] == b["context_len"] for b in rows)
+        assert [b["num_query_tokens"] for b in rows] == list(range(rows[0]["context_len"], rows[-1]["context_len"] + 1))
+    assert without.query_tokens() > 10 * with_cache.query_tokens()
+
+
+def test_contiguous_layout_wastes_reserved_slots_that_paging_never_takes():
+    paged = run("paged-vs-contiguous")
+    contiguous = run("paged-vs-contiguous", "engine.kv_layout=contiguous")
+    config, cache = paged.header["config"], paged.header["cache"]
+    fit_contiguous = cache["num_blocks"] * cache["block_size"] // config["max_model_len"]
+
+    assert contiguous.outputs == paged.outputs
+    assert paged.mean("metrics", "kv_waste") < 0.1
+    assert contiguous.mean("metrics", "kv_waste") > 4 * paged.mean("metrics", "kv_waste")
+    assert max(len(it["batch"]) for it in contiguous.iterations) == fit_contiguous
+    assert max(len(it["batch"]) for it in paged.iterations) == config["max_num_seqs"] > fit_contiguous
+
+
+def test_chunked_prefill_shares_iterations_with_decodes_within_the_budget():
+    trace = run("chunked-prefill")
+    long_chunks = [(it, b) for it in trace.iterations for b in it["batch"]
+                   if b["request_id"] == "long" and b["phase"] == "prefill"]
+    finished_at = {e["request_id"]: e["step"] for e in trace.of("request_finished")}
+
+    assert all(it["num_batched_tokens"] <= it["token_budget"] for it in trace.iterations)
+    assert len(long_chunks) >= 3
+    assert sum(b["num_query_tokens"] for _, b in long_chunks) == trace.prompt_len("long")
+    for it, _ in long_chunks:
+        decoding = {b["request_id"] for b in it["batch"] if b["phase"] == "decode"}
+        assert decoding == {"short-1", "short-2"}, f"step {it['step']}: decodes stalled behind the prompt"
+        assert finished_at["short-1"] > it["step"] and finished_at["short-2"] > it["step"]
+    # Both short requests got a token in every iteration while the long prompt was read.
+    for rid in ("short-1", "short-2"):
+        steps = {e["step"] for e in trace.tokens(rid)}
+        assert all(it["step"] in steps for it, _ in long_chunks)
+
+    unchunked = run("chunked-prefill", "engine.chunked_prefill=false", "engine.max_num_batched_tokens=512")
+    whole = unchunked.rows("long", "prefill")
+    assert len(whole) == 1 and whole[0]["num_query_tokens"] == sum(b["num_query_tokens"] for _, b in long_chunks)
+
+
+VARIANTS = {"demo-mha": "mha", "demo": "gqa", "demo-mqa": "mqa", "demo-mla": "mla"}
+
+
+def test_attention_variants_differ_in_kv_bytes_per_token():
+    missing = [name for name in VARIANTS if not has_weights(name)]
+    if missing:
+        pytest.skip(f"no weights (being retrained?) for {', '.join(missing)}: the fallback model is GQA only")
+    traces = {name: run("attention-variants", f"model={name}") for name in VARIANTS}
+    kv = {}
+    for name, trace in traces.items():
+        model, cache = trace.header["model"], trace.header["cache"]
+        f = cache["formula"]
+        assert model["attention"] == VARIANTS[name]
+        assert model["kv_bytes_per_token"] == read_config(SHIPPED_MODELS_DIR / name).kv_bytes_per_token(model["dtype"])
+        assert model["kv_bytes_per_token"] == f["n_layers"] * f["values_per_token_per_layer"] * f["bytes_per_value"]
+        assert cache["bytes_per_block"] == cache["block_size"] * model["kv_bytes_per_token"]
+        assert all(trace.outputs.values()), f"{name} produced no output"
+        kv[VARIANTS[name]] = model["kv_bytes_per_token"]
+    # From the shipped configs (fp32; fp16 halves each): MHA 12288, GQA 3072, MLA 1920, MQA 1536.
+    assert kv["mha"] == 4 * kv["gqa"] == 8 * kv["mqa"]
+    assert kv["mha"] > kv["gqa"] > kv["mla"] > kv["mqa"]
+
+
+def _final_entropy(top: list) -> float:
+    """Entropy of the final probabilities over the shown tokens, renormalized among them."""
+    probs = [f for _, _, _, f in top if f > 0]
+    total = sum(probs)
+    return -sum(p / total * math.log(p / total) for p in probs)
+
+
+def test_sampling_knobs_reshape_and_cut_the_distribution():
+    trace = run("sampling-knobs")
+    eos = set(trace.header["model"]["eos_token_ids"])
+    top_n = trace.header["config"]["dist_top_n"]
+
+    for e in trace.tokens("greedy"):
+        kept = [(t, f) for t, _, _, f in e["dist"]["top"] if f > 0]
+        assert kept == [(e["token_id"], 1.0)]
+    # The first token of each has the same context, so the same top-N tokens (the chosen token
+    # and EOS are appended after them, and differ): compare entropies over those N.
+    first = {rid: trace.tokens(rid)[0]["dist"]["top"][:top_n] for rid in ("greedy", "t0.7", "t1.2")}
+    raw_entropy = _final_entropy([[t, s, r, r] for t, s, r, _ in first["t1.2"]])
+    assert _final_entropy(first["greedy"]) == 0.0 < _final_entropy(first["t0.7"]) < raw_entropy \
+        < _final_entropy(first["t1.2"])
+
+    for e in trace.tokens("top-k"):
+        kept = [t for t, _, _, f in e["dist"]["top"] if f > 0 and t not in eos]
+        assert len(kept) <= e["dist"]["top_k"] == 5
+    for e in trace.tokens("top-p"):  # T=1: raw = tempered; a token stays while the mass before it < p
+        mass_before = 0.0
+        for t, _, raw, final in e["dist"]["top"][:top_n]:
+            if mass_before < e["dist"]["top_p"] - 1e-5:
+                assert final > 0
+            elif mass_before > e["dist"]["top_p"] + 1e-5 and t not in eos:
+                assert final == 0
+            mass_before += raw
+    for e in trace.tokens("min-p"):
+        best = e["dist"]["top"][0][2]
+        for t, _, raw, final in e["dist"]["top"][:top_n]:
+            if raw > e["dist"]["min_p"] * best * (1 + 1e-5):
+                assert final > 0
+            elif raw < e["dist"]["min_p"] * best * (1 - 1e-5) and t not in eos:
+                assert final == 0
+
+    # EOS survives every cut (the model can always stop) unless the request asked otherwise.
+    for rid in ("t0.7", "t1.2", "top-k", "top-p", "min-p"):
+        for e in trace.tokens(rid):
+            assert all(f > 0 for t, _, _, f in e["dist"]["top"] if t in eos), f"{rid}: EOS was cut"
+    cut = [e for e in trace.tokens("truncate-eos")
+           if all(t not in eos for t, *_ in e["dist"]["top"][:e["dist"]["top_k"]])]
+    assert cut and all(f == 0 for e in cut for t, _, _, f in e["dist"]["top"] if t in eos)
+
+
+def test_poisson_load_builds_a_queue_and_ttft_grows_with_the_arrival_rate():
+    def queueing(rate: float) -> tuple[float, float]:
+        """(mean TTFT in iterations, mean waiting queue length) at this arrival rate.
+
+        request_arrived carries the number of the last iteration before the arrival, so a request
+        whose first token comes from the very next iteration has a TTFT of 1.
+        """
+        trace = run("poisson-load", f"generate.arrival.rate_per_step={rate}")
+        arrived = {e["request_id"]: e["step"] for e in trace.of("request_arrived")}
+        first = {}
+        for e in trace.of("token"):
+            first.setdefault(e["request_id"], e["step"])
+        ttft = [first[rid] - step for rid, step in arrived.items()]
+        return sum(ttft) / len(ttft), trace.mean("iteration", "num_waiting")
+
+    (ttft_low, wait_low), (ttft_mid, wait_mid), (ttft_high, wait_high) = map(queueing, (0.05, 0.2, 1.0))
+    assert ttft_low == 1.0 and wait_low == 0.0  # every request is admitted and prefilled at once
+    assert ttft_low < ttft_mid < ttft_high
+    assert wait_low < wait_mid < wait_high
+    assert ttft_high > 2 * ttft_mid

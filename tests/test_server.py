@@ -1,0 +1,138 @@
+"""The service: routes, controls, replay, security. Litestar's test client; real servers elsewhere."""
+
+import json
+import time
+
+import pytest
+from litestar.testing import TestClient
+
+from backend.server.app import create_app
+from backend.server.manager import RunManager
+
+
+def scenario(model: str, **engine) -> dict:
+    return {"name": "t", "model": model, "seed": 1, "engine": {"block_size": 4, "num_blocks": 128, **engine},
+            "requests": [{"id": f"r{i}", "prompt_tokens": 6 + 3 * i, "max_tokens": 6, "arrival_step": i,
+                          "sampling": {"temperature": 0}} for i in range(4)]}
+
+
+@pytest.fixture
+def client():
+    manager = RunManager()
+    with TestClient(create_app(manager)) as c:
+        yield c
+    manager.stop_all()
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_health_scenarios_and_openapi(client):
+    assert client.get("/api/health").json() == {"status": "ok"}
+    names = [s["name"] for s in client.get("/api/scenarios").json()]
+    assert "shared-prefix" in names
+    assert client.get("/api/scenarios/shared-prefix").json()["name"] == "shared-prefix"
+    assert client.get("/api/scenarios/nope").status_code == 404
+    assert client.get("/api/scenarios/..%2F..%2Fpyproject").status_code == 404
+    doc = client.get("/schema/openapi.json").json()
+    assert "/api/runs/{run_id}/control" in doc["paths"]
+
+
+def test_paused_run_steps_exactly_one_iteration_per_step(client, tiny_dir):
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True, "speed": 0}).json()["run_id"]
+    assert client.get(f"/api/runs/{run_id}").json()["step"] == -1
+    for expected in (0, 1, 2):
+        client.post(f"/api/runs/{run_id}/control", json={"action": "step"})
+        wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["step"] == expected)
+    time.sleep(0.3)
+    assert client.get(f"/api/runs/{run_id}").json()["step"] == 2  # paused: nothing more happened
+    client.post(f"/api/runs/{run_id}/control", json={"action": "resume"})
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    snap = client.get(f"/api/runs/{run_id}").json()
+    assert all(r["status"] == "finished" for r in snap["requests"].values())
+    assert len(snap["free_blocks"]) == 128
+
+
+def test_speed_paces_iterations(client, tiny_dir):
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 10}).json()["run_id"]
+    time.sleep(1.0)
+    step = client.get(f"/api/runs/{run_id}").json()["step"]
+    assert 4 <= step <= 13  # about ten iterations a second
+    client.post(f"/api/runs/{run_id}/control", json={"action": "speed", "value": 0})
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+
+
+def test_live_requests_join_and_bad_ones_are_refused(client, tiny_dir):
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    ok = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "KING:", "max_tokens": 3})
+    assert ok.status_code == 201
+    too_long = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "KING: " * 600, "max_tokens": 3})
+    assert too_long.status_code == 400 and too_long.json()["field"] == "prompt"
+    bad = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "x", "sampling": {"temperature": -2}})
+    assert bad.status_code == 400 and bad.json()["field"] == "sampling.temperature"
+    client.post(f"/api/runs/{run_id}/control", json={"action": "resume", "value": None})
+    client.post(f"/api/runs/{run_id}/control", json={"action": "speed", "value": 0})
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    requests = client.get(f"/api/runs/{run_id}").json()["requests"]
+    assert requests[ok.json()["request_id"]]["status"] == "finished"
+
+
+def test_trace_replays_with_pause_step_and_seek(client, tiny_dir):
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    original = client.get(f"/api/runs/{run_id}").json()
+    trace = client.get(f"/api/runs/{run_id}/trace").text
+    replay = client.post("/api/runs", json={"trace": trace, "paused": True, "speed": 0}).json()
+    assert replay["kind"] == "replay"
+    rid = replay["run_id"]
+    client.post(f"/api/runs/{rid}/control", json={"action": "step"})
+    wait_for(lambda: client.get(f"/api/runs/{rid}").json()["step"] == 0)
+    client.post(f"/api/runs/{rid}/control", json={"action": "seek", "value": 5})
+    seeked = client.get(f"/api/runs/{rid}").json()
+    assert seeked["step"] == 4  # the state just before iteration 5 runs
+    client.post(f"/api/runs/{rid}/control", json={"action": "resume"})
+    wait_for(lambda: client.get(f"/api/runs/{rid}").json()["finished"])
+    final = client.get(f"/api/runs/{rid}").json()
+    for key in ("block_tables", "free_blocks", "ref_counts", "requests", "step"):
+        assert final[key] == original[key], key
+
+
+def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
+    assert client.get("/api/runs/nope").status_code == 404
+    assert client.post("/api/runs/nope/control", json={"action": "pause"}).status_code == 404
+    r = client.post("/api/runs", json={"scenario": {**scenario(tiny_dir), "engine": {"block_sise": 4}}})
+    assert r.status_code == 400 and "engine.block_sise" in r.json()["error"]
+    r = client.post("/api/runs", json={"scenario": "shared-prefix", "overrides": {"engine.block_size": 0}})
+    assert r.status_code == 400 and "engine.block_size" in r.json()["error"]
+    assert client.post("/api/runs", json={"scenario": "../../etc/passwd"}).status_code == 400
+    assert client.post("/api/runs", json={"trace": "not json\n"}).status_code == 400
+    assert client.post("/api/runs", content=b"{nope").status_code == 400
+    assert client.post("/api/runs", json={"speed": -1, "scenario": "shared-prefix"}).status_code == 400
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    r = client.post(f"/api/runs/{run_id}/control", json={"action": "explode"})
+    assert r.status_code == 400 and r.json()["field"] == "action"
+    assert client.post(f"/api/runs/{run_id}/control", json={"action": "seek", "value": 3}).status_code == 400
+
+
+def test_token_guards_changes_but_not_watching(tiny_dir):
+    manager = RunManager()
+    with TestClient(create_app(manager, token="s3cret")) as c:
+        body = {"scenario": scenario(tiny_dir), "paused": True}
+        assert c.post("/api/runs", json=body).status_code == 401
+        run_id = c.post("/api/runs", json=body, headers={"Authorization": "Bearer s3cret"}).json()["run_id"]
+        assert c.get(f"/api/runs/{run_id}").status_code == 200
+        assert c.get(f"/api/runs/{run_id}/trace").status_code == 200
+        assert c.post(f"/api/runs/{run_id}/control", json={"action": "step"}).status_code == 401
+    manager.stop_all()
+
+
+def test_body_size_limit_and_no_cors_by_default(tiny_dir):
+    with TestClient(create_app(RunManager(), max_body_bytes=2000)) as c:
+        big = c.post("/api/runs", content=json.dumps({"trace": "x" * 5000}), headers={"content-type": "application/json"})
+        assert big.status_code == 413
+        r = c.get("/api/health", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
