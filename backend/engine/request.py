@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,7 @@ class Request:
     finish_reason: str | None = None
     abort_reason: str | None = None
     output_text: str = ""
-    stop_hit: bool = field(default=False)
+    stop_hit: bool = False  # a stop string ended it: output_text is already cut
 
 
 def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_tokens: int) -> None:

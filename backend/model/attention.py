@@ -30,15 +30,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     q [Tq, Hq, Dk], k [Tk, Hkv, Dk], v [Tk, Hkv, Dv] -> [Tq, Hq, Dv]. The mask is built explicitly:
     SDPA's is_causal aligns to the top-left, which is wrong whenever Tq != Tk (decode, chunks).
     """
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [Tk, Hq, Dk]
-    v = v.repeat_interleave(group, dim=1)  # [Tk, Hq, Dv]
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [Hq, Tq, Tk]
     q_pos = torch.arange(q.shape[0], device=q.device) + q_offset
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [Tq, Tk]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)  # [Tq, Hq, Dv]
 
 
 class DenseCausalBackend:
