@@ -93,16 +93,18 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     import json
 
+    from backend.events.bus import EventBus
     from backend.events.trace import TraceWriter
     from backend.run import ScenarioRun
     from backend.scenario import load_scenario
     from backend.report import print_summary, progress_bar
 
     scenario = load_scenario(args.scenario, args.set or [])
-    run = ScenarioRun(scenario)
+    bus = EventBus(level=scenario.engine.events)
     writer = TraceWriter(args.trace) if args.trace else None
     if writer:
-        run.bus.subscribe(writer)
+        bus.subscribe(writer)  # before the run exists: its header is the trace's first line
+    run = ScenarioRun(scenario, bus)
     try:
         with progress_bar(run.total) as advance:
             summary = run.run(on_step=lambda r: advance(r.num_finished))
@@ -113,6 +115,27 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.report:
         with open(args.report, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+# ---- kvscope export ----------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from backend.events.trace import read_trace
+    from frontend.export import ExportError, check_options, render
+
+    out = Path(args.out)
+    try:
+        check_options(args.view, out, args.x)  # before reading what may be a long trace
+        if not Path(args.trace).is_file():
+            raise ExportError("trace", "no such trace file")
+        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step)
+    except ExportError as e:
+        where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
+                 "x": f"--x {args.x}", "step": f"--step {args.step}"}[e.field]
+        raise UserError(f"{where}: {e.reason}") from None
+    print(f"wrote {out} ({args.view if out.suffix.lower() != '.json' else 'Perfetto trace of the timeline'})")
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
@@ -166,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
     r.set_defaults(func=cmd_run)
+
+    e = sub.add_parser("export", help="draw a view of a trace as PNG/SVG, or the timeline as a Perfetto trace")
+    e.add_argument("trace", help="a trace .jsonl file")
+    e.add_argument("--out", required=True, help="FILE.png, FILE.svg or FILE.json (Chrome/Perfetto trace)")
+    e.add_argument("--view", default="timeline", help="timeline, blocks or batch (default timeline)")
+    e.add_argument("--x", default="steps", help="timeline x axis: steps or seconds")
+    e.add_argument("--step", type=int, default=None, help="the run as of this iteration (default: the end)")
+    e.set_defaults(func=cmd_export)
 
     s = sub.add_parser("schema", help="print a JSON Schema")
     s.add_argument("what", choices=["events", "scenario"])

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.engine.request import RequestError
 from backend.events.trace import TraceError, parse_trace
+from backend.model.loader import ModelLoadError
 from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
 from backend.server.manager import RunManager
 from backend.server.runs import EngineRun, Run, RunError
@@ -167,7 +168,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
         exception_handlers={RunError: user_error, RequestError: user_error, ScenarioError: user_error,
-                            TraceError: user_error, HTTPException: http_error},
+                            TraceError: user_error, ModelLoadError: user_error, HTTPException: http_error},
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         request_max_body_size=max_body_bytes,
