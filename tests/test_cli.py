@@ -93,7 +93,7 @@ def test_missing_tokenizer(capsys, demo_copy):
 
 def test_prompt_longer_than_the_context(capsys):
     code, _, err = run_cli(capsys, "generate", "--prompt", "ROMEO: " * 2000)
-    assert_one_line_error(code, err, "--prompt", "context of 1024")
+    assert_one_line_error(code, err, "--prompt", "max_model_len=1024")
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"), ("--top-p", "nan"),

@@ -44,12 +44,14 @@ def test_variants_share_size_data_steps_and_seed():
     assert attention == {"demo": "gqa", "demo-mha": "mha", "demo-mqa": "mqa", "demo-mla": "mla"}
 
 
-def test_demo_writes_a_speech_and_stops_by_itself(demo):
+def test_demo_writes_speeches_and_stops_by_itself(demo):
     from backend.engine.sampling_params import SamplingParams
     from backend.model.reference import reference_generate
 
     prompt = demo.tokenizer.encode("ROMEO:\n")
-    out = reference_generate(demo.model, prompt, 200, SamplingParams(temperature=0.8, seed=3),
-                             demo.tokenizer.eos_token_ids)
-    assert out[-1] in demo.tokenizer.eos_token_ids, "the model learned to end its speech"
-    assert len(demo.tokenizer.decode(out[:-1]).split()) >= 3
+    eos = demo.tokenizer.eos_token_ids
+    speeches = [reference_generate(demo.model, prompt, 200, SamplingParams(temperature=0.8, seed=s), eos)
+                for s in range(6)]
+    stopped = [out for out in speeches if out[-1] in eos]
+    assert len(stopped) >= 5, "the model learned to end its speech"
+    assert sum(len(demo.tokenizer.decode(out[:-1]).split()) >= 5 for out in stopped) >= 4
