@@ -139,3 +139,16 @@ def test_token_events_carry_the_distribution_snapshot(tiny):
         assert raw == sorted(raw, reverse=True)
         assert sum(row[3] > 0 for row in e["dist"]["top"]) <= 5 + 1  # top-k 5, plus protected EOS
         assert e["dist"]["temperature"] == 0.7 and len(e["top_logprobs"]) == 3
+
+
+def test_num_blocks_follows_from_a_memory_budget_and_the_header_reports_it(tiny):
+    events = []
+    engine = Engine(tiny, EngineConfig(num_blocks=None, kv_cache_memory_mb=1.0, block_size=16))
+    engine.bus.subscribe(events.append)
+    engine.emit_header()
+    per_token = tiny.config.kv_bytes_per_token("float32")  # 2 layers x 2 (K, V) x 2 heads x 16 dims x 4 bytes
+    assert per_token == 2 * 2 * 2 * 16 * 4
+    assert engine.cache.num_blocks == 1024**2 // (per_token * 16)
+    cache = events[0]["cache"]
+    assert cache["num_blocks"] == engine.cache.num_blocks and cache["bytes_per_block"] == per_token * 16
+    assert engine.cache.data.shape == (2, 2, cache["num_blocks"], 16, 2, 16)  # [L, K/V, blocks, slots, heads, dim]
