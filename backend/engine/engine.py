@@ -5,7 +5,9 @@ It knows nothing of HTTP or dashboards: everything it decides goes out as events
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import time
 import uuid
 
@@ -33,14 +35,27 @@ def pick_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
+def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
+    """auto: the Triton kernels on CUDA, plain torch elsewhere. triton on a CPU needs the interpreter."""
+    have_triton = importlib.util.find_spec("triton") is not None
+    if config.attention_backend == "auto":
+        return "triton" if device.type == "cuda" and have_triton else "torch"
+    if config.attention_backend == "triton":
+        if not have_triton:
+            raise RequestError("engine.attention_backend", "triton is not installed; use torch (or auto)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RequestError("engine.attention_backend",
+                               "the Triton kernels need a CUDA device; on a CPU set TRITON_INTERPRET=1 to run them "
+                               "in Triton's (slow) interpreter, or use torch")
+    return config.attention_backend
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0) -> None:
         if config.speculative is not None:
             raise RequestError("engine.speculative", "speculative decoding is not supported by this engine yet")
         if config.weight_quant != "none" or config.kv_cache_dtype != "auto":
             raise RequestError("engine.weight_quant", "quantization is not supported by this engine yet")
-        if config.attention_backend == "triton":
-            raise RequestError("engine.attention_backend", "the Triton kernels are not available yet; use torch")
         self.loaded, self.config, self.seed = loaded, config, seed
         self.tokenizer = loaded.tokenizer
         self.eos_ids = loaded.tokenizer.eos_token_ids
@@ -48,13 +63,14 @@ class Engine:
         self.bus.level = config.events
         dtype = next(loaded.model.parameters()).dtype
         self.device = pick_device(config)
+        self.attention_backend = pick_attention_backend(config, self.device)
         num_blocks = config.num_blocks or num_blocks_for_budget(
             loaded.config, config.block_size, config.kv_cache_memory_mb, DTYPE_NAMES[dtype])
         self.cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, self.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
                                    self.bus.emit)
         self.scheduler = Scheduler(config, self.blocks, self._on_preempt)
-        self.runner = ModelRunner(loaded.model.to(self.device), self.cache)
+        self.runner = ModelRunner(loaded.model.to(self.device), self.cache, self.attention_backend)
         self.metrics = MetricsTracker()
         self.requests: dict[str, Request] = {}
         self.unfinished: dict[int, Request] = {}  # seq_id -> request
@@ -69,7 +85,7 @@ class Engine:
         dtype = DTYPE_NAMES[self.cache.dtype]
         self.bus.emit(
             "header", schema_version=SCHEMA_VERSION, run_id=uuid.uuid4().hex[:12], scenario=scenario,
-            config=self.config.model_dump(),
+            config=self.config.model_dump(), attention_backend=self.attention_backend, device=str(self.device),
             model={"name": model_name or self.loaded.name, "n_layers": c.num_hidden_layers,
                    "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                    "attention": c.attention, "vocab_size": c.vocab_size, "dtype": dtype,

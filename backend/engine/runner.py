@@ -8,7 +8,9 @@ token's K/V is written.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +77,73 @@ class PagedTorchBackend:
         return causal_attention(q, keys, values, scale, q_offset=ctx - q.shape[0])
 
 
+class PagedTritonBackend:
+    """The same contract as PagedTorchBackend, on the Triton kernels in kernels/ (docs/kernels.md).
+
+    Decode rows go through one split-K decode launch (MLA: the latent-cache kernel), all prefill
+    chunks through one variable-length prefill launch, instead of a Python loop per sequence.
+    """
+
+    absorb_mla = True
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
+        import kernels  # here, not at the top: triton must be imported after the engine checked TRITON_INTERPRET
+
+        self.kernels, self.cache, self.meta = kernels, cache, meta
+        dev = cache.data.device
+        decode, prefill = meta.decode_seqs, meta.prefill_seqs
+        self.decode_rows = torch.tensor([meta.query_starts[i] for i in decode], dtype=torch.long, device=dev)
+        self.decode_tables = _padded_tables(meta.block_tables, decode, dev)  # [B, W] int32
+        self.decode_lens = torch.tensor([meta.context_lens[i] for i in decode], dtype=torch.int32, device=dev)
+        self.max_decode_len = max((meta.context_lens[i] for i in decode), default=0)
+        q_lens = [meta.query_starts[i + 1] - meta.query_starts[i] for i in prefill]
+        rows = [r for i in prefill for r in range(meta.query_starts[i], meta.query_starts[i + 1])]
+        self.prefill_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        starts = [0, *itertools.accumulate(q_lens)]  # [P + 1], offsets into q[prefill_rows]
+        self.prefill_starts = torch.tensor(starts, dtype=torch.int32, device=dev)
+        self.prefill_tables = _padded_tables(meta.block_tables, prefill, dev)
+        self.prefill_lens = torch.tensor([meta.context_lens[i] for i in prefill], dtype=torch.int32, device=dev)
+        self.max_query_len = max(q_lens, default=0)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        latent = self.cache.latent_dim
+        keys, values = self.cache.keys(layer), self.cache.values(layer)
+        # MLA: one plane, the value is a view of the key's latent part and is not written again.
+        self.kernels.write_kv_cache(k, None if latent else v, keys, None if latent else values,
+                                    self.meta.slot_mapping)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [num_tokens, n_heads, v_dim]
+        if self.meta.decode_seqs:
+            out[self.decode_rows] = self._decode(layer, q[self.decode_rows], scale)
+        if self.meta.prefill_seqs:
+            out[self.prefill_rows] = self.kernels.paged_prefill_attention(
+                q[self.prefill_rows], keys, values, self.prefill_tables, self.prefill_starts, self.prefill_lens,
+                scale, max_query_len=self.max_query_len)
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, Dv]."""
+        keys, tables, lens, longest = self.cache.keys(layer), self.decode_tables, self.decode_lens, self.max_decode_len
+        if self.cache.latent_dim is not None:
+            return self.kernels.mla_decode_attention(q, keys, tables, lens, self.cache.latent_dim, scale,
+                                                     max_context_len=longest)
+        return self.kernels.paged_decode_attention(q, keys, self.cache.values(layer), tables, lens, scale,
+                                                   max_context_len=longest)
+
+
+def _padded_tables(tables: list[list[int]], seqs: list[int], device: torch.device) -> torch.Tensor:
+    """[len(seqs), W] int32 block tables; the kernels never read past a sequence's context, so pad with 0."""
+    width = max((len(tables[i]) for i in seqs), default=0)
+    rows = [tables[i] + [0] * (width - len(tables[i])) for i in seqs]
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(seqs), width)
+
+
+BACKENDS = {"torch": PagedTorchBackend, "triton": PagedTritonBackend}
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, attention: Literal["torch", "triton"] = "torch") -> None:
         self.model, self.cache = model, cache
+        self.backend = BACKENDS[attention]
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids and positions [num_tokens], and the attention metadata."""
@@ -108,6 +174,6 @@ class ModelRunner:
         """Run one iteration; logits [num_sampling_seqs, vocab] for the sequences that sample."""
         self.cache.copy_blocks(block_copies)
         ids, positions, meta = self.prepare(batch)
-        hidden = self.model(ids, positions, PagedTorchBackend(self.cache, meta))  # [num_tokens, hidden]
+        hidden = self.model(ids, positions, self.backend(self.cache, meta))  # [num_tokens, hidden]
         last = [meta.query_starts[i + 1] - 1 for i, item in enumerate(batch) if item.samples]
         return self.model.logits(hidden[last])
