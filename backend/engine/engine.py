@@ -178,9 +178,10 @@ class Engine:
         reqs = [self.unfinished[item.seq.seq_id] for item in items]
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
                         [r.seq.token_ids for r in reqs], [r.seq.output_token_ids for r in reqs])
+        tops = self._top_tokens(result) if self.bus.wants_dist else None
         for row, req in enumerate(reqs):
             token = result.token_ids[row]
-            self._emit_token(req, row, token, result)
+            self._emit_token(req, row, token, result, tops[row] if tops else None)
             req.seq.token_ids.append(token)
             req.times.num_output_tokens += 1
             if req.times.first_token is None:
@@ -232,29 +233,37 @@ class Engine:
                 self.bus.emit("attention_mask", request_id=i.seq.request_id, seq_id=i.seq.seq_id, kind=kind,
                               query_positions=[begin, i.context_len], key_len=i.context_len)
 
-    def _emit_token(self, req: Request, row: int, token: int, result: SamplerOutput) -> None:
+    def _emit_token(self, req: Request, row: int, token: int, result: SamplerOutput, top: list | None) -> None:
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": req.seq.seq_id, "position": len(req.seq),
                   "token_id": token, "text": self.token_text(token), "logprob": result.logprobs[row],
                   "source": "target"}
         p = req.params
-        if self.bus.wants_dist:
-            fields["dist"] = {"top": self._top_tokens(row, token, result), "temperature": p.temperature,
-                              "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}
+        if top is not None:
+            fields["dist"] = {"top": top, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                              "min_p": p.min_p}
         if p.logprobs:
-            top = result.raw_probs[row].topk(p.logprobs)
+            best = result.raw_probs[row].topk(p.logprobs)
             fields["top_logprobs"] = [[t, self.token_text(t), math.log(max(pr, 1e-45))]
-                                      for t, pr in zip(top.indices.tolist(), top.values.tolist())]
+                                      for t, pr in zip(best.indices.tolist(), best.values.tolist())]
         self.bus.emit("token", **fields)
 
-    def _top_tokens(self, row: int, token: int, result: SamplerOutput) -> list[list]:
-        """The top N by raw probability, plus the chosen token and EOS when they are not among them."""
-        raw, final = result.raw_probs[row], result.final_probs[row]
-        ids = raw.topk(self.config.dist_top_n).indices.tolist()
-        ids += [t for t in [token, *self.eos_ids] if t not in ids]
-        index = torch.tensor(ids, device=raw.device)
-        return [[t, self.token_text(t), r, f] for t, r, f in zip(ids, raw[index].tolist(), final[index].tolist())]
+    def _top_tokens(self, result: SamplerOutput) -> list[list[list]]:
+        """Per row: the top N by raw probability, plus the chosen token and EOS when not among them.
+
+        One topk and one gather for the whole batch: this runs every step when events are full."""
+        chosen = torch.tensor(result.token_ids, device=result.raw_probs.device)[:, None]  # [B, 1]
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=chosen.device).expand(len(chosen), -1)
+        ids = torch.cat((result.raw_probs.topk(self.config.dist_top_n).indices, chosen, eos), dim=1)  # [B, N+1+E]
+        raw = result.raw_probs.gather(1, ids).tolist()
+        final = result.final_probs.gather(1, ids).tolist()
+        rows = []
+        for r, row_ids in enumerate(ids.tolist()):
+            seen: set[int] = set()
+            rows.append([[t, self.token_text(t), raw[r][i], final[r][i]]
+                         for i, t in enumerate(row_ids) if not (t in seen or seen.add(t))])
+        return rows
 
     def _emit_metrics(self) -> None:
         seqs = [r.seq for r in self.unfinished.values()]
