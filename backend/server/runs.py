@@ -42,7 +42,7 @@ class Watcher:
     needs_snapshot: bool = True
     dropped: int = 0  # events skipped by resyncs, for the tests and the curious
 
-    def offer(self, event: dict) -> None:
+    def offer(self, event: str) -> None:
         if self.needs_snapshot:
             return
         if len(self.queue) >= self.limit:
@@ -85,9 +85,10 @@ class Run:
         """Subscriber of the run's bus (worker thread): reducer, trace, watchers, listeners."""
         with self.lock:
             self.state.apply(event)
-            self.trace_lines.append(json.dumps(event, separators=(",", ":")))
+            line = json.dumps(event, separators=(",", ":"))  # encoded once, for the trace and every watcher
+            self.trace_lines.append(line)
             for w in self.watchers:
-                w.offer(event)
+                w.offer(line)
         rid = event.get("request_id")
         if rid is not None and rid in self.listeners:
             self.listeners[rid](event)
@@ -103,8 +104,8 @@ class Run:
             if watcher in self.watchers:
                 self.watchers.remove(watcher)
 
-    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[dict | None, list[dict]]:
-        """What a watcher should send next: a snapshot (if it must resync) and queued events."""
+    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[dict | None, list[str]]:
+        """What a watcher should send next: a snapshot (if it must resync) and queued events (JSON text)."""
         with self.lock:
             snapshot = None
             if watcher.needs_snapshot:

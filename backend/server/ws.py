@@ -33,8 +33,8 @@ async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
             snapshot, events = run.take(watcher)
             if snapshot is not None:
                 await socket.send_json(snapshot)
-            for event in events:
-                await socket.send_json(event)
+            for line in events:
+                await socket.send_text(line)
             if snapshot is None and not events:
                 ready.clear()
                 if watcher.queue or watcher.needs_snapshot:
