@@ -55,24 +55,54 @@ def cmd_generate(args: argparse.Namespace) -> None:
 # ---- kvscope serve / replay -----------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    """The API on --port and, unless --no-ui, the dashboard on --ui-port (replay: opened on the trace)."""
     from backend.events.trace import read_trace
     from backend.server.app import create_app, new_token
     from backend.server.manager import RunManager
     from backend.server.serve import is_loopback, serve_forever
 
     manager = RunManager(default_model=args.model)
+    run_id = None
     if getattr(args, "trace", None):
         events = read_trace(args.trace)
-        run = manager.start_replay(events, paused=True)
-        print(f"replaying {args.trace} as run {run.run_id} ({len(events)} events)")
+        run_id = manager.start_replay(events, paused=True).run_id
+        print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
     token = None if is_loopback(args.host) else new_token()
     app = create_app(manager, token=token, cors_origins=args.cors_origin or None)
     print(f"kvscope API on http://{args.host}:{args.port} (OpenAPI at /schema/openapi.json)")
     if token:
         print(f"changing runs needs the header  Authorization: Bearer {token}")
-    if not args.no_ui:
-        print("the dashboard is not part of this build yet; serving the API only")
-    serve_forever(app, args.host, args.port)
+    if args.no_ui:
+        serve_forever(app, args.host, args.port)
+        return
+    _serve_with_dashboard(app, args, token, run_id)
+
+
+def _serve_with_dashboard(app, args: argparse.Namespace, token: str | None, run_id: str | None) -> None:
+    """The API on a thread, the dashboard (NiceGUI, which wants the main thread) in the foreground."""
+    import contextlib
+    import socket
+
+    from backend.server.serve import serve_in_thread
+
+    with socket.socket() as probe:  # fail with a clear line before starting anything
+        try:
+            probe.bind((args.host, args.ui_port))
+        except OSError as e:
+            raise UserError(f"--ui-port {args.ui_port}: cannot listen there ({e.strerror}); pick another port") from None
+    from frontend.app import page_url, run_dashboard
+
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(serve_in_thread(app, args.host, args.port))
+        except RuntimeError:
+            raise UserError(f"--port {args.port}: the API could not start there (port in use?)") from None
+        print(f"kvscope dashboard on http://{local}:{args.ui_port}{page_url(run_id)}", flush=True)
+        if token:
+            print("  (anyone who can open the dashboard can start and control runs through it)")
+        model = args.model if args.model != "demo" else None
+        run_dashboard(f"http://{local}:{args.port}", args.host, args.ui_port, token=token, default_model=model)
 
 
 # ---- kvscope train ------------------------------------------------------------------------------

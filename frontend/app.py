@@ -1,0 +1,151 @@
+"""The dashboard page: header controls, the new-run drawer, and one or two columns of views.
+
+`/` shows the run picker; `/?run=ID` one run; `/?run=A&compare=B` two runs side by side, driven by
+the same controls, with their timelines and batch charts zoomed together. The NiceGUI process
+talks to the backend only through `frontend/client.py` (HTTP + the run's websocket).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlencode
+
+from nicegui import app, ui
+
+from frontend.client import Backend, BackendError, FeedHub, RunFeed
+from frontend.column import RunColumn, sync_zoom
+from frontend.controls import RunControls
+from frontend.exports import ExportMenu
+from frontend.new_run import NewRunPanel
+from frontend.views.base import KIND_COLORS, PALETTE
+
+STATIC = Path(__file__).parent / "static"
+
+
+def page_url(run_id: str | None, compare: str | None = None) -> str:
+    query = {k: v for k, v in (("run", run_id), ("compare", compare)) if v}
+    return "/?" + urlencode(query) if query else "/"
+
+
+def head_html() -> str:
+    """Palette, the ECharts helpers and the styles, once per page."""
+    script = (STATIC / "kvscope.js").read_text(encoding="utf-8")
+    css = (STATIC / "kvscope.css").read_text(encoding="utf-8")
+    return (f"<script>window.KVSCOPE_PALETTE={json.dumps(PALETTE)};"
+            f"window.KVSCOPE_KIND_COLORS={json.dumps(KIND_COLORS)};</script>"
+            f"<script>{script}</script><style>{css}</style>")
+
+
+class Dashboard:
+    """One browser tab."""
+
+    def __init__(self, backend: Backend, hub: FeedHub, default_model: str | None = None) -> None:
+        self.backend = backend
+        self.hub = hub
+        self.default_model = default_model
+        self.columns: list[RunColumn] = []
+        self.controls: RunControls | None = None
+        self.panel: NewRunPanel | None = None
+        self.exports: list[ExportMenu] = []
+
+    async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
+        ui.add_head_html(head_html())
+        ui.page_title("kvscope")
+        run_ids = [r for r in (run_id, compare) if r]
+        feeds = [self.hub.watch(r) for r in run_ids]
+        client = ui.context.client
+        client.on_delete(lambda: [self.hub.release(f) for f in feeds])
+        with ui.left_drawer(value=not run_ids).classes("kv-drawer").props("width=340 bordered") as drawer:
+            self.panel = NewRunPanel(self.backend, self.open, self.default_model)
+        self._header(drawer, feeds, show_lag)
+        with ui.column().classes("w-full kv-main gap-3"):
+            if not feeds:
+                await self._welcome()
+            elif len(feeds) == 1:
+                self.columns.append(RunColumn(self.backend, feeds[0], compact=False))
+            else:
+                with ui.element("div").classes("kv-compare w-full"):
+                    for feed in feeds:
+                        with ui.column().classes("gap-3 w-full min-w-0"):
+                            self.columns.append(RunColumn(self.backend, feed, compact=True))
+                for name in ("timeline", "batch"):
+                    sync_zoom([c.views[name].chart for c in self.columns])
+        await self.panel.load()
+        if self.controls:
+            await self.controls.load()
+
+    def _header(self, drawer: ui.left_drawer, feeds: list[RunFeed], show_lag: bool) -> None:
+        with ui.header().classes("kv-header items-center gap-2 no-wrap"):
+            ui.button(icon="menu", on_click=drawer.toggle).props("flat round dense color=white") \
+                .mark("drawer").tooltip("new run, engine configuration, replay a trace")
+            ui.link("kvscope", "/").classes("kv-logo")
+            if feeds:
+                self.controls = RunControls(self.backend, feeds)
+            ui.space()
+            if show_lag:  # /?lag=1: the latency probe's recent p95 (docs/dashboard.md)
+                ui.html('<span id="kvscope-lag" class="kv-lag"></span>', sanitize=False)
+            for feed in feeds:
+                self.exports.append(ExportMenu(self.backend, feed.run_id))
+
+    async def _welcome(self) -> None:
+        with ui.card().classes("kv-card w-full").props("flat bordered"):
+            ui.label("Watch an LLM inference engine think").classes("kv-welcome-title")
+            ui.markdown(
+                "Pick a **scenario** in the left panel (each one teaches one idea: paged KV blocks, "
+                "prefix caching, continuous batching, chunked prefill, preemption, sampling), adjust the "
+                "engine if you like, and press **Start run**. Or open a recorded trace, or one of the runs "
+                "below. Every view has a **?** that explains what it shows."
+            )
+            try:
+                runs = await self.backend.runs()
+            except BackendError as e:
+                ui.label(f"The backend is not reachable: {e}").classes("text-negative")
+                return
+            for r in runs[::-1][:20]:  # newest first
+                label = f"{r['run_id']} · {r['kind']} · step {r['step']}" + (" · finished" if r["finished"] else "")
+                ui.link(label, page_url(r["run_id"])).classes("kv-run-link").mark("run-link")
+
+    def open(self, run_id: str, compare: str | None = None) -> None:
+        ui.navigate.to(page_url(run_id, compare))
+
+
+def make_root(backend: Backend, hub: FeedHub, default_model: str | None = None,
+              on_build: Callable[[Dashboard], None] | None = None) -> Callable:
+    """The page function for `ui.run(root)`; query parameters arrive as arguments.
+
+    `on_build` sees every tab's Dashboard once built (the tests use it to reach the views)."""
+
+    async def root(run: str = "", compare: str = "", lag: str = "") -> None:
+        dashboard = Dashboard(backend, hub, default_model)
+        await dashboard.build(run or None, compare or None, show_lag=bool(lag))
+        if on_build is not None:
+            on_build(dashboard)
+
+    return root
+
+
+def run_dashboard(backend_url: str, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
+                  default_model: str | None = None) -> None:
+    """Serve the dashboard in the foreground until Ctrl-C (`kvscope serve`, `python -m frontend`)."""
+    backend = Backend(backend_url, token)
+    hub = FeedHub(backend)
+    app.on_startup(_quiet_ctrl_c)
+    # Everything imported so far lives as long as the process: keep it out of the collector's full
+    # passes, which otherwise stall the event loop for a tenth of a second at a time.
+    app.on_startup(gc.freeze)
+    try:
+        ui.run(make_root(backend, hub, default_model), host=host, port=port, title="kvscope", reload=False,
+               show=False, show_welcome_message=False, favicon="🔭", uvicorn_logging_level="warning",
+               tailwind=False)  # static/kvscope.css has the few utilities we use
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how it stops
+
+
+def _quiet_ctrl_c() -> None:
+    """Ctrl-C makes uvicorn re-raise SIGINT after its graceful shutdown, which cancels NiceGUI's
+    lifespan task and logs that as a failed shutdown with two tracebacks: noise, not news."""
+    logging.getLogger("uvicorn.error").addFilter(lambda record: "KeyboardInterrupt" not in record.getMessage())

@@ -1,0 +1,226 @@
+"""The dashboard's only link to the backend: HTTP for commands, one websocket per watched run.
+
+`FeedHub` keeps one `RunFeed` per run in the NiceGUI process, shared by every browser tab: it
+reads `WS /ws/runs/{id}` (a `type: snapshot` message, then events; a snapshot may come again at any
+time when the server resyncs us), keeps a `RunState` with the one reducer, a `RunHistory` of the
+past and a short log of recent events stamped with their receive time. Views read these on their
+own timers; they never see the websocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson  # a NiceGUI dependency
+from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
+
+from backend.events.state import RunState
+from frontend.history import RunHistory
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call on the console
+
+LOG_SIZE = 8192  # recent events kept for deltas; a view further behind redraws fully
+RELEASE_GRACE_S = 20.0  # keep a feed this long after its last tab closed (a page reload reuses it)
+RECONNECT_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 2.0, 5.0, 5.0, 5.0, 10.0, 10.0)  # then the feed gives up
+
+
+class BackendError(Exception):
+    """The backend refused a command (its 4xx message) or could not be reached."""
+
+
+class Backend:
+    """The backend's REST API (CONTRACT §5), as the dashboard uses it."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    @property
+    def ws_base(self) -> str:
+        return "ws" + self.base_url.removeprefix("http")
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            # A client per call: the dashboard sends a few commands a minute, and a client bound to
+            # one event loop would break the test harness, which runs a fresh loop per test.
+            async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=headers) as http:
+                response = await http.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise BackendError(f"backend at {self.base_url} unreachable: {e}") from None
+        if response.status_code >= 400:
+            raise BackendError(_error_message(response))
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    async def scenarios(self) -> list[dict]:
+        return await self.request("GET", "/api/scenarios")
+
+    async def scenario(self, name: str) -> dict:
+        return await self.request("GET", f"/api/scenarios/{name}")
+
+    async def runs(self) -> list[dict]:
+        return await self.request("GET", "/api/runs")
+
+    async def start_run(self, scenario: str | dict, overrides: dict | None = None, speed: float = 4.0,
+                        paused: bool = False) -> str:
+        body = {"scenario": scenario, "overrides": overrides or {}, "speed": speed, "paused": paused}
+        return (await self.request("POST", "/api/runs", body))["run_id"]
+
+    async def start_replay(self, trace_text: str, speed: float = 4.0, paused: bool = True) -> str:
+        body = {"trace": trace_text, "speed": speed, "paused": paused}
+        return (await self.request("POST", "/api/runs", body))["run_id"]
+
+    async def control(self, run_id: str, action: str, value: float | None = None) -> dict:
+        return await self.request("POST", f"/api/runs/{run_id}/control", {"action": action, "value": value})
+
+    async def add_request(self, run_id: str, prompt: str, max_tokens: int, sampling: dict) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling}
+        return (await self.request("POST", f"/api/runs/{run_id}/requests", body))["request_id"]
+
+    async def trace(self, run_id: str) -> str:
+        return await self.request("GET", f"/api/runs/{run_id}/trace")
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+    return str(body.get("error", body)) if isinstance(body, dict) else str(body)
+
+
+@dataclass
+class LogEntry:
+    version: int
+    recv_ms: float  # wall clock (ms) when this process received it: the latency probe's start
+    event: dict
+
+
+class RunFeed:
+    """One run as this process knows it: reducer, history, and a log of recent events."""
+
+    def __init__(self, backend: Backend | None, run_id: str, log_size: int = LOG_SIZE) -> None:
+        self.backend = backend
+        self.run_id = run_id
+        self.state: RunState | None = None  # None until the first snapshot
+        self.history = RunHistory()
+        self.version = 0  # +1 per event applied
+        self.epoch = 0  # +1 per snapshot: views redraw fully
+        self.log: deque[LogEntry] = deque(maxlen=log_size)
+        self.last_recv_ms = 0.0
+        self.kind = "run"
+        self.status = "connecting"
+        self.watchers = 0
+        self.task: asyncio.Task | None = None
+        self._release_handle: asyncio.TimerHandle | None = None
+
+    # -- messages (pure: the tests feed these directly) --------------------------------------------
+
+    def handle(self, message: dict, recv_ms: float | None = None) -> None:
+        recv_ms = recv_ms if recv_ms is not None else time.time() * 1000.0
+        self.last_recv_ms = recv_ms
+        kind = message.get("type")
+        if kind == "snapshot":
+            self._resync(message)
+        elif kind == "error":
+            self.status = f"error: {message.get('error')}"
+        elif self.state is not None:
+            self.state.apply(message)
+            self.history.apply(message, self.state)
+            self.version += 1
+            self.log.append(LogEntry(self.version, recv_ms, message))
+
+    def _resync(self, snapshot: dict) -> None:
+        self.state = RunState.from_snapshot(snapshot)
+        self.history = RunHistory.from_snapshot(snapshot, self.state)
+        self.kind = snapshot.get("kind", "run")
+        self.log.clear()
+        self.epoch += 1
+        self.version += 1
+        self.status = "live"
+
+    def since(self, version: int) -> list[LogEntry] | None:
+        """Events applied after `version`, oldest first; None when the log no longer reaches back."""
+        if version >= self.version:
+            return []
+        if not self.log or self.log[0].version > version + 1:
+            return None
+        start = version + 1 - self.log[0].version
+        return [self.log[i] for i in range(start, len(self.log))]
+
+    # -- the websocket -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read the run's websocket until cancelled; reconnect a bounded number of times."""
+        assert self.backend is not None
+        url = f"{self.backend.ws_base}/ws/runs/{self.run_id}"
+        for delay in (0.0, *RECONNECT_DELAYS_S):
+            await asyncio.sleep(delay)
+            try:
+                # No per-message deflate: on loopback it only costs CPU, on both ends of the socket.
+                async with connect(url, max_size=None, open_timeout=10, compression=None) as ws:
+                    await self._read(ws)
+                if self.status.startswith("error"):
+                    return  # the server said the run does not exist
+            except (OSError, WebSocketException, asyncio.TimeoutError) as e:
+                self.status = f"reconnecting ({e.__class__.__name__})"
+        self.status = "disconnected: the backend stopped answering"
+
+    async def _read(self, ws) -> None:
+        count = 0
+        async for raw in ws:
+            self.handle(orjson.loads(raw))  # several times faster than json: thousands of events a second
+            count += 1
+            if count % 256 == 0:
+                await asyncio.sleep(0)  # a burst must not starve the page timers on the same loop
+
+
+class FeedHub:
+    """One feed per run id in this process; feeds live while a tab watches them (plus a grace)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.feeds: dict[str, RunFeed] = {}
+
+    def watch(self, run_id: str) -> RunFeed:
+        feed = self.feeds.get(run_id)
+        if feed is None or (feed.task is not None and feed.task.done()):
+            feed = self.feeds[run_id] = RunFeed(self.backend, run_id)
+        feed.watchers += 1
+        if feed._release_handle is not None:
+            feed._release_handle.cancel()
+            feed._release_handle = None
+        if feed.task is None:
+            feed.task = asyncio.get_running_loop().create_task(feed.run(), name=f"feed-{run_id}")
+        return feed
+
+    def release(self, feed: RunFeed) -> None:
+        feed.watchers -= 1
+        if feed.watchers <= 0:
+            feed._release_handle = asyncio.get_running_loop().call_later(RELEASE_GRACE_S, self._close, feed)
+
+    def _close(self, feed: RunFeed) -> None:
+        if feed.watchers > 0:
+            return
+        if feed.task is not None:
+            feed.task.cancel()
+        if self.feeds.get(feed.run_id) is feed:
+            del self.feeds[feed.run_id]
+
+    def close_all(self) -> None:
+        for feed in list(self.feeds.values()):
+            if feed.task is not None:
+                with contextlib.suppress(RuntimeError):
+                    feed.task.cancel()
+        self.feeds.clear()

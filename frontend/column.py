@@ -1,0 +1,127 @@
+"""One run's column of views: its title and engine, the request picker, a prompt box, the views."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nicegui import ui
+from nicegui.events import GenericEventArguments
+
+from frontend.client import Backend, RunFeed
+from frontend.controls import PromptBox
+from frontend.selection import Selection
+from frontend.text import md_escape
+from frontend.views.attention import AttentionView
+from frontend.views.batch import BatchView
+from frontend.views.block_pool import BlockPoolView
+from frontend.views.block_table import BlockTableView
+from frontend.views.kv_calc import KvCalculatorView
+from frontend.views.metrics import MetricsView
+from frontend.views.sampling import SamplingView
+from frontend.views.timeline import TimelineView
+
+FOLLOW = ""  # request picker value: follow the running requests
+
+
+class RunColumn:
+    """Every view of one run. `compact`: the side-by-side layout (fewer, shorter views)."""
+
+    def __init__(self, backend: Backend, feed: RunFeed, compact: bool) -> None:
+        self.feed = feed
+        self.compact = compact
+        self.selection = Selection()
+        self.views: dict[str, object] = {}
+        self._request_bar(backend)
+        if compact:
+            self._compact()
+        else:
+            self._full()
+        ui.timer(0.5, self._refresh_requests)
+
+    def _request_bar(self, backend: Backend) -> None:
+        with ui.row().classes("w-full items-end gap-3 no-wrap"):
+            with ui.column().classes("gap-0"):
+                self.title = ui.label(self.feed.run_id).classes("kv-run-title").mark("run-title")
+                self.engine = ui.label("").classes("kv-caption").mark("run-engine")
+            self.lesson = ui.markdown("").classes("kv-small kv-lesson grow").mark("run-lesson")
+            self.lesson.set_visibility(not self.compact)  # side by side: the columns differ in engine only
+            self.picker = ui.select({FOLLOW: "follow running"}, value=FOLLOW, label="request",
+                                    on_change=self._on_pick).classes("w-44").props("dense").mark("request-picker")
+        with ui.element("div").classes("w-full") as self.prompt_row:
+            self.prompt = PromptBox(backend, self.feed)  # hidden for replays, which take no requests
+
+    def _full(self) -> None:
+        feed, sel = self.feed, self.selection
+        with ui.element("div").classes("kv-grid w-full"):
+            self.views["blocks"] = BlockPoolView(feed, sel)
+            self.views["timeline"] = TimelineView(feed, sel)
+            self.views["batch"] = BatchView(feed, sel)
+            self.views["metrics"] = MetricsView(feed)
+            with ui.column().classes("gap-3 w-full"):
+                self.views["block_table"] = BlockTableView(feed, sel)
+                self.views["attention"] = AttentionView(feed, sel, height="260px")
+            self.views["sampling"] = SamplingView(feed, sel)
+        self.views["kv_calc"] = KvCalculatorView(feed)
+
+    def _compact(self) -> None:
+        feed, sel = self.feed, self.selection
+        self.views["blocks"] = BlockPoolView(feed, sel, height="180px")
+        self.views["timeline"] = TimelineView(feed, sel, height="260px")
+        self.views["batch"] = BatchView(feed, sel, height="240px")
+        self.views["metrics"] = MetricsView(feed, height="240px")
+
+    def _on_pick(self) -> None:
+        self.selection.select_request(self.picker.value or None)
+
+    def _refresh_requests(self) -> None:
+        state = self.feed.state
+        if state is None:
+            return
+        if len(self.picker.options) != len(state.requests) + 1:
+            self.picker.set_options({FOLLOW: "follow running", **{r: r for r in state.requests}},
+                                    value=self.picker.value if self.picker.value in state.requests else FOLLOW)
+        self.prompt_row.set_visibility(self.feed.kind != "replay")
+        scenario = state.scenario or {}
+        title = f"{scenario.get('name') or self.feed.kind} · {self.feed.run_id}"
+        if title != self.title.text:
+            self.title.set_text(title)
+            self.engine.set_text(engine_summary(state.config, state.cache))
+            description = md_escape(scenario.get("description") or "")
+            lesson = md_escape(scenario.get("lesson") or "")
+            self.lesson.set_content(f"{description} {('**Lesson:** ' + lesson) if lesson else ''}")
+
+
+def engine_summary(config: dict, cache: dict) -> str:
+    """The engine settings a lesson turns on, in one line (side by side, they tell the columns apart)."""
+    parts = [f"{config.get('batching', '?')} batching", f"{config.get('kv_layout', '?')} KV",
+             "prefix caching" if config.get("prefix_caching") else "no prefix caching",
+             f"chunked prefill ({config.get('max_num_batched_tokens')} tokens)" if config.get("chunked_prefill")
+             else f"budget {config.get('max_num_batched_tokens')} tokens",
+             f"{cache.get('num_blocks')} blocks × {cache.get('block_size')}", f"{config.get('max_num_seqs')} seqs"]
+    if not config.get("kv_cache", True):
+        parts.insert(1, "KV cache OFF")
+    return " · ".join(parts)
+
+
+def sync_zoom(charts: list[ui.echart]) -> None:
+    """Zooming one chart zooms the others (the side-by-side columns stay aligned)."""
+    last: dict[int, tuple] = {}
+
+    def handler(source: ui.echart) -> Callable[[GenericEventArguments], None]:
+        def on_zoom(e: GenericEventArguments) -> None:
+            args = e.args if isinstance(e.args, dict) else {}
+            batch = args.get("batch") or [args]
+            start, end = batch[0].get("start"), batch[0].get("end")
+            if start is None or end is None:
+                return
+            key = (round(start, 2), round(end, 2))
+            for chart in charts:
+                if chart is source or last.get(chart.id) == key:
+                    continue
+                last[chart.id] = key
+                chart.run_chart_method("dispatchAction", {"type": "dataZoom", "start": start, "end": end})
+            last[source.id] = key
+        return on_zoom
+
+    for chart in charts:
+        chart.on("chart:datazoom", handler(chart), ["start", "end", "batch"])

@@ -1,0 +1,115 @@
+// kvscope dashboard helpers: ECharts renderItem functions, tooltip formatters, latency probe.
+// Loaded once per page; every chart option refers to these by name (":renderItem": "kvscope.x").
+(function () {
+  const palette = window.KVSCOPE_PALETTE || ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
+  const KIND_COLORS = window.KVSCOPE_KIND_COLORS || ["#d6dae1", "#f28e2b", "#4e79a7", "#e15759", "#b07aa1"];
+  const KIND_NAMES = ["waiting", "prefill", "decode", "preempted (waits to recompute)", "verify"];
+  const esc = (s) => String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" }[c]));
+
+  function rect(api, x0, y0, x1, y1, style) {
+    const a = api.coord([x0, y0]);
+    const b = api.coord([x1, y1]);
+    return {
+      type: "rect",
+      shape: { x: Math.min(a[0], b[0]), y: Math.min(a[1], b[1]), width: Math.max(Math.abs(b[0] - a[0]), 0.8),
+               height: Math.max(Math.abs(b[1] - a[1]), 0.8) },
+      style: style,
+    };
+  }
+
+  const kv = {
+    palette: palette,
+    latency: [],
+    // [x0, x1, row, kind, tokens, step, request_id]
+    timelineCell(params, api) {
+      const row = api.value(2);
+      const h = Math.max(api.size([0, 1])[1] * 0.74, 1);
+      const a = api.coord([api.value(0), row]);
+      const b = api.coord([api.value(1), row]);
+      return { type: "rect", shape: { x: a[0], y: a[1] - h / 2, width: Math.max(b[0] - a[0] - 0.4, 0.8), height: h },
+               style: { fill: KIND_COLORS[api.value(3)] } };
+    },
+    timelineTip(p) {
+      const v = p.value;
+      if (p.seriesId === "ttft") return `<b>${esc(v[2])}</b>: first token at ${v[0]}<br>TTFT ${v[3]}`;
+      const tokens = v[4] ? ` · ${v[4]} token${v[4] > 1 ? "s" : ""}` : "";
+      const steps = v[7] > v[5] ? `iterations ${v[5]}–${v[7]}` : `iteration ${v[5]}`;
+      return `<b>${esc(v[6])}</b> · ${steps}<br>${KIND_NAMES[v[3]]}${tokens}`;
+    },
+    // [x0, x1, y0, y1, color, phase(1 prefill, 0 decode, 2 verify), request_id, tokens]: iterations
+    // x0..x1 (equal consecutive columns are merged into one shape) stacked from y0 to y1 tokens
+    batchSeg(params, api) {
+      const half = Math.max(api.size([1, 0])[0] * 0.4, 0.5);
+      const a = api.coord([api.value(0), api.value(3)]);
+      const b = api.coord([api.value(1), api.value(2)]);
+      const prefill = api.value(5) === 1;
+      const h = Math.max(b[1] - a[1], 3); // a 1-token decode stays visible next to a 2,048-token prefill
+      return { type: "rect", shape: { x: a[0] - half, y: b[1] - h, width: b[0] - a[0] + 2 * half, height: h },
+               style: { fill: api.value(4) >= 900 ? "#9aa5b1" : palette[api.value(4) % palette.length],
+                        opacity: prefill ? 1 : 0.5,
+                        stroke: prefill ? "#222" : null, lineWidth: prefill ? 0.6 : 0 } };
+    },
+    batchTip(p) {
+      const v = p.value;
+      const steps = v[1] > v[0] ? `iterations ${v[0]}–${v[1]}` : `iteration ${v[0]}`;
+      if (p.seriesId && p.seriesId.startsWith("sl-"))
+        return `${steps}<br>${v[2]} of ${v[3]} slots used` + (v[3] > v[2] ? `<br><b>${v[3] - v[2]} idle</b>` : "");
+      const phase = v[5] === 1 ? "prefill" : v[5] === 2 ? "verify" : "decode";
+      return `<b>${esc(v[6])}</b> · ${steps}<br>${phase}: ${v[7]} token${v[7] > 1 ? "s" : ""} per iteration`;
+    },
+    // [x0, x1, used, max]: batch slots in use and idle over iterations x0..x1
+    slotBar(params, api) {
+      const used = api.value(2), max = api.value(3);
+      const half = Math.max(api.size([1, 0])[0] * 0.4, 0.5);
+      const children = [];
+      const r = (y0, y1, style) => {
+        const a = api.coord([api.value(0), y1]), b = api.coord([api.value(1), y0]);
+        children.push({ type: "rect", shape: { x: a[0] - half, y: a[1], width: b[0] - a[0] + 2 * half,
+                                               height: Math.max(b[1] - a[1], 0) }, style });
+      };
+      r(0, used, { fill: "#6b7280" });
+      if (max > used) r(used, max, { fill: "#fde2e2", stroke: "#e15759", lineWidth: 0.6 });
+      return { type: "group", children };
+    },
+    // [row, offset, start, q, key_len, color]: query at absolute position q sees keys 0..q;
+    // keys below `start` come from the KV cache, start..q are computed in this pass.
+    maskRow(params, api) {
+      const row = api.value(0), off = api.value(1), start = api.value(2), q = api.value(3), klen = api.value(4);
+      const y0 = row - 0.5, y1 = row + 0.5;
+      const kids = [];
+      if (klen > q + 1) kids.push(rect(api, off + q + 1, y0, off + klen, y1, { fill: "#eceff3" }));
+      if (start > 0) kids.push(rect(api, off, y0, off + start, y1, { fill: "#4e79a7" }));
+      kids.push(rect(api, off + start, y0, off + q + 1, y1, { fill: "#f28e2b" }));
+      return { type: "group", children: kids };
+    },
+    maskTip(p) {
+      const v = p.value;
+      const cached = v[2] > 0 ? `<br>keys 0..${v[2] - 1} read from the KV cache` : "";
+      return `${v[6] ? `<b>${esc(v[6])}</b><br>` : ""}query at position ${v[3]} attends to keys 0..${v[3]}` + cached +
+             `<br>keys ${v[2]}..${v[3]} computed in this pass` + (v[4] > v[3] + 1 ? `<br>keys ${v[3] + 1}..${v[4] - 1} masked (future)` : "");
+    },
+    // Records how long after the NiceGUI process received an event the browser painted it.
+    lat(stamp, view) {
+      const applied = Date.now() - stamp;
+      requestAnimationFrame(() => {
+        kv.latency.push([view, Date.now() - stamp, applied, Date.now(), stamp]);
+        if (kv.latency.length > 20000) kv.latency.splice(0, 10000);
+      });
+    },
+    // Tells the dashboard process this view's update reached the screen, so it may send the next.
+    painted(key) {
+      requestAnimationFrame(() => window.emitEvent && emitEvent(`kvscope_painted_${key}`));
+    },
+    p95(last, withinMs) {
+      const since = Date.now() - (withinMs || 1e12);
+      const xs = kv.latency.slice(-(last || 400)).filter((x) => x[3] >= since).map((x) => x[1]).sort((a, b) => a - b);
+      return xs.length ? xs[Math.min(xs.length - 1, Math.floor(0.95 * xs.length))] : null;
+    },
+  };
+  window.kvscope = kv;
+  setInterval(() => {
+    const el = document.getElementById("kvscope-lag");
+    const p = kv.p95(200, 10000); // the last ten seconds: the page load's first paint is not "lag"
+    if (el) el.textContent = p === null ? "" : `screen lag p95 ${p} ms`;
+  }, 1000);
+})();

@@ -1,0 +1,152 @@
+"""Attention mask of the selected request (or the whole batch) in one iteration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nicegui import ui
+
+from frontend.client import LogEntry, RunFeed
+from frontend.selection import Selection
+from frontend.views.base import FeedView, Js, legend, view_card
+from frontend.views.charts import make_chart
+from frontend.views.live_text import LiveText
+
+EXPLANATION = """
+Rows are **queries** (the tokens computed in this iteration), columns are **keys** (every token
+they may look at). A query at position *q* attends to keys 0..*q* and never to the future: the
+**causal** mask.
+
+- **prefill**: the whole prompt at once: a full triangle.
+- **chunked prefill**: a later chunk of a long prompt: its queries read the earlier chunks from the
+  **KV cache** (blue columns) plus a triangle over the chunk itself (orange).
+- **prefix cache hit**: the same picture: the shared prefix is read, not recomputed.
+- **decode**: a single row: one new token reads the entire cache.
+
+*Whole batch* stacks every sequence of the iteration: a **variable-length block diagonal**. The
+kernels never compute the white area; this is why batching requests of different lengths costs no
+padding.
+"""
+
+ROW_PX = 22  # tallest a query row is drawn
+MAX_ROWS = 600  # rows drawn; beyond this every k-th query row is drawn (the picture is the same)
+MASK_SERIES = {"id": "mask", "type": "custom", "renderItem": Js("kvscope.maskRow"), "encode": {"x": [1, 4], "y": 0},
+               "clip": True, "tooltip": {":formatter": "kvscope.maskTip"}}
+
+
+def mask_items(events: list[dict], rows_of: dict[str, int]) -> tuple[list[list[Any]], int, int]:
+    """[row, key offset, cached, q, key_len, colour, request_id] per query row; (items, rows, keys)."""
+    items, row, offset = [], 0, 0
+    for e in events:
+        start, end = e["query_positions"]
+        for q in range(start, end):
+            items.append([row, offset, start, q, e["key_len"], rows_of.get(e["request_id"], 0), e["request_id"]])
+            row += 1
+        offset += e["key_len"]
+    if len(items) > MAX_ROWS:
+        stride = -(-len(items) // MAX_ROWS)
+        items = items[::stride]
+    return items, row, offset
+
+
+def describe(events: list[dict], step: int, batch: bool) -> str:
+    if not events:
+        return ("No attention mask for this selection yet: masks are drawn from the iterations seen since this "
+                "page connected (and only with engine.events = full).")
+    if batch:
+        queries = sum(e["query_positions"][1] - e["query_positions"][0] for e in events)
+        keys = sum(e["key_len"] for e in events)
+        return f"iteration {step} · {len(events)} sequences · {queries} queries · {keys} keys"
+    e = events[0]
+    start, end = e["query_positions"]
+    cached = f" ({start} from the cache)" if start else ""
+    return (f"{e['request_id']} · iteration {step} · {e['kind']} · queries {start}..{end - 1} · "
+            f"{e['key_len']} keys{cached}")
+
+
+class AttentionView(FeedView):
+    name = "attention"
+
+    def __init__(self, feed: RunFeed, selection: Selection, height: str = "300px") -> None:
+        self.selection = selection
+        self.batch = False
+        self.shown: tuple | None = None
+        self.plot_height = int(height.removesuffix("px")) - 50
+        with view_card("Attention mask", EXPLANATION, "w-full"):
+            with ui.row().classes("items-center gap-2 w-full"):
+                ui.toggle({False: "this request", True: "whole batch"}, value=False,
+                          on_change=lambda e: self.set_batch(bool(e.value))).props("dense size=sm").mark("mask-mode")
+                ui.button(icon="chevron_left", on_click=lambda: self.move(-1)).props("flat dense round size=sm") \
+                    .mark("mask-prev").tooltip("previous iteration of this request")
+                ui.button(icon="chevron_right", on_click=lambda: self.move(1)).props("flat dense round size=sm") \
+                    .mark("mask-next").tooltip("next iteration of this request")
+                ui.button("latest", on_click=lambda: self.selection.select_mask_step(None)) \
+                    .props("flat dense size=sm").mark("mask-latest")
+            self.caption = LiveText().classes("kv-caption").mark("mask-caption")
+            legend([("#4e79a7", "key from the KV cache"), ("#f28e2b", "key computed now (causal)"),
+                    ("#eceff3", "masked: future"), ("#ffffff", "other sequence: never computed")])
+            self.chart = make_chart(self._options(), height, "attention")
+        selection.on_change(self.invalidate)
+        super().__init__(feed)
+
+    def _options(self) -> dict:
+        return {
+            "grid": {"left": 56, "right": 16, "top": 10, "bottom": 40},
+            "tooltip": {"trigger": "item"},
+            "xAxis": {"type": "value", "name": "key position", "nameLocation": "middle", "nameGap": 22, "min": 0},
+            "yAxis": {"type": "value", "name": "query", "inverse": True, "minInterval": 1,
+                      "axisLabel": {":formatter": "(v) => Number.isInteger(v) ? String(v) : ''"}},
+            "series": [],
+        }
+
+    def set_batch(self, batch: bool) -> None:
+        self.batch = batch
+        self.invalidate()
+
+    def move(self, direction: int) -> None:
+        rid = self.selection.current(self.feed.state)
+        steps = self.feed.history.mask_steps(rid) if rid else []
+        if not steps:
+            return
+        current = self.selection.mask_step if self.selection.mask_step in steps else steps[-1]
+        index = max(0, min(len(steps) - 1, steps.index(current) + direction))
+        self.selection.select_mask_step(steps[index])
+
+    def _selected(self) -> tuple[int | None, list[dict]]:
+        history = self.feed.history
+        rid = self.selection.current(self.feed.state)
+        if rid is None:
+            return None, []
+        step = self.selection.mask_step
+        if step is None or step not in history.masks:
+            steps = history.mask_steps(rid)
+            step = steps[-1] if steps else None
+        if step is None:
+            return None, []
+        events = history.masks[step]
+        return step, events if self.batch else [e for e in events if e["request_id"] == rid]
+
+    def full(self) -> bool:
+        step, events = self._selected()
+        key = (step, self.batch, tuple((e["seq_id"], e["key_len"]) for e in events))
+        if key == self.shown:
+            return False
+        self.shown = key
+        self.caption.set(describe(events, step or 0, self.batch))
+        items, rows, keys = mask_items(events, self.feed.history.rows)
+        if self.batch or not events:
+            y = {"min": -0.5, "max": max(rows, 1) - 0.5, "name": "query (all sequences)",
+                 "axisLabel": {"show": not self.batch}}
+        else:
+            start, end = events[0]["query_positions"]
+            items = [[it[3], *it[1:]] for it in items]  # rows labelled by absolute query position
+            y = {"min": start - 0.5, "max": end - 0.5, "name": "query position", "axisLabel": {"show": True}}
+        grid = {"height": min(self.plot_height, max(len(items), 1) * ROW_PX)}  # a decode row stays a row
+        self.push(self.chart, {"xAxis": {"max": max(keys, 1)}, "yAxis": y, "grid": grid,
+                          "series": [{**MASK_SERIES, "data": items}]}, replace_series=True)
+        return True
+
+    def delta(self, entries: list[LogEntry]) -> bool:
+        if not any(e.event["type"] == "attention_mask" for e in entries):
+            return False
+        return self.full()

@@ -1,0 +1,181 @@
+// The block pool as one canvas: thousands of cells stay smooth, and only changed cells travel.
+// Python calls reset(full) once per resync and apply(changes) per tick; hover and click go back
+// as events ("hover" asks Python for the tooltip text, which it sends with tip()).
+const FREE = "#eef1f5";
+const CACHED = "#bfe3d4";
+const FLASH = { alloc: "#16a34a", free: "#475569", share: "#9333ea", copy: "#f59e0b", evict: "#dc2626" };
+const FLASH_MS = 900;
+
+export default {
+  template: `<div style="position:relative;width:100%;height:100%">
+      <canvas ref="canvas" style="width:100%;height:100%;display:block;cursor:pointer"></canvas>
+      <div ref="tip" class="kv-tip" style="position:absolute;display:none;pointer-events:none;z-index:10"></div>
+    </div>`,
+  props: { palette: Array },
+  mounted() {
+    this.n = 0;
+    this.cells = { state: new Uint8Array(0), color: new Int16Array(0), shared: new Uint8Array(0) };
+    this.flashes = new Map(); // block -> [color, start time]
+    this.hover = -1;
+    this.dirty = new Set(); // blocks to repaint at the next frame
+    this.all = false; // repaint everything (after a reset or a resize)
+    this.frame = null;
+    this.geom = { cell: 10, cols: 1 };
+    const canvas = this.$refs.canvas;
+    canvas.addEventListener("mousemove", (e) => this.onMove(e));
+    canvas.addEventListener("mouseleave", () => this.onLeave());
+    canvas.addEventListener("click", (e) => {
+      const b = this.blockAt(e);
+      if (b >= 0) this.$emit("pick", { block: b });
+    });
+    this.resizeObserver = new ResizeObserver(() => this.layout());
+    this.resizeObserver.observe(this.$el);
+  },
+  unmounted() {
+    this.resizeObserver?.disconnect();
+    if (this.frame) cancelAnimationFrame(this.frame);
+  },
+  methods: {
+    probe(meta) {
+      if (!meta || !window.kvscope) return;
+      if (meta.stamp) kvscope.lat(meta.stamp[0], meta.stamp[1]);
+      if (meta.ack !== undefined) kvscope.painted(meta.ack);
+    },
+    reset(full, meta) {
+      this.probe(meta);
+      this.n = full.state.length;
+      this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
+                     shared: Uint8Array.from(full.shared) };
+      this.flashes.clear();
+      this.layout();
+    },
+    apply(changes, meta) {
+      this.probe(meta);
+      const now = performance.now();
+      for (const [b, state, color, shared, flash] of changes) {
+        if (b >= this.n) continue;
+        this.cells.state[b] = state;
+        this.cells.color[b] = color;
+        this.cells.shared[b] = shared;
+        if (flash) this.flashes.set(b, [FLASH[flash] || "#000", now]);
+        this.dirty.add(b);
+      }
+      this.schedule();
+    },
+    tip(block, html) {
+      if (block !== this.hover) return;
+      this.$refs.tip.innerHTML = html;
+      this.$refs.tip.style.display = "block";
+    },
+    layout() {
+      const canvas = this.$refs.canvas;
+      const w = this.$el.clientWidth, h = this.$el.clientHeight;
+      if (!w || !h) return;
+      const dpr = window.devicePixelRatio || 1;
+      canvas.width = Math.round(w * dpr);
+      canvas.height = Math.round(h * dpr);
+      const n = Math.max(this.n, 1);
+      let cell = Math.min(44, Math.floor(Math.sqrt((w * h) / n)));
+      while (cell > 3 && Math.floor(w / cell) * Math.floor(h / cell) < n) cell--;
+      this.geom = { cell: Math.max(cell, 2), cols: Math.max(1, Math.floor(w / Math.max(cell, 2))), dpr };
+      this.all = true;
+      this.schedule();
+    },
+    schedule() {
+      if (!this.frame) this.frame = requestAnimationFrame(() => this.draw());
+    },
+    // Only the cells that changed, flash or are hovered are repainted: with 2,048 blocks a full
+    // repaint every animation frame would keep the CPU busy for as long as anything flashes.
+    draw() {
+      this.frame = null;
+      const ctx = this.$refs.canvas.getContext("2d");
+      const { cell, dpr } = this.geom;
+      ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+      ctx.font = `${Math.floor(cell / 3)}px sans-serif`;
+      ctx.textAlign = "center";
+      ctx.textBaseline = "middle";
+      const now = performance.now();
+      if (this.all) {
+        ctx.clearRect(0, 0, this.$refs.canvas.width, this.$refs.canvas.height);
+        for (let b = 0; b < this.n; b++) this.drawCell(ctx, b, now);
+        this.all = false;
+      } else {
+        for (const b of this.dirty) this.drawCell(ctx, b, now);
+        for (const b of this.flashes.keys()) if (!this.dirty.has(b)) this.drawCell(ctx, b, now);
+      }
+      this.dirty.clear();
+      if (this.flashes.size) this.schedule();
+    },
+    drawCell(ctx, b, now) {
+      if (b < 0 || b >= this.n) return;
+      const { cell, cols } = this.geom;
+      const pal = this.palette || ["#4e79a7"];
+      const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
+      const gap = cell >= 8 ? 1 : 0.5;
+      const state = this.cells.state[b];
+      ctx.clearRect(x, y, cell, cell);
+      ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? CACHED : FREE;
+      ctx.fillRect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
+      if (this.cells.shared[b]) { // a dark corner: more than one sequence reads this block
+        ctx.fillStyle = "#111827";
+        ctx.beginPath();
+        ctx.moveTo(x + cell - gap, y + gap);
+        ctx.lineTo(x + cell - gap, y + gap + cell * 0.45);
+        ctx.lineTo(x + cell - gap - cell * 0.45, y + gap);
+        ctx.fill();
+      }
+      if (cell >= 24) {
+        ctx.fillStyle = state === 1 ? "#fff" : "#64748b";
+        ctx.fillText(String(b), x + cell / 2, y + cell / 2);
+      }
+      const flash = this.flashes.get(b);
+      if (flash) {
+        const age = (now - flash[1]) / FLASH_MS;
+        if (age >= 1) {
+          this.flashes.delete(b);
+        } else { // a ring inside the cell, fading out
+          const width = Math.max(1.5, cell / 4) * (1 - age * 0.5);
+          ctx.globalAlpha = 1 - age;
+          ctx.strokeStyle = flash[0];
+          ctx.lineWidth = width;
+          ctx.strokeRect(x + width / 2, y + width / 2, cell - width, cell - width);
+          ctx.globalAlpha = 1;
+        }
+      }
+      if (b === this.hover) {
+        ctx.strokeStyle = "#111";
+        ctx.lineWidth = 2;
+        ctx.strokeRect(x + 1, y + 1, cell - 2, cell - 2);
+      }
+    },
+    blockAt(e) {
+      const r = this.$refs.canvas.getBoundingClientRect();
+      const { cell, cols } = this.geom;
+      const col = Math.floor((e.clientX - r.left) / cell), row = Math.floor((e.clientY - r.top) / cell);
+      if (col < 0 || col >= cols) return -1;
+      const b = row * cols + col;
+      return b >= 0 && b < this.n ? b : -1;
+    },
+    onMove(e) {
+      const b = this.blockAt(e);
+      const tip = this.$refs.tip;
+      const r = this.$el.getBoundingClientRect();
+      const left = e.clientX - r.left + 14, top = e.clientY - r.top + 14;
+      tip.style.left = `${Math.min(left, r.width - 220)}px`;
+      tip.style.top = `${Math.min(top, r.height - 60)}px`;
+      if (b === this.hover) return;
+      this.dirty.add(this.hover);
+      this.hover = b;
+      this.dirty.add(b);
+      tip.style.display = "none";
+      if (b >= 0) this.$emit("hover", { block: b });
+      this.schedule();
+    },
+    onLeave() {
+      this.dirty.add(this.hover);
+      this.hover = -1;
+      this.$refs.tip.style.display = "none";
+      this.schedule();
+    },
+  },
+};

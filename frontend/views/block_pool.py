@@ -1,0 +1,135 @@
+"""Block pool: every physical KV block as one cell of a canvas, coloured by the request owning it."""
+
+from __future__ import annotations
+
+import html
+
+from nicegui import ui
+from nicegui.events import GenericEventArguments
+
+from backend.events.state import RunState
+from frontend.client import LogEntry, RunFeed
+from frontend.history import RunHistory
+from frontend.selection import Selection
+from frontend.views.base import PALETTE, FeedView, legend, view_card
+from frontend.views.live_text import LiveText
+
+FREE, USED, CACHED = 0, 1, 2
+FLASH_OF = {"block_alloc": "alloc", "block_free": "free", "block_share": "share", "block_evict": "evict"}
+
+EXPLANATION = """
+The KV cache is one pool of fixed-size **blocks** (each holds the keys and values of *block size*
+tokens, for every layer). A request gets blocks one at a time as its text grows, so memory is never
+reserved for tokens that do not exist yet (that is *paged attention*).
+
+- **colour**: the request owning the block (the same colour as in the timeline and batch views)
+- **grey**: free; **pale green**: free but still holding a full block of some prefix, reusable by
+  a later request with the same prefix until it is evicted
+- **dark corner**: shared by more than one sequence (ref count > 1): prefix caching or a fork
+- rings flash on **allocate** (green), **free** (slate), **share** (purple), **copy-on-write**
+  (orange) and **evict** (red)
+
+Hover a block for its owners and how many of its token slots are filled; click it to select its
+request in the other views.
+"""
+
+
+class BlockPoolCanvas(ui.element, component="block_pool.js"):
+    """The canvas component; Python sends `reset` / `apply` and answers `hover` with `tip`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._props["palette"] = PALETTE
+
+
+def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
+    """(state, colour index, shared) of one block as the reducer knows it."""
+    owners = state.block_owner.get(block)
+    if owners:
+        rid = state.seq_request.get(min(owners), "")
+        return USED, history.rows.get(rid, 0), int(state.ref_counts.get(block, 1) > 1)
+    if block in state.cached_blocks:
+        return CACHED, 0, 0
+    if block in free:
+        return FREE, 0, 0
+    return USED, 0, int(state.ref_counts.get(block, 1) > 1)  # allocated but its owner is not known yet
+
+
+def describe_block(state: RunState, history: RunHistory, block: int) -> str:
+    """The tooltip: id, state, owners with logical index and fill (hashes are not in the events)."""
+    bs = state.cache.get("block_size", 0)
+    owners = sorted(state.block_owner.get(block, ()))
+    if not owners:
+        what = "free, still holds a cached prefix (evictable)" if block in state.cached_blocks else "free"
+        return f"<b>block {block}</b><br>{what}"
+    lines = [f"<b>block {block}</b> · ref count {state.ref_counts.get(block, 1)}"]
+    for seq in owners:
+        rid = state.seq_request.get(seq, "?")
+        table = state.block_tables.get(seq, [])
+        logical = table.index(block) if block in table else -1
+        filled = min(bs, max(0, history.seq_context.get(seq, 0) - logical * bs)) if logical >= 0 else 0
+        lines.append(f"{html.escape(rid)} (seq {seq}) · logical block {logical} · {filled}/{bs} slots filled")
+    return "<br>".join(lines)
+
+
+class BlockPoolView(FeedView):
+    name = "blocks"
+
+    def __init__(self, feed: RunFeed, selection: Selection, height: str = "260px") -> None:
+        self.selection = selection
+        with view_card("Block pool (KV cache)", EXPLANATION, "w-full") as self.card:
+            self.caption = LiveText().classes("kv-caption")
+            self.canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark("block-pool") \
+                .props("data-kv=block-pool")
+            legend([("#eef1f5", "free"), (PALETTE[0], "in use (colour = request)"),
+                    ("#bfe3d4", "free, cached prefix"), ("#111827", "corner: shared (ref > 1)")])
+        self.canvas.on("hover", self._on_hover, ["block"])
+        self.canvas.on("pick", self._on_pick, ["block"])
+        super().__init__(feed)
+        self.changes_sent = 0  # cells sent as deltas, for tests
+
+    def full(self) -> bool:
+        state, history = self.feed.state, self.feed.history
+        free = set(state.free_blocks)
+        cells = [cell_of(state, history, free, b) for b in range(state.num_blocks)]
+        self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
+                                         "shared": [c[2] for c in cells]}, self.stamp_args())
+        self._caption()
+        return True
+
+    def delta(self, entries: list[LogEntry]) -> bool:
+        flashes: dict[int, str] = {}
+        for entry in entries:
+            e = entry.event
+            if e["type"] in FLASH_OF:
+                flashes[e["block_id"]] = FLASH_OF[e["type"]]
+            elif e["type"] == "block_copy":
+                flashes[e["src_block_id"]] = flashes[e["dst_block_id"]] = "copy"
+        if not flashes:
+            return False
+        state, history = self.feed.state, self.feed.history
+        free = set(state.free_blocks)
+        changes = [[b, *cell_of(state, history, free, b), kind] for b, kind in flashes.items() if b < state.num_blocks]
+        self.canvas.run_method("apply", changes, self.stamp_args())
+        self.changes_sent += len(changes)
+        self._caption()
+        return True
+
+    def _caption(self) -> None:
+        state = self.feed.state
+        n, bs = state.num_blocks, state.cache.get("block_size", 0)
+        used = n - len(state.free_blocks)
+        text = (f"{n} blocks × {bs} tokens · in use {used} ({100 * used / max(n, 1):.0f}%) · "
+                f"cached {len(state.cached_blocks)} · shared {sum(1 for c in state.ref_counts.values() if c > 1)}")
+        self.caption.set(text)
+
+    def _on_hover(self, e: GenericEventArguments) -> None:
+        block = int(e.args["block"])
+        if self.feed.state is not None:
+            self.canvas.run_method("tip", block, describe_block(self.feed.state, self.feed.history, block))
+
+    def _on_pick(self, e: GenericEventArguments) -> None:
+        state = self.feed.state
+        owners = state.block_owner.get(int(e.args["block"])) if state else None
+        if owners:
+            self.selection.select_request(state.seq_request.get(min(owners)))

@@ -1,0 +1,76 @@
+"""Block table of the selected request: logical block -> physical block, fill, sharing."""
+
+from __future__ import annotations
+
+import html
+
+
+from backend.events.state import RunState
+from frontend.client import RunFeed
+from frontend.history import RunHistory
+from frontend.selection import Selection
+from frontend.views.base import FeedView, request_color, view_card
+from frontend.views.live_text import LiveText
+
+EXPLANATION = """
+A sequence sees its KV cache as consecutive **logical** blocks 0, 1, 2, ...; its **block table** maps
+each to a **physical** block anywhere in the pool (the numbers in the block pool). Attention
+kernels follow this table to find a token's keys and values, which is why the blocks of one request
+need not be contiguous. Only the last block is partly filled; a block marked **shared** is read by
+several sequences (a cached prefix or a fork) and is copied before anyone writes into it
+(copy-on-write).
+"""
+
+
+def table_html(state: RunState, history: RunHistory, request_id: str | None) -> str:
+    """One row of chips per sequence of the request."""
+    if request_id is None or request_id not in state.requests:
+        return '<div class="kv-muted">No request selected.</div>'
+    seqs = sorted(s for s, r in state.seq_request.items() if r == request_id and s in state.block_tables)
+    view = state.requests[request_id]
+    if not seqs:
+        return f'<div class="kv-muted">{html.escape(request_id)} holds no blocks ({view.status}).</div>'
+    bs = state.cache.get("block_size", 1)
+    color = request_color(history.rows.get(request_id, 0))
+    return "".join(_seq_row(state, history, seq, bs, color) for seq in seqs)
+
+
+def _seq_row(state: RunState, history: RunHistory, seq: int, bs: int, color: str) -> str:
+    table = state.block_tables[seq]
+    tokens = history.seq_context.get(seq, 0)
+    chips = []
+    for logical, block in enumerate(table):
+        filled = min(bs, max(0, tokens - logical * bs))
+        shared = state.ref_counts.get(block, 1) > 1
+        badge = f'<span class="kv-chip-badge">shared ×{state.ref_counts[block]}</span>' if shared else ""
+        fill = f'<span class="kv-chip-fill">{filled}/{bs}</span>' if logical == len(table) - 1 else ""
+        chips.append(
+            f'<div class="kv-chip{" kv-chip-shared" if shared else ""}" style="border-color:{color}">'
+            f'<span class="kv-chip-logical">L{logical}</span><span class="kv-chip-arrow">→</span>'
+            f'<span class="kv-chip-physical" style="background:{color}">{block}</span>{fill}{badge}</div>'
+        )
+    head = f'<div class="kv-seq-head">seq {seq} · {tokens} tokens in {len(table)} blocks</div>'
+    return f'<div class="kv-seq">{head}<div class="kv-chips">{"".join(chips)}</div></div>'
+
+
+class BlockTableView(FeedView):
+    name = "block_table"
+
+    def __init__(self, feed: RunFeed, selection: Selection) -> None:
+        self.selection = selection
+        with view_card("Block table of the selected request", EXPLANATION, "w-full"):
+            self.html = LiveText(html=True).classes("w-full").mark("block-table")
+        self.last = ""
+        selection.on_change(self.invalidate)
+        super().__init__(feed)
+
+    def full(self) -> bool:
+        content = table_html(self.feed.state, self.feed.history, self.selection.current(self.feed.state))
+        if content == self.last:
+            return False
+        self.last = content
+        self.html.set(content)
+        return True
+
+    def delta(self, entries) -> bool:
+        return self.full()  # a few chips: recomputing is cheaper than tracking what changed

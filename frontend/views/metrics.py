@@ -1,0 +1,154 @@
+"""Metrics over time: throughput, TTFT / TPOT per request, KV usage, waste and prefix hit rate."""
+
+from __future__ import annotations
+
+import statistics
+
+
+from frontend.client import LogEntry, RunFeed
+from frontend.history import Finish, MetricPoint
+from frontend.views.base import FeedView, view_card
+from frontend.views.charts import make_chart
+from frontend.views.live_text import LiveText
+from frontend.views.chunks import Chunks
+
+EXPLANATION = """
+- **tokens/s**: generated tokens per second of engine time (decode throughput).
+- **TTFT** (time to first token): from a request's arrival to its first token: queueing plus
+  prefill. Prefix caching and chunked prefill cut it. One dot per finished request.
+- **TPOT** (time per output token): the average gap between its later tokens: the decode speed a
+  user feels. Bigger batches raise throughput but also TPOT.
+- **KV usage**: the share of the cache's token slots holding keys and values.
+- **KV waste**: slots reserved but empty (the unfilled tail of each last block, or with the
+  contiguous layout the whole reserved maximum length): paging keeps it below one block per sequence.
+- **prefix hit rate**: prompt tokens found already in the cache instead of being recomputed.
+"""
+
+# (key, legend name, colour, grid): one line per metric
+LINES = [
+    ("tokens_per_s", "tokens/s", "#4e79a7", 0),
+    ("kv_usage", "KV usage %", "#59a14f", 1),
+    ("kv_waste", "KV waste %", "#e15759", 1),
+    ("prefix_hit_rate", "prefix hit %", "#b07aa1", 1),
+]
+PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate"}
+KPI_TITLES = {"tps": "tokens/s", "ttft": "mean TTFT", "tpot": "mean TPOT", "usage": "KV usage", "waste": "KV waste",
+              "hit": "prefix hits", "preempt": "preemptions", "done": "finished"}
+
+
+def kpi_html(values: dict[str, str]) -> str:
+    """The current numbers in large type (one HTML string: one message per tick for all of them)."""
+    cells = "".join(f'<div class="kv-kpi"><div class="kv-kpi-value">{values[key]}</div>'
+                    f'<div class="kv-kpi-label">{title}</div></div>' for key, title in KPI_TITLES.items())
+    return f'<div class="kv-kpis">{cells}</div>'
+
+
+
+def line_value(point: MetricPoint, key: str) -> float:
+    value = getattr(point, key)
+    return round(100 * value, 2) if key in PERCENT else round(value, 1)
+
+
+class MetricsView(FeedView):
+    name = "metrics"
+
+    def __init__(self, feed: RunFeed, height: str = "300px") -> None:
+        self.lines = {key: Chunks(f"m-{key}-", size=64) for key, *_ in LINES}
+        self.last_point: dict[str, list] = {}
+        self.n_points = 0
+        self.n_finishes = -1
+        self.kpis: dict[str, str] = {key: "–" for key in KPI_TITLES}
+        with view_card("Metrics over time", EXPLANATION, "w-full"):
+            self.kpi_row = LiveText(kpi_html(self.kpis), html=True).classes("w-full").mark("kpis")
+            self.chart = make_chart(self._options(), height, "metrics")
+        super().__init__(feed)
+
+    def _options(self) -> dict:
+        return {
+            "legend": {"top": 0, "textStyle": {"fontSize": 11}},
+            "tooltip": {"trigger": "axis"},
+            "grid": [{"left": 52, "right": 52, "top": 28, "bottom": "52%"},
+                     {"left": 52, "right": 52, "top": "56%", "bottom": 44}],
+            "xAxis": [{"type": "value", "gridIndex": 0, "min": "dataMin", "max": "dataMax",
+                       "axisLabel": {"show": False}},
+                      {"type": "value", "gridIndex": 1, "min": "dataMin", "max": "dataMax", "name": "iteration",
+                       "nameLocation": "middle", "nameGap": 22}],
+            "yAxis": [{"type": "value", "gridIndex": 0, "name": "tokens/s"},
+                      {"type": "value", "gridIndex": 0, "name": "ms", "position": "right",
+                       "splitLine": {"show": False}},
+                      {"type": "value", "gridIndex": 1, "name": "%", "min": 0, "max": 100}],
+            "dataZoom": [{"type": "inside", "xAxisIndex": [0, 1], "filterMode": "none"}],
+            "series": [],
+        }
+
+    def _line(self, key: str, sid: str, data: list) -> dict:
+        _, name, color, grid = next(line for line in LINES if line[0] == key)
+        return {"id": sid, "name": name, "type": "line", "data": data, "showSymbol": False, "color": color,
+                "xAxisIndex": grid, "yAxisIndex": 0 if grid == 0 else 2, "lineStyle": {"width": 2}}
+
+    def _scatter(self, finishes: list[Finish]) -> list[dict]:
+        out = []
+        for sid, name, attr, color in (("ttft", "TTFT (ms)", "ttft_s", "#f28e2b"),
+                                       ("tpot", "TPOT (ms)", "tpot_s", "#76b7b2")):
+            data = [[f.step, round(getattr(f, attr) * 1000, 1), f.request_id] for f in finishes
+                    if getattr(f, attr) is not None]
+            out.append({"id": sid, "name": name, "type": "scatter", "data": data, "color": color, "symbolSize": 7,
+                        "xAxisIndex": 0, "yAxisIndex": 1})
+        return out
+
+    def full(self) -> bool:
+        for chunks in self.lines.values():
+            chunks.clear()
+        self.last_point.clear()
+        self.n_points, self.n_finishes = 0, -1
+        self._add_points()
+        series = [self._line(key, sid, d) for key, chunks in self.lines.items() for sid, d in chunks.all()]
+        series += self._scatter(self.feed.history.finishes)
+        self.n_finishes = len(self.feed.history.finishes)
+        self.push(self.chart, {"series": series}, replace_series=True)
+        self._kpis()
+        return True
+
+    def delta(self, entries: list[LogEntry]) -> bool:
+        if not any(e.event["type"] in ("metrics", "request_finished") for e in entries):
+            return False
+        self._add_points()
+        series = [self._line(key, sid, d) for key, chunks in self.lines.items() for sid, d in chunks.take_dirty()]
+        if len(self.feed.history.finishes) != self.n_finishes:
+            self.n_finishes = len(self.feed.history.finishes)
+            series += self._scatter(self.feed.history.finishes)
+        if series:
+            self.push(self.chart, {"series": series})
+        self._kpis()
+        return bool(series)
+
+    def _add_points(self) -> None:
+        points = self.feed.history.metrics
+        for point in points[self.n_points:]:
+            for key, chunks in self.lines.items():
+                value = [point.step, line_value(point, key)]
+                k = point.step // chunks.size
+                if k not in chunks.items and key in self.last_point:
+                    chunks.add(point.step, self.last_point[key])  # join the new chunk to the previous one
+                chunks.add(point.step, value)
+                self.last_point[key] = value
+        self.n_points = len(points)
+
+    def _kpis(self) -> None:
+        state, history = self.feed.state, self.feed.history
+        m = history.metrics[-1] if history.metrics else None  # the snapshot's latest, at least
+        ttfts = [f.ttft_s for f in history.finishes if f.ttft_s is not None]
+        tpots = [f.tpot_s for f in history.finishes if f.tpot_s is not None]
+        finished = sum(1 for r in state.requests.values() if r.status == "finished")
+        values = {
+            "tps": f"{m.tokens_per_s:.0f}" if m else "–",
+            "ttft": f"{1000 * statistics.fmean(ttfts):.0f} ms" if ttfts else "–",
+            "tpot": f"{1000 * statistics.fmean(tpots):.1f} ms" if tpots else "–",
+            "usage": f"{100 * m.kv_usage:.0f}%" if m else "–",
+            "waste": f"{100 * m.kv_waste:.1f}%" if m else "–",
+            "hit": f"{100 * m.prefix_hit_rate:.0f}%" if m else "–",
+            "preempt": str(state.num_preemptions),
+            "done": f"{finished}/{len(state.requests)}",
+        }
+        self.kpis = values
+        self.kpi_row.set(kpi_html(values))

@@ -1,0 +1,186 @@
+"""Timeline: a row per request over iterations (waiting, prefill chunks, decode, preempted)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nicegui import ui
+from nicegui.events import EChartPointClickEventArguments
+
+from frontend.client import LogEntry, RunFeed
+from frontend.history import KINDS, Column, RunHistory
+from frontend.selection import Selection
+from frontend.views.base import INTEGER_LABELS, KIND_COLORS, FeedView, Js, legend, view_card
+from frontend.views.charts import make_chart
+from frontend.views.chunks import Chunks
+
+EXPLANATION = """
+One row per request, one column per engine **iteration** (one forward pass over the whole batch).
+A request **waits** in the queue (grey) until the scheduler admits it, then **prefills** its prompt
+(orange; a long prompt is split into *chunks* over several iterations when chunked prefill is on)
+and **decodes** one token per iteration (blue). When the KV cache runs out of blocks the newest
+request is **preempted** (red): its blocks are freed and it waits to recompute its prefix later.
+The diamond marks its **first token**: the time to first token (TTFT) is the distance from the row's
+start to it. Scroll or drag the sliders to zoom; switch the x axis between iterations and seconds.
+"""
+
+CELL_SERIES = {
+    "type": "custom", "renderItem": Js("kvscope.timelineCell"), "encode": {"x": [0, 1], "y": 2},
+    "clip": True, "animation": False,
+}  # fmt: skip
+
+
+def column_items(col: Column, prev_t: float | None, history: RunHistory, seconds: bool) -> list[list[Any]]:
+    """Data items [x0, x1, row, kind, tokens, step, request_id] of one iteration."""
+    items = []
+    for cell in col.cells:
+        if seconds:
+            waiting = cell.kind in ("waiting", "preempted")
+            x0 = (prev_t if prev_t is not None else col.t - col.duration_s) if waiting else col.t - col.duration_s
+            x1 = col.t
+        else:
+            x0, x1 = col.step - 0.5, col.step + 0.5
+        row = history.rows.get(cell.request_id)
+        if row is not None:
+            items.append([round(x0, 4), round(x1, 4), row, KINDS.index(cell.kind), cell.tokens, col.step,
+                          cell.request_id])
+    return items
+
+
+def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
+    """Consecutive iterations of one request in the same phase become one rectangle.
+
+    64 decoding requests over a chunk of 16 iterations are 64 shapes instead of 1,024: the browser
+    repaints every shape of a chart whenever anything in it changes."""
+    merged: list[list[Any]] = []
+    last: dict[int, list[Any]] = {}  # row -> its open run
+    for item in sorted(items, key=lambda it: (it[2], it[5])):
+        run = last.get(item[2])
+        if run is not None and run[3] == item[3] and run[7] + 1 == item[5]:
+            run[1], run[4], run[7] = item[1], run[4] + item[4], item[5]
+            continue
+        run = [*item, item[5]]  # + the run's last iteration
+        merged.append(run)
+        last[item[2]] = run
+    return merged
+
+
+class TimelineView(FeedView):
+    name = "timeline"
+
+    def __init__(self, feed: RunFeed, selection: Selection, height: str = "300px") -> None:
+        self.selection = selection
+        self.seconds = False
+        self.chunks = Chunks("tl-", build=merge_runs)
+        self.last_step = -10**9
+        self.last_t: float | None = None
+        self.rows_sent = 0
+        self.ttft_sent: list = []
+        self.step_t: dict[int, float] = {}
+        with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
+            with ui.row().classes("items-center gap-3"):
+                legend([(KIND_COLORS[0], "waiting"), (KIND_COLORS[1], "prefill (chunk)"),
+                        (KIND_COLORS[2], "decode"), (KIND_COLORS[3], "preempted"), ("#111", "◆ first token")])
+                ui.space()
+                ui.toggle({False: "iterations", True: "seconds"}, value=False,
+                          on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \
+                    .mark("timeline-axis")
+            self.chart = make_chart(self._options(), height, "timeline")
+        self.chart.on_point_click(self._on_click)
+        super().__init__(feed)
+
+    def _options(self) -> dict:
+        return {
+            "grid": {"left": 84, "right": 36, "top": 8, "bottom": 58},
+            "tooltip": {"trigger": "item", ":formatter": "kvscope.timelineTip"},
+            "xAxis": {"type": "value", "name": "iteration", "nameLocation": "middle", "nameGap": 22,
+                      "min": "dataMin", "max": "dataMax", "axisLabel": {"fontSize": 11, **INTEGER_LABELS}},
+            "yAxis": {"type": "category", "data": [], "inverse": True, "axisLabel": {"fontSize": 11}},
+            "dataZoom": [
+                {"type": "slider", "xAxisIndex": 0, "filterMode": "weakFilter", "height": 16, "bottom": 4,
+                 "showDataShadow": False},
+                {"type": "inside", "xAxisIndex": 0, "filterMode": "weakFilter"},
+                {"type": "slider", "yAxisIndex": 0, "filterMode": "weakFilter", "width": 12, "right": 6,
+                 "showDataShadow": False},
+            ],
+            "series": [],
+        }
+
+    def set_seconds(self, seconds: bool) -> None:
+        self.seconds = seconds
+        self.invalidate()
+
+    # -- drawing ---------------------------------------------------------------------------------
+
+    def full(self) -> bool:
+        self.chunks.clear()
+        self.step_t = {}
+        self.last_step, self.last_t, self.rows_sent, self.ttft_sent = -10**9, None, 0, []
+        self._add_columns(self.feed.history.columns)
+        option = self._axes(force=True)
+        option["series"] = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.all()]
+        option["series"].append(self._ttft_series(force=True) or {"id": "ttft", "type": "scatter", "data": []})
+        self.push(self.chart, option, replace_series=True)
+        return True
+
+    def delta(self, entries: list[LogEntry]) -> bool:
+        columns = self.feed.history.columns
+        new = [c for c in columns[-len(entries):] if c.step > self.last_step] if entries else []
+        self._add_columns(new)
+        option = self._axes()
+        series = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.take_dirty()]
+        ttft = self._ttft_series()
+        if ttft:
+            series.append(ttft)
+        if series:
+            option["series"] = series
+        if not option:
+            return False
+        self.push(self.chart, option)
+        return True
+
+    def _add_columns(self, columns: list[Column]) -> None:
+        for col in columns:
+            if col.step <= self.last_step:
+                continue
+            for item in column_items(col, self.last_t, self.feed.history, self.seconds):
+                self.chunks.add(col.step, item)
+            self.last_step, self.last_t = col.step, col.t
+            self.step_t[col.step] = col.t
+
+    def _axes(self, force: bool = False) -> dict:
+        option: dict = {}
+        rows = self.feed.history.rows
+        if force or len(rows) != self.rows_sent:
+            self.rows_sent = len(rows)
+            option["yAxis"] = {"data": list(rows)}
+        if force:
+            label = Js("(v) => v.toFixed(2)") if self.seconds else Js(INTEGER_LABELS[":formatter"])
+            option["xAxis"] = {"name": "seconds since start" if self.seconds else "iteration",
+                               "axisLabel": {"formatter": label}}
+        return option
+
+    def _ttft_series(self, force: bool = False) -> dict | None:
+        state, history = self.feed.state, self.feed.history
+        t_of = self.step_t if self.seconds else None
+        data = []
+        for rid, view in state.requests.items():
+            if view.first_token_step is None or rid not in history.rows:
+                continue
+            x = t_of.get(view.first_token_step) if t_of is not None else view.first_token_step
+            if x is None:
+                continue
+            ttft = f"{view.ttft_s * 1000:.0f} ms" if view.ttft_s is not None else \
+                f"{view.first_token_step - view.arrival_step} iterations after arrival"
+            data.append([round(x, 4), history.rows[rid], rid, ttft])
+        if not force and data == self.ttft_sent:
+            return None
+        self.ttft_sent = data
+        return {"id": "ttft", "type": "scatter", "data": data, "symbol": "diamond", "symbolSize": 9,
+                "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
+
+    def _on_click(self, e: EChartPointClickEventArguments) -> None:
+        value = e.value if isinstance(e.value, list) else (e.data or {}).get("value", [])
+        rid = value[6] if len(value) > 6 else (value[2] if len(value) > 2 else None)
+        if isinstance(rid, str):
+            self.selection.select_request(rid)

@@ -1,0 +1,339 @@
+"""The dashboard under NiceGUI's simulated user: every control and view against a real backend.
+
+The backend is the real Litestar app on a loopback port (a tiny random model: fast, and its
+tokens are nonsense, which is fine: these tests check mechanics). The page is the real page
+function; `user_simulation` drives it without a browser (tests/test_browser.py uses one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from nicegui import app, ui
+from nicegui.storage import Storage
+from nicegui.testing.user import User
+from nicegui.testing.user_simulation import user_simulation
+
+from backend.server.app import create_app
+from backend.server.manager import RunManager
+from backend.server.serve import serve_in_thread
+from frontend.app import Dashboard, make_root
+from frontend.client import Backend, FeedHub, RunFeed
+
+STEP_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def backend_url() -> str:
+    with serve_in_thread(create_app(RunManager())) as url:
+        yield url
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nicegui_storage() -> None:
+    """Keep NiceGUI's storage files out of the working tree (what its pytest plugin does)."""
+    folder = Path(tempfile.mkdtemp(prefix="kvscope-nicegui-"))
+    old = Storage.path
+    Storage.path = folder
+    app.storage = Storage()
+    yield
+    Storage.path = old
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class Dash:
+    user: User
+    backend: Backend
+    hub: FeedHub
+    built: list[Dashboard] = field(default_factory=list)
+
+    @property
+    def last(self) -> Dashboard:
+        return self.built[-1]
+
+    async def open(self, path: str) -> Dashboard:
+        count = len(self.built)
+        await self.user.open(path)
+        await until(lambda: len(self.built) > count)
+        return self.last
+
+
+@pytest.fixture
+async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
+    backend = Backend(backend_url)
+    hub = FeedHub(backend)
+    built: list[Dashboard] = []
+    async with user_simulation(make_root(backend, hub, default_model=tiny_dir, on_build=built.append)) as user:
+        yield Dash(user, backend, hub, built)
+        hub.close_all()
+        await asyncio.sleep(0)
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
+    assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
+
+
+async def until(condition: Callable[[], object], timeout: float = STEP_TIMEOUT_S) -> None:
+    """Let the event loop run until condition() is true (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("timed out waiting for the dashboard")
+        await asyncio.sleep(0.02)
+
+
+def small_scenario(model: str, name: str = "small", count: int = 6, **engine) -> dict:
+    return {"name": name, "model": model, "seed": 0,
+            "engine": {"block_size": 8, "num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+                       **engine},
+            "generate": {"count": count, "arrival": {"process": "uniform", "rate_per_step": 1},
+                         "prompt_tokens": {"min": 8, "max": 24}, "max_tokens": {"min": 4, "max": 10},
+                         "sampling": {"temperature": 0.9, "top_p": 0.9, "seed": 1}}}
+
+
+async def finished(feed: RunFeed) -> None:
+    await until(lambda: feed.state is not None and feed.state.finished)
+
+
+# ---- the page without a run ------------------------------------------------------------------------------
+
+
+async def test_welcome_page_lists_scenarios_with_their_lesson(dash: Dash) -> None:
+    page = await dash.open("/")
+    await dash.user.should_see("Watch an LLM inference engine think")
+    await until(lambda: "shared-prefix" in page.panel.picker.options)
+    page.panel.picker.set_value("shared-prefix")
+    await until(lambda: page.panel.base.get("block_size") == 16)
+    await dash.user.should_see("prefix", marker="scenario-about")
+    assert page.panel.form["model"] != "demo"  # the session's model (here the tiny one) stays chosen
+
+
+async def test_engine_form_becomes_overrides(dash: Dash, tiny_dir: str) -> None:
+    page = await dash.open("/")
+    await until(lambda: page.panel.base)
+    form = page.panel.form
+    form.update(batching="static", block_size=8, prefix_caching=False, max_num_batched_tokens=64.0)
+    assert page.panel.overrides() == {"model": tiny_dir, "engine.batching": "static", "engine.block_size": 8,
+                                      "engine.prefix_caching": False, "engine.max_num_batched_tokens": 64}
+
+
+# ---- a live run: every view ------------------------------------------------------------------------------
+
+
+async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> None:
+    page = await dash.open("/")
+    await until(lambda: "continuous-batching" in page.panel.picker.options)
+    page.panel.picker.set_value("continuous-batching")
+    await until(lambda: page.panel.base.get("block_size") == 16)
+    page.panel.speed = 0.0
+    dash.user.find(marker="start-run").click()
+    await until(lambda: len(dash.built) == 2)
+    column = dash.last.columns[0]
+    await finished(column.feed)
+    await until(lambda: all(v.version == column.feed.version for v in column.views.values()))
+    views = column.views
+    assert views["blocks"].updates and views["blocks"].changes_sent > 0
+    assert all(views[name].updates for name in ("timeline", "batch", "metrics", "sampling", "attention", "kv_calc"))
+    state = column.feed.state
+    assert len(state.requests) == 12 and all(r.status == "finished" for r in state.requests.values())
+    assert views["metrics"].kpis["done"] == "12/12"
+    assert views["timeline"].rows_sent == 12
+    assert "chose" in views["sampling"].caption.text
+    assert views["kv_calc"].result.content.count("B per token") == 1
+    await dash.user.should_see("continuous-batching")
+
+
+async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, prefix_caching=False), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    column = page.columns[0]
+    await until(lambda: column.feed.state is not None)
+    await dash.backend.control(run_id, "step", 3)  # three iterations: blocks held, tokens sampled
+    await until(lambda: column.feed.state.step >= 2 and column.feed.history.tokens)
+    rid = next(iter(column.feed.history.tokens))
+    await until(lambda: rid in column.picker.options)
+    column.picker.set_value(rid)
+    assert column.selection.request_id == rid
+    views = column.views
+    await until(lambda: f"{rid} · iteration" in views["attention"].caption.text)
+    await until(lambda: "L0" in views["block_table"].last and "seq" in views["block_table"].last)
+    await until(lambda: views["sampling"].caption.text.startswith(rid))
+    # the block pool's hover text and click go through the reducer's block tables
+    block = column.feed.state.block_tables[min(s for s, r in column.feed.state.seq_request.items() if r == rid)][0]
+    from frontend.views.block_pool import describe_block
+
+    assert f"block {block}" in describe_block(column.feed.state, column.feed.history, block)
+    assert rid in describe_block(column.feed.state, column.feed.history, block)
+    column.picker.set_value("")
+    views["blocks"]._on_pick(type("E", (), {"args": {"block": block}})())
+    assert column.selection.request_id == rid
+    # the timeline redraws in seconds
+    timeline = views["timeline"]
+    drawn = timeline.updates
+    timeline.set_seconds(True)
+    await until(lambda: timeline.updates > drawn)
+    assert timeline.last_t is not None and timeline.step_t
+    # attention: step back through the request's iterations, then the whole batch
+    views["attention"].move(-1)
+    assert column.selection.mask_step is not None
+    dash.user.find(marker="mask-mode").click()
+    views["attention"].set_batch(True)
+    await until(lambda: "sequences" in views["attention"].caption.text)
+
+
+async def test_sampling_what_if_knobs(dash: Dash, tiny_dir: str) -> None:
+    from frontend.sampling_math import Knobs
+
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    column = page.columns[0]
+    await until(lambda: column.feed.state is not None)
+    await dash.backend.control(run_id, "step", 2)
+    await until(lambda: column.feed.history.tokens)
+    view = column.views["sampling"]
+    rid = next(iter(column.feed.history.tokens))
+    column.selection.select_request(rid)
+    column.selection.select_token(0)
+    await until(lambda: view.caption.text.startswith(rid) and "what-if" not in view.caption.text)
+    assert "T=0.9" in view.caption.text and view.knob_inputs["top_p"].value == 0.9
+    view.set_knobs(Knobs(temperature=0.5, top_k=3, top_p=1.0, min_p=0.0))
+    await until(lambda: "what-if T=0.5 top-k=3" in view.caption.text)
+    dash.user.find(marker="knob-reset").click()
+    await until(lambda: "what-if" not in view.caption.text)
+    view._on_token_click(type("E", (), {"args": 0})())
+    assert column.selection.token_index == 0
+
+
+# ---- controls ----------------------------------------------------------------------------------------
+
+
+async def test_step_play_pause_and_speed(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir), speed=2, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    feed = page.columns[0].feed
+    await until(lambda: feed.state is not None)
+    assert feed.state.step == -1
+    dash.user.find(marker="step").click()
+    await until(lambda: feed.state.step == 0)
+    await asyncio.sleep(0.3)
+    assert feed.state.step == 0 and page.controls.paused()  # exactly one iteration, still paused
+    page.controls.speed_select.set_value(0.0)  # unpaced
+    await until(lambda: page.controls.speed == 0.0)
+    dash.user.find(marker="play").click()
+    await finished(feed)
+    runs = {r["run_id"]: r for r in await dash.backend.runs()}
+    assert runs[run_id]["speed"] == 0.0 and not runs[run_id]["paused"]
+    await dash.user.should_see("finished", marker="run-status")
+
+
+async def test_add_a_prompt_live(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=1), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    feed = page.columns[0].feed
+    await until(lambda: feed.state is not None)
+    dash.user.find(marker="prompt").type("ROMEO:\\nHark")
+    dash.user.find(marker="prompt-send").click()
+    await until(lambda: "live-1" in feed.state.requests)
+    assert feed.state.requests["live-1"].prompt_text == "ROMEO:\nHark"
+    await until(lambda: "live-1" in page.columns[0].picker.options)
+
+
+async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir), speed=0)
+    page = await dash.open(f"/?run={run_id}")
+    await finished(page.columns[0].feed)
+    trace = await dash.backend.trace(run_id)
+    upload = dash.user.find(marker="trace-upload").elements.pop()
+    await upload.handle_uploads([ui.upload.SmallFileUpload("run.jsonl", "application/x-ndjson", trace.encode())])
+    await until(lambda: len(dash.built) == 2)
+    replay = dash.last
+    feed = replay.columns[0].feed
+    await until(lambda: feed.state is not None and feed.kind == "replay")
+    assert replay.controls.seek.visible and replay.controls.num_steps > 3
+    await until(lambda: not replay.columns[0].prompt_row.visible)  # a replay takes no new requests
+    replay.controls.seek.set_value(3)
+    await replay.controls._on_seek()
+    await until(lambda: feed.state.step == 2)  # the state just before iteration 3
+    replay.controls.speed_select.set_value(0.0)
+    await until(lambda: replay.controls.speed == 0.0)
+    dash.user.find(marker="play").click()
+    await finished(feed)
+
+
+async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
+    page = await dash.open("/")
+    await until(lambda: "continuous-batching" in page.panel.picker.options)
+    page.panel.picker.set_value("continuous-batching")
+    await until(lambda: page.panel.base.get("block_size") == 16)
+    dash.user.find(marker="start-compare").click()
+    await until(lambda: len(dash.built) == 2)
+    compare = dash.last
+    feeds = [c.feed for c in compare.columns]
+    assert len(feeds) == 2
+    await until(lambda: all(f.state is not None for f in feeds))
+    assert [f.state.config["batching"] for f in feeds] == ["static", "continuous"]
+    await compare.controls.step()
+    await until(lambda: all(f.state.step == 0 for f in feeds))
+    compare.controls.speed_select.set_value(0.0)
+    await until(lambda: compare.controls.speed == 0.0)
+    await compare.controls.toggle()
+    for feed in feeds:
+        await finished(feed)
+    static, continuous = (f.state.step for f in feeds)
+    assert static > continuous  # the lesson: static batching needs more iterations
+    assert len({c.views["timeline"].chart.id for c in compare.columns}) == 2
+
+
+# ---- explanations, calculator, export -------------------------------------------------------------------
+
+
+async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=1), speed=0, paused=True)
+    await dash.open(f"/?run={run_id}")
+    for title in ("Block pool (KV cache)", "Timeline: requests over iterations", "Batch composition per iteration",
+                  "Metrics over time", "Block table of the selected request", "Attention mask",
+                  "Sampling: from logits to the chosen token", "KV memory calculator"):
+        await dash.user.should_see(title)
+        dash.user.find(marker=f"help-{title}").click()
+    await dash.user.should_see("paged attention")
+    await dash.user.should_see("block diagonal")
+    await dash.user.should_see("2 · L · N_kv · D_h · bytes")
+
+
+async def test_kv_calculator_uses_the_header_and_answers_what_if(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=1), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    view = page.columns[0].views["kv_calc"]
+    await until(lambda: view.model_text.content)
+    # the tiny model: 2 layers, 2 KV heads of 16 dims, fp32
+    assert "2 x L x N_kv x D_h x bytes" in view.model_text.content and "512 B per token" in view.model_text.content
+    assert view.result.content.startswith("2 · 2 · 2 · 16 · 4 B = **512 B per token**")
+    view.variant.set_value("mqa")
+    assert "**256 B per token**" in view.result.content
+    view.variant.set_value("mla")
+    view.fields["latent"].set_value(24)
+    assert view.result.content.startswith("2 · 24 · 4 B = **192 B per token**")
+    dash.user.find(marker="kv-load-model").click()
+    assert "**512 B per token**" in view.result.content
+
+
+async def test_export_png_perfetto_and_trace(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir), speed=0)
+    page = await dash.open(f"/?run={run_id}")
+    await finished(page.columns[0].feed)
+    menu = page.exports[0]
+    png = await menu.export("timeline", ".png")
+    assert png is not None and png.startswith(b"\x89PNG")
+    svg = await menu.export("blocks", ".svg")
+    assert svg is not None and b"<svg" in svg[:500]
+    perfetto = await menu.export("timeline", ".json")
+    assert perfetto is not None and b"traceEvents" in perfetto
+    await menu.download_trace()
+    assert menu.last == (f"kvscope-{run_id}.jsonl", len(await dash.backend.trace(run_id)))
