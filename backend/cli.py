@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         run_id = manager.start_replay(events, paused=True).run_id
         print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
     token = None if is_loopback(args.host) else new_token()
-    app = create_app(manager, token=token, cors_origins=args.cors_origin or None)
+    app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None)
     print(f"kvscope API on http://{args.host}:{args.port} (OpenAPI at /schema/openapi.json)")
     if token:
         print(f"changing runs needs the header  Authorization: Bearer {token}")
@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--no-ui", action="store_true", help="the API only, no dashboard")
         v.add_argument("--model", default="demo", help="model of the OpenAI-compatible API")
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
+        v.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
         v.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("run", help="run a scenario headless and print its metrics")
