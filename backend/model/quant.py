@@ -1,0 +1,177 @@
+"""Weight-only quantization: every linear layer stored as int8 or packed int4 plus float32 scales.
+
+Symmetric absmax: a group of `group_size` consecutive weights along the input dimension shares one
+scale, `scale = max|w| / 127` (int8) or `max|w| / 7` (int4, codes in [-8, 7], two per byte), and
+`w ~= code * scale`. group_size 0 is the per-tensor baseline: one scale for the whole matrix, so a
+single outlier column stretches the grid for every weight; groups confine an outlier's damage to
+its own group (docs/quantization.md).
+
+Only storage shrinks: `QuantLinear.forward` dequantizes to the activation dtype and calls
+F.linear. The embedding stays in full precision; with tied embeddings lm_head gets its own
+quantized copy. `quantize_model` never touches the caller's model (the server shares one
+LoadedModel between runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backend.model.loader import LoadedModel
+
+QuantMode = Literal["none", "int8", "int4"]
+QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
+QMIN = {"int8": -127, "int4": -8}
+
+
+class QuantError(ValueError):
+    """A quantization setting that cannot apply to this model: the config field and the reason."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+# ---- the quantizer ----------------------------------------------------------------------------------
+
+
+def check_group_size(in_features: int, group_size: int, mode: QuantMode, name: str = "weight") -> None:
+    """Refuse a group size that does not tile the input dimension (no silent padding)."""
+    if group_size < 0:
+        raise QuantError("engine.quant_group_size", f"must be >= 0 (0 = one scale per tensor), got {group_size}")
+    if group_size and in_features % group_size:
+        raise QuantError("engine.quant_group_size",
+                         f"{group_size} does not divide the input dimension {in_features} of {name}; "
+                         f"use a divisor of it (e.g. 32 or 64) or 0 for one scale per tensor")
+    if mode == "int4" and in_features % 2:
+        raise QuantError("engine.weight_quant", f"int4 packs two weights per byte; {name} has an odd input "
+                         f"dimension {in_features}")
+
+
+def quantize_weight(w: torch.Tensor, mode: QuantMode, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes int8 [N, K] in [QMIN, QMAX], scales float32 [N, K / group_size] or [1, 1])."""
+    n, k = w.shape
+    g = group_size or k * n  # per-tensor: the whole matrix is one group
+    groups = w.float().reshape(-1, g)  # [N * K / g, g]
+    scales = groups.abs().amax(dim=1) / QMAX[mode]  # [N * K / g]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
+    codes = torch.round(groups / safe[:, None]).clamp(QMIN[mode], QMAX[mode]).to(torch.int8)
+    shape = (n, k // group_size) if group_size else (1, 1)
+    return codes.reshape(n, k), scales.reshape(shape)
+
+
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """codes [N, K] int8, scales [N, K / g] (or [1, 1]) -> float32 [N, K]."""
+    if not group_size:
+        return codes.float() * scales
+    n, k = codes.shape
+    return (codes.float().view(n, k // group_size, group_size) * scales[..., None]).view(n, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-8, 7], K even -> uint8 [N, K / 2]: column 2j in the low nibble, 2j+1 high."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)  # [N, K] in [0, 15]
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] -> int8 codes [N, K] in [-8, 7] (the exact inverse of pack_int4)."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).flatten(-2)  # interleave back: [N, K / 2, 2] -> [N, K]
+
+
+# ---- the module ------------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized and dequantized on every forward."""
+
+    def __init__(self, in_features: int, out_features: int, mode: QuantMode, group_size: int,
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        assert mode in QMAX, mode
+        self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
+        self.dtype = dtype  # what forward's dequantized weight (and `.weight`) come back as
+        packed_k = in_features // 2 if mode == "int4" else in_features
+        scale_shape = (out_features, in_features // group_size) if group_size else (1, 1)
+        self.register_buffer("qweight", torch.zeros(out_features, packed_k,
+                                                    dtype=torch.uint8 if mode == "int4" else torch.int8))
+        self.register_buffer("scales", torch.zeros(scale_shape, dtype=torch.float32))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: QuantMode, group_size: int, name: str = "weight") -> "QuantLinear":
+        """Quantize a float nn.Linear (which is left as it was)."""
+        check_group_size(linear.in_features, group_size, mode, name)
+        q = cls(linear.in_features, linear.out_features, mode, group_size, linear.bias, linear.weight.dtype)
+        codes, scales = quantize_weight(linear.weight.detach(), mode, group_size)
+        q.qweight.copy_(pack_int4(codes) if mode == "int4" else codes)
+        q.scales.copy_(scales)
+        return q.to(linear.weight.device)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes [out_features, in_features], int8."""
+        return unpack_int4(self.qweight) if self.mode == "int4" else self.qweight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out_features, in_features] (MLA's absorbed form reads it directly)."""
+        return dequantize_weight(self.codes(), self.scales, self.group_size).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        group = self.group_size or "per-tensor"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, group={group}"
+
+
+# ---- whole models ----------------------------------------------------------------------------------
+
+
+def quantize_model(model: nn.Module, mode: QuantMode, group_size: int) -> nn.Module:
+    """A copy of `model` with every nn.Linear replaced by a QuantLinear; `model` itself is untouched.
+
+    The copy shares nothing with the original: the quantized layers are built from the original
+    weights and slotted in through deepcopy's memo, so no full-precision copy of them is ever made;
+    everything else (embedding, norms, buffers) is deep-copied. A tied lm_head becomes its own
+    QuantLinear while the copied embedding keeps full precision.
+    """
+    if mode == "none":
+        return copy.deepcopy(model)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, m in linears:  # all checks first, so an error leaves nothing half-built
+        check_group_size(m.in_features, group_size, mode, name)
+    memo = {id(m): QuantLinear.from_linear(m, mode, group_size, name) for name, m in linears}
+    return copy.deepcopy(model, memo)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's stored tensors (parameters and persistent buffers), shared storage once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in model.state_dict().values():
+        key = (t.data_ptr(), t.nbytes)  # a tied weight appears twice with one pointer
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
+
+
+def quantize_loaded(loaded: LoadedModel, mode: QuantMode, group_size: int) -> tuple[LoadedModel, dict]:
+    """(a LoadedModel running the quantized copy, the header's `weights` summary).
+
+    mode "none" returns `loaded` itself. The caller's LoadedModel and its model are never changed.
+    """
+    unquantized = weight_bytes(loaded.model)
+    model = loaded.model if mode == "none" else quantize_model(loaded.model, mode, group_size)
+    summary = {"quant": mode, "group_size": group_size if mode != "none" else None,
+               "bytes": weight_bytes(model), "bytes_unquantized": unquantized}
+    return (loaded if mode == "none" else dataclasses.replace(loaded, model=model)), summary
