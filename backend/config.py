@@ -208,6 +208,9 @@ class EngineConfig(BaseModel):
     dist_top_n: int = Field(default=10, ge=1, le=100, description="tokens kept in each token event's dist")
     speculative: SpeculativeConfig | None = None
     weight_quant: Literal["none", "int8", "int4"] = "none"
-    quant_group_size: int = Field(default=64, ge=0, le=4096)
+    quant_group_size: int = Field(default=64, ge=0, le=4096,
+                                  description="weights sharing one quantization scale along the input dimension; "
+                                              "0 = one scale per tensor (the baseline); must divide every "
+                                              "linear layer's input size")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -39,6 +39,7 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
             "bytes_per_block": 512 * block_size,
             "formula": {"kv_bytes_per_token": "2 * n_layers * n_kv_heads * head_dim * 4"},
         },
+        "weights": {"quant": "int4", "group_size": 64, "bytes": 1024, "bytes_unquantized": 4096},
     }
 
 

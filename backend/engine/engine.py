@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from backend.config import EngineConfig
 from backend.engine.block_manager import BlockManager
-from backend.engine.kv_cache import DTYPE_NAMES, KVCache, num_blocks_for_budget
+from backend.engine.kv_cache import DTYPE_NAMES, KVCache, check_kv_dtype, kv_formula, num_blocks_for_budget
 from backend.engine.metrics import MetricsTracker, RequestTimes
 from backend.engine.request import Request, RequestError, check_fits, check_supported, finish_reason_after
 from backend.engine.runner import ModelRunner
@@ -27,6 +27,7 @@ from backend.engine.sequence import Sequence, SeqStatus
 from backend.events.bus import EventBus
 from backend.events.schema import SCHEMA_VERSION
 from backend.model.loader import LoadedModel
+from backend.model.quant import QuantError, quantize_loaded
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -54,8 +55,10 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0) -> None:
         if config.speculative is not None:
             raise RequestError("engine.speculative", "speculative decoding is not supported by this engine yet")
-        if config.weight_quant != "none" or config.kv_cache_dtype != "auto":
-            raise RequestError("engine.weight_quant", "quantization is not supported by this engine yet")
+        try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
+            loaded, self.weights = quantize_loaded(loaded, config.weight_quant, config.quant_group_size)
+        except QuantError as e:
+            raise RequestError(e.field, e.reason) from None
         self.loaded, self.config, self.seed = loaded, config, seed
         self.tokenizer = loaded.tokenizer
         self.eos_ids = loaded.tokenizer.eos_token_ids
@@ -64,9 +67,11 @@ class Engine:
         dtype = next(loaded.model.parameters()).dtype
         self.device = pick_device(config)
         self.attention_backend = pick_attention_backend(config, self.device)
+        check_kv_dtype(config.kv_cache_dtype, loaded.config, self.attention_backend)
+        kv_dtype = "int8" if config.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
         num_blocks = config.num_blocks or num_blocks_for_budget(
-            loaded.config, config.block_size, config.kv_cache_memory_mb, DTYPE_NAMES[dtype])
-        self.cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, self.device)
+            loaded.config, config.block_size, config.kv_cache_memory_mb, kv_dtype)
+        self.cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, self.device, config.kv_cache_dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
                                    self.bus.emit)
         self.scheduler = Scheduler(config, self.blocks, self._on_preempt)
@@ -82,21 +87,17 @@ class Engine:
 
     def emit_header(self, scenario: dict | None = None, model_name: str | None = None) -> None:
         c = self.loaded.config
-        dtype = DTYPE_NAMES[self.cache.dtype]
+        dtype, kv_dtype = DTYPE_NAMES[self.cache.dtype], DTYPE_NAMES[self.cache.storage_dtype]
         self.bus.emit(
             "header", schema_version=SCHEMA_VERSION, run_id=uuid.uuid4().hex[:12], scenario=scenario,
             config=self.config.model_dump(), attention_backend=self.attention_backend, device=str(self.device),
             model={"name": model_name or self.loaded.name, "n_layers": c.num_hidden_layers,
                    "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                    "attention": c.attention, "vocab_size": c.vocab_size, "dtype": dtype,
-                   "kv_bytes_per_token": c.kv_bytes_per_token(dtype), "eos_token_ids": self.eos_ids},
-            cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size,
-                   "bytes_per_block": self.cache.bytes_per_block,
-                   "formula": {"n_layers": c.num_hidden_layers, "values_per_token_per_layer":
-                               c.kv_values_per_token_per_layer(), "bytes_per_value": c.kv_bytes_per_token(dtype)
-                               // (c.num_hidden_layers * c.kv_values_per_token_per_layer()),
-                               "text": "2 x L x N_kv x D_h x bytes" if c.mla is None
-                               else "L x (kv_lora_rank + qk_rope_head_dim) x bytes"}},
+                   "kv_bytes_per_token": self.cache.bytes_per_token, "eos_token_ids": self.eos_ids},
+            cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size, "dtype": kv_dtype,
+                   "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
+            weights=self.weights,
         )
 
     # ---- requests -----------------------------------------------------------------------------------

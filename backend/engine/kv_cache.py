@@ -3,6 +3,12 @@
 Per layer, K and V are [num_blocks, block_size, n_kv_heads, head_dim]. MLA stores one tensor per
 layer, [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]: the latent followed by the
 RoPE key, whose first kv_lora_rank numbers double as the value.
+
+int8 (`kv_dtype="int8"`): the same tensors hold int8 codes, and float32 scales live beside the
+blocks, [num_blocks, block_size, n_kv_heads] per layer and plane: one scale per (token, KV head)
+row, `scale = max|row| / 127`, exactly the layout and rounding of kernels/cache_write.py. `write`
+quantizes, the torch readers (`gather_keys`, `gather_values`) dequantize, and the Triton kernels
+take the scales as k_scale/v_scale. MLA's value is a view of the key row, so it shares the key's scale.
 """
 
 from __future__ import annotations
@@ -10,14 +16,50 @@ from __future__ import annotations
 import torch
 
 from backend.config import ModelConfig
+from backend.engine.request import RequestError
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+INT8_MAX = 127.0
+SCALE_BYTES = 4  # one float32 scale per (token, KV head) row
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
+    """The KV formula, plus the int8 scales: L x planes x N_kv x 4 bytes more per token."""
+    data = config.kv_bytes_per_token(kv_dtype)
+    if kv_dtype != "int8":
+        return data
+    heads, planes = (1, 1) if config.mla else (config.num_key_value_heads, 2)
+    return data + config.num_hidden_layers * planes * heads * SCALE_BYTES
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8 [..., D], float32 scales [...]): one symmetric scale per row.
+
+    The same arithmetic as kernels/cache_write.quantize_int8_reference (not imported: importing
+    kernels/ imports triton, which a CPU machine only loads under TRITON_INTERPRET=1).
+    """
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(x / safe[..., None] + 0.5).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def check_kv_dtype(kv_dtype: str, config: ModelConfig, attention_backend: str) -> None:
+    """Refuse combinations no attention path implements."""
+    if kv_dtype == "int8" and config.mla is not None and attention_backend == "triton":
+        raise RequestError("engine.kv_cache_dtype",
+                           "int8 KV with MLA needs attention_backend torch: the Triton MLA decode kernel "
+                           "(kernels/mla_decode.py) reads no int8 scales")
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+                 device: torch.device, kv_dtype: str = "auto") -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype  # the model's dtype: what readers return
+        self.quantized = kv_dtype == "int8"
+        self.storage_dtype = torch.int8 if self.quantized else dtype
         self.latent_dim = config.mla.kv_lora_rank if config.mla else None
         if config.mla:
             heads, dim, planes = 1, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim, 1
@@ -25,8 +67,14 @@ class KVCache:
             heads, dim, planes = config.num_key_value_heads, config.head_dim, 2
         # [layers, K/V planes, num_blocks, block_size, n_kv_heads, head_dim]
         self.data = torch.zeros(config.num_hidden_layers, planes, num_blocks, block_size, heads, dim,
-                                dtype=dtype, device=device)
-        self.bytes_per_block = config.kv_bytes_per_token(DTYPE_NAMES[dtype]) * block_size
+                                dtype=self.storage_dtype, device=device)
+        # [layers, K/V planes, num_blocks, block_size, n_kv_heads] float32, int8 only
+        self.scales = (torch.zeros(self.data.shape[:-1], dtype=torch.float32, device=device)
+                       if self.quantized else None)
+        self.bytes_per_token = kv_bytes_per_token(config, DTYPE_NAMES[self.storage_dtype])
+        self.bytes_per_block = self.bytes_per_token * block_size
+
+    # ---- raw storage (the Triton kernels read it as it is) ----------------------------------------
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # [num_blocks, block_size, n_kv_heads, head_dim]
@@ -36,19 +84,67 @@ class KVCache:
             return self.data[layer, 0, ..., : self.latent_dim]  # MLA: the latent part of the key
         return self.data[layer, 1]
 
+    def key_scales(self, layer: int) -> torch.Tensor | None:
+        """[num_blocks, block_size, n_kv_heads] float32, or None when not int8."""
+        return None if self.scales is None else self.scales[layer, 0]
+
+    def value_scales(self, layer: int) -> torch.Tensor | None:
+        if self.scales is None:
+            return None
+        return self.scales[layer, 0 if self.latent_dim is not None else 1]  # MLA: the key row's scale
+
+    # ---- dequantized reads (the torch attention path) ---------------------------------------------
+
+    def gather_keys(self, layer: int, blocks: torch.Tensor | list[int]) -> torch.Tensor:
+        """Keys of the given blocks in the model dtype: blocks [...] -> [..., block_size, n_kv_heads, D]."""
+        return self._gather(self.keys(layer), self.key_scales(layer), blocks)
+
+    def gather_values(self, layer: int, blocks: torch.Tensor | list[int]) -> torch.Tensor:
+        return self._gather(self.values(layer), self.value_scales(layer), blocks)
+
+    def _gather(self, data: torch.Tensor, scales: torch.Tensor | None, blocks) -> torch.Tensor:
+        rows = data[blocks]  # [..., block_size, heads, dim]
+        if scales is None:
+            return rows
+        return (rows.float() * scales[blocks][..., None]).to(self.dtype)
+
+    # ---- writes -------------------------------------------------------------------------------------
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [num_tokens, n_kv_heads, dim] at flat slot indices [num_tokens]."""
         flat = self.data[layer].flatten(1, 2)  # [planes, num_blocks * block_size, heads, dim]
-        flat[0, slots] = k.to(self.dtype)
-        if self.latent_dim is None:
-            flat[1, slots] = v.to(self.dtype)
+        rows = [k] if self.latent_dim is not None else [k, v]
+        for plane, x in enumerate(rows):
+            if self.scales is None:
+                flat[plane, slots] = x.to(self.dtype)
+            else:
+                codes, scale = quantize_rows_int8(x)
+                flat[plane, slots] = codes
+                self.scales[layer].flatten(1, 2)[plane, slots] = scale
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole blocks (every layer, K and V)."""
+        """Copy-on-write: duplicate whole blocks (every layer, K and V, and their scales)."""
         for src, dst in pairs:
             self.data[:, :, dst] = self.data[:, :, src]
+            if self.scales is not None:
+                self.scales[:, :, dst] = self.scales[:, :, src]
 
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, memory_mb: float, dtype: str) -> int:
-    """How many blocks fit a memory budget, by the KV formula."""
-    return max(1, int(memory_mb * 1024**2 // (config.kv_bytes_per_token(dtype) * block_size)))
+    """How many blocks fit a memory budget, by the KV formula (int8: scales included)."""
+    return max(1, int(memory_mb * 1024**2 // (kv_bytes_per_token(config, dtype) * block_size)))
+
+
+def kv_formula(config: ModelConfig, kv_dtype: str) -> dict:
+    """How kv_bytes_per_token is computed, for the header (and the dashboard's KV calculator)."""
+    values = config.kv_values_per_token_per_layer()
+    data = config.kv_bytes_per_token(kv_dtype)
+    scale_bytes = kv_bytes_per_token(config, kv_dtype) - data
+    if config.mla is None:
+        text = "2 x L x N_kv x (D_h x 1 + 4 scale) bytes" if scale_bytes else "2 x L x N_kv x D_h x bytes"
+    else:
+        text = ("L x ((kv_lora_rank + qk_rope_head_dim) x 1 + 4 scale) bytes" if scale_bytes
+                else "L x (kv_lora_rank + qk_rope_head_dim) x bytes")
+    return {"n_layers": config.num_hidden_layers, "values_per_token_per_layer": values,
+            "bytes_per_value": data // (config.num_hidden_layers * values), "scale_bytes_per_token": scale_bytes,
+            "text": text}

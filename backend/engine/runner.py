@@ -60,8 +60,8 @@ class PagedTorchBackend:
     def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """One query row per sequence over its whole context: q [B, Hq, D] -> [B, Hq, Dv]."""
         b, hq, _ = q.shape
-        keys = self.cache.keys(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, D]
-        values = self.cache.values(layer)[self.decode_tables].flatten(1, 2)  # [B, L, Hkv, Dv]
+        keys = self.cache.gather_keys(layer, self.decode_tables).flatten(1, 2)  # [B, L, Hkv, D], dequantized
+        values = self.cache.gather_values(layer, self.decode_tables).flatten(1, 2)  # [B, L, Hkv, Dv]
         hkv = keys.shape[2]
         qg = q.view(b, hkv, hq // hkv, -1)  # [B, Hkv, group, D]: the group's queries share one K/V head
         visible = torch.arange(keys.shape[1], device=q.device)[None, :] < self.decode_lens[:, None]  # [B, L]
@@ -72,8 +72,8 @@ class PagedTorchBackend:
     def _prefill(self, layer: int, q: torch.Tensor, i: int, scale: float) -> torch.Tensor:
         """A chunk of queries over the cached prefix plus itself, causal within the chunk."""
         ctx, table = self.meta.context_lens[i], self.meta.block_tables[i]
-        keys = self.cache.keys(layer)[table].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-        values = self.cache.values(layer)[table].flatten(0, 1)[:ctx]  # [ctx, Hkv, Dv]
+        keys = self.cache.gather_keys(layer, table).flatten(0, 1)[:ctx]  # [ctx, Hkv, D], dequantized
+        values = self.cache.gather_values(layer, table).flatten(0, 1)[:ctx]  # [ctx, Hkv, Dv]
         return causal_attention(q, keys, values, scale, q_offset=ctx - q.shape[0])
 
 
@@ -108,26 +108,32 @@ class PagedTritonBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         latent = self.cache.latent_dim
         keys, values = self.cache.keys(layer), self.cache.values(layer)
+        # int8 caches: the kernels quantize on write and dequantize with these [num_blocks, block_size, Hkv]
+        # scales; None otherwise. MLA's value scale is the key row's own.
+        ks, vs = self.cache.key_scales(layer), self.cache.value_scales(layer)
         # MLA: one plane, the value is a view of the key's latent part and is not written again.
         self.kernels.write_kv_cache(k, None if latent else v, keys, None if latent else values,
-                                    self.meta.slot_mapping)
+                                    self.meta.slot_mapping, k_scale=ks, v_scale=None if latent else vs)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [num_tokens, n_heads, v_dim]
         if self.meta.decode_seqs:
             out[self.decode_rows] = self._decode(layer, q[self.decode_rows], scale)
         if self.meta.prefill_seqs:
             out[self.prefill_rows] = self.kernels.paged_prefill_attention(
                 q[self.prefill_rows], keys, values, self.prefill_tables, self.prefill_starts, self.prefill_lens,
-                scale, max_query_len=self.max_query_len)
+                scale, k_scale=ks, v_scale=vs, max_query_len=self.max_query_len)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, Dv]."""
         keys, tables, lens, longest = self.cache.keys(layer), self.decode_tables, self.decode_lens, self.max_decode_len
         if self.cache.latent_dim is not None:
+            # No int8 scales in the MLA kernel: check_kv_dtype refuses that combination at Engine construction.
+            assert not self.cache.quantized, "MLA decode on Triton reads no int8 scales"
             return self.kernels.mla_decode_attention(q, keys, tables, lens, self.cache.latent_dim, scale,
                                                      max_context_len=longest)
         return self.kernels.paged_decode_attention(q, keys, self.cache.values(layer), tables, lens, scale,
-                                                   max_context_len=longest)
+                                                   k_scale=self.cache.key_scales(layer),
+                                                   v_scale=self.cache.value_scales(layer), max_context_len=longest)
 
 
 def _padded_tables(tables: list[list[int]], seqs: list[int], device: torch.device) -> torch.Tensor:

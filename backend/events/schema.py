@@ -73,6 +73,7 @@ class HeaderEvent(_Event):
     config: dict[str, Any]
     model: ModelInfo
     cache: CacheInfo
+    weights: dict[str, Any] | None = None  # {quant, group_size, bytes, bytes_unquantized} (docs/quantization.md)
 
 
 class RequestArrivedEvent(_Event):
