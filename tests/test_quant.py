@@ -1,0 +1,266 @@
+"""Weight-only quantization (backend/model/quant.py) and the int8 KV cache, from the quantizer's
+arithmetic up to the engine's header, the Triton path and the benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: no GPU here
+
+import pytest
+import torch
+import torch.nn as nn
+
+from backend.config import EngineConfig, ModelConfig
+from backend.engine.engine import Engine
+from backend.engine.kv_cache import KVCache, kv_bytes_per_token, quantize_rows_int8
+from backend.engine.request import RequestError
+from backend.events.bus import EventBus
+from backend.model.attention import DenseCausalBackend
+from backend.model.quant import (QuantError, QuantLinear, dequantize_weight, pack_int4, quantize_model,
+                                 quantize_weight, unpack_int4, weight_bytes)
+from backend.model.transformer import CausalLM
+from tests.conftest import make_tiny_model
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+# ---- the quantizer ----------------------------------------------------------------------------------
+
+
+def test_int4_packing_round_trips_every_code_exactly_two_per_byte():
+    codes = torch.randint(-8, 8, (6, 40), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    codes[0, :16] = torch.arange(-8, 8, dtype=torch.int8)  # every representable value, at both nibbles
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 20)
+    assert torch.equal(unpack_int4(packed), codes)
+    assert packed[0, 0].item() == (-8 + 8) | ((-7 + 8) << 4)  # column 0 low nibble, column 1 high
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("group_size", [0, 32, 64])
+def test_dequantized_weights_are_within_half_a_step_of_the_originals(mode, group_size):
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+    codes, scales = quantize_weight(w, mode, group_size)
+    qmax = 127 if mode == "int8" else 7
+    assert codes.abs().max().item() == qmax  # each group's absmax lands on the top code
+    assert scales.shape == ((48, 128 // group_size) if group_size else (1, 1))
+    step = scales.expand(48, -1).repeat_interleave(group_size or 128 * 48, dim=1)[:, :128]  # [48, 128] per weight
+    err = (dequantize_weight(codes, scales, group_size) - w).abs()
+    assert (err <= step / 2 * (1 + 1e-5)).all()
+    assert err.max() > step.max() / 10, "a bound this loose would be no test"
+
+
+def test_groups_confine_outlier_columns_that_ruin_one_scale_per_tensor():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)) * 0.02
+    w[:, [5, 77]] *= 60  # outlier input channels, as real LLM activations/weights have
+    errors = {}
+    for g in (0, 32):
+        codes, scales = quantize_weight(w, "int4", g)
+        errors[g] = (dequantize_weight(codes, scales, g) - w).pow(2).mean().item()
+    assert errors[32] < errors[0] / 5
+    # Per tensor, the ordinary weights all round to zero: the outliers took the whole grid.
+    codes, _ = quantize_weight(w, "int4", 0)
+    ordinary = torch.ones(256, dtype=torch.bool)
+    ordinary[[5, 77]] = False
+    assert (codes[:, ordinary] == 0).float().mean() > 0.9
+
+
+def test_quant_linear_stores_packed_bytes_and_computes_with_the_dequantized_weight():
+    torch.manual_seed(3)
+    linear = nn.Linear(128, 32, bias=True)
+    q = QuantLinear.from_linear(linear, "int4", 32)
+    assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (32, 64)
+    assert weight_bytes(q) == 32 * 64 + 32 * 4 * 4 + 32 * 4  # codes, scales [32, 4] fp32, bias
+    x = torch.randn(5, 128)
+    assert torch.allclose(q(x), nn.functional.linear(x, q.weight, linear.bias), atol=1e-6)
+    assert (q(x) - linear(x)).abs().max() < 0.1 * linear(x).abs().max()
+
+
+def test_quantize_model_builds_a_smaller_copy_and_leaves_the_original_untouched():
+    torch.manual_seed(6)
+    original = CausalLM(tiny_config(tie_word_embeddings=True, vocab_size=64)).eval()
+    assert weight_bytes(original) == sum(p.nbytes for p in original.parameters())  # the tied matrix counted once
+    before = {k: v.clone() for k, v in original.state_dict().items()}
+    sizes = {}
+    for mode in ("int8", "int4"):
+        q = quantize_model(original, mode, 32)
+        sizes[mode] = weight_bytes(q)
+        linears = [m for m in q.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+        assert linears and all(isinstance(m, QuantLinear) for m in linears)  # lm_head included
+        assert isinstance(q.model.embed_tokens, nn.Embedding) and q.model.embed_tokens.weight.dtype == torch.float32
+        assert q.model.embed_tokens.weight.data_ptr() != original.model.embed_tokens.weight.data_ptr()
+    assert all(isinstance(m, nn.Linear) for m in (original.lm_head, original.model.layers[0].mlp.up_proj))
+    assert original.lm_head.weight is original.model.embed_tokens.weight  # still tied
+    assert all(torch.equal(v, before[k]) for k, v in original.state_dict().items())
+    assert sizes["int4"] < sizes["int8"] < weight_bytes(original)
+    x = torch.arange(10)
+    dense = DenseCausalBackend()
+    want, got = original.logits(original(x, x, dense)), q.logits(q(x, x, dense))
+    assert not torch.equal(got, want) and (got - want).abs().max() < 0.2 * want.abs().max()
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_the_field():
+    with pytest.raises(QuantError) as e:
+        quantize_model(make_tiny_model().model, "int8", 48)  # hidden 64, intermediate 96
+    assert e.value.field == "engine.quant_group_size" and "48" in e.value.reason and "64" in e.value.reason
+
+
+# ---- the int8 KV cache ------------------------------------------------------------------------------
+
+
+def tiny_config(**kw) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8} | kw)
+
+
+def test_int8_cache_bytes_include_one_float32_scale_per_token_and_kv_head():
+    cfg = tiny_config()
+    cache = KVCache(cfg, num_blocks=3, block_size=4, dtype=torch.float32, device=torch.device("cpu"), kv_dtype="int8")
+    assert cache.data.dtype == torch.int8 and cache.scales.shape == (2, 2, 3, 4, 2)
+    assert cache.bytes_per_token == kv_bytes_per_token(cfg, "int8") == 2 * 2 * 2 * (8 + 4)
+    assert cache.bytes_per_block == 4 * cache.bytes_per_token
+    assert cache.bytes_per_block * 3 == cache.data.nbytes + cache.scales.nbytes  # what the pool really holds
+
+
+def test_int8_cache_round_trips_rows_within_half_a_step_and_copies_scales_with_blocks():
+    torch.manual_seed(4)
+    cache = KVCache(tiny_config(), 3, 4, torch.float32, torch.device("cpu"), "int8")
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8) * 100  # very different ranges per row
+    cache.write(1, torch.tensor([4, 5, 6, 7]), k, v)  # block 1
+    for got, want in ((cache.gather_keys(1, [1])[0], k), (cache.gather_values(1, [1])[0], v)):
+        step = want.abs().amax(-1, keepdim=True) / 127
+        assert ((got - want).abs() <= step / 2 * (1 + 1e-5)).all()
+    cache.copy_blocks([(1, 2)])
+    assert torch.equal(cache.gather_keys(1, [2]), cache.gather_keys(1, [1]))
+    assert torch.equal(cache.gather_values(1, [2]), cache.gather_values(1, [1]))
+    assert not torch.equal(cache.gather_values(1, [0]), cache.gather_values(1, [1]))
+
+
+def test_the_torch_quantizer_matches_the_kernels_reference():
+    pytest.importorskip("triton")
+    from kernels.cache_write import quantize_int8_reference
+
+    x = torch.randn(7, 3, 16, generator=torch.Generator().manual_seed(5))
+    x[2, 1] = 0.0
+    for got, want in zip(quantize_rows_int8(x), quantize_int8_reference(x)):
+        assert torch.equal(got, want)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------
+
+
+def generate(loaded, config: EngineConfig, prompts: dict[str, str], max_tokens: int = 12):
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    engine = Engine(loaded, config, bus)
+    engine.emit_header()
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, max_tokens, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    return engine, events[0], {rid: r.seq.output_token_ids for rid, r in engine.requests.items()}
+
+
+PROMPTS = {"a": "ROMEO:\nWhat light", "b": "JULIET:\n"}
+
+
+@pytest.fixture(scope="module")
+def demo_runs(demo):
+    before = {k: v.clone() for k, v in demo.model.state_dict().items()}
+    runs = {}
+    for wq, kv in (("none", "auto"), ("int8", "auto"), ("int4", "auto"), ("none", "int8")):
+        config = EngineConfig(weight_quant=wq, quant_group_size=64, kv_cache_dtype=kv, attention_backend="torch",
+                              device="cpu", num_blocks=32)
+        runs[(wq, kv)] = generate(demo, config, PROMPTS)
+    assert all(torch.equal(v, before[k]) for k, v in demo.model.state_dict().items()), "the shared model changed"
+    assert all(isinstance(m, nn.Linear) for m in (demo.model.lm_head, demo.model.model.layers[0].self_attn.q_proj))
+    return runs
+
+
+def test_engine_runs_quantized_weights_and_the_header_reports_their_bytes(demo_runs):
+    _, base_header, base_out = demo_runs[("none", "auto")]
+    assert base_header["weights"] == {"quant": "none", "group_size": None, "bytes": base_header["weights"]["bytes"],
+                                      "bytes_unquantized": base_header["weights"]["bytes"]}
+    sizes = {}
+    for mode in ("int8", "int4"):
+        engine, header, out = demo_runs[(mode, "auto")]
+        w = header["weights"]
+        assert w["quant"] == mode and w["group_size"] == 64
+        assert w["bytes_unquantized"] == base_header["weights"]["bytes"]
+        sizes[mode] = w["bytes"]
+        assert isinstance(engine.runner.model.lm_head, QuantLinear)
+        assert all(len(t) == 12 for t in out.values())
+    assert sizes["int4"] < sizes["int8"] < base_header["weights"]["bytes"] / 2
+    assert demo_runs[("int8", "auto")][2] == base_out  # int8 keeps greedy decoding on the demo model
+
+
+def test_engine_int8_kv_cache_holds_int8_and_reports_honest_bytes(demo_runs, demo):
+    engine, header, out = demo_runs[("none", "int8")]
+    c = demo.config
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.head_dim + 4)  # int8 values + fp32 scale per row
+    assert header["cache"]["dtype"] == "int8" and header["model"]["dtype"] == "float32"
+    assert header["model"]["kv_bytes_per_token"] == per_token
+    assert header["cache"]["bytes_per_block"] == per_token * header["cache"]["block_size"]
+    assert header["cache"]["formula"]["scale_bytes_per_token"] == c.num_hidden_layers * 2 * c.num_key_value_heads * 4
+    assert engine.cache.data.dtype == torch.int8 and engine.cache.scales.abs().sum() > 0
+    assert out == demo_runs[("none", "auto")][2]  # greedy tokens survive int8 K/V on the demo model
+
+
+def test_int8_kv_on_the_triton_kernels_gives_the_torch_backends_tokens():
+    pytest.importorskip("triton")
+    loaded = make_tiny_model()
+    prompts = {"short": "ROMEO:\n", "long": "JULIET:\nO Romeo, Romeo, wherefore art thou", "again": "ROMEO:\n"}
+    base = dict(kv_cache_dtype="int8", block_size=4, num_blocks=64, max_num_batched_tokens=8, device="cpu")
+    torch_engine, _, want = generate(loaded, EngineConfig(attention_backend="torch", **base), prompts, 5)
+    triton_engine, header, got = generate(loaded, EngineConfig(attention_backend="triton", **base), prompts, 5)
+    assert header["attention_backend"] == "triton" and header["cache"]["dtype"] == "int8"
+    assert got == want
+    assert torch.allclose(triton_engine.cache.scales, torch_engine.cache.scales, rtol=1e-5, atol=1e-7)
+    assert (triton_engine.cache.data.int() - torch_engine.cache.data.int()).abs().max() <= 1
+
+
+def test_mla_with_int8_kv_on_triton_is_refused_naming_the_field(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RequestError) as e:
+        Engine(make_tiny_model(mla=True), EngineConfig(kv_cache_dtype="int8", attention_backend="triton", device="cpu"))
+    assert e.value.field == "engine.kv_cache_dtype" and "torch" in e.value.reason
+
+
+def test_mla_with_int8_kv_runs_on_the_torch_backend():
+    loaded = make_tiny_model(mla=True)
+    engine, header, out = generate(loaded, EngineConfig(kv_cache_dtype="int8", attention_backend="torch",
+                                                        device="cpu", weight_quant="int4", quant_group_size=16),
+                                   {"a": "ROMEO:\n"}, 4)
+    assert header["model"]["kv_bytes_per_token"] == 2 * (16 + 8 + 4)  # L x (latent + rope + one scale)
+    assert len(out["a"]) == 4
+
+
+def test_engine_refuses_a_group_size_that_does_not_fit(demo):
+    with pytest.raises(RequestError) as e:
+        Engine(demo, EngineConfig(weight_quant="int4", quant_group_size=48, device="cpu"))
+    assert e.value.field == "engine.quant_group_size"
+    assert "48" in e.value.reason and "256" in e.value.reason
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------
+
+
+def test_bench_quant_smoke(tmp_path, capsys):
+    from bench.quant import SETTINGS, main
+
+    out = tmp_path / "quant.json"
+    assert main(["--windows", "1", "--chunk", "128", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == [s.name for s in SETTINGS] and result["meta"]["tokens"] == 256
+    assert rows["engine-float-kv"]["kl"] < 1e-6  # the engine path itself adds nothing ...
+    assert rows["kv-int8"]["kl"] > 1e-7  # ... so this is the int8 cache's own error
+    assert rows["kv-int8"]["kv_bytes_per_token"] < rows["none"]["kv_bytes_per_token"] / 3
+    assert rows["int4-g64"]["weight_bytes"] < rows["int8-g64"]["weight_bytes"] < rows["none"]["weight_bytes"]
+    assert len(result["targets"]) == 4
+    printed = capsys.readouterr().out
+    assert "| setting |" in printed and printed.count("PASS") + printed.count("FAIL") == 4
