@@ -24,6 +24,7 @@ from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
 # The scenarios whose lesson a test below asserts; a new scenario file must join them.
 LESSONS = {"long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",
            "paged-vs-contiguous", "chunked-prefill", "attention-variants", "sampling-knobs", "poisson-load"}
+LESSONS |= {"quantization"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -332,3 +333,37 @@ def test_poisson_load_builds_a_queue_and_ttft_grows_with_the_arrival_rate():
     assert ttft_low < ttft_mid < ttft_high
     assert wait_low < wait_mid < wait_high
     assert ttft_high > 2 * ttft_mid
+
+
+def test_quantization_shrinks_weight_and_kv_bytes_and_int8_kv_fits_more_blocks():
+    base = run("quantization")
+    kv8 = run("quantization", "engine.kv_cache_dtype=int8")
+    w8 = run("quantization", "engine.weight_quant=int8")
+    w4 = run("quantization", "engine.weight_quant=int4")
+    config, model, cache = base.header["config"], base.header["model"], base.header["cache"]
+    f = kv8.header["cache"]["formula"]
+
+    # int8 KV: one byte per value plus a float32 scale per (token, KV head) row, same memory budget.
+    per_token = model["n_layers"] * 2 * model["n_kv_heads"] * (model["head_dim"] + 4)
+    assert kv8.header["cache"]["dtype"] == "int8" and kv8.header["model"]["kv_bytes_per_token"] == per_token
+    assert per_token == f["n_layers"] * f["values_per_token_per_layer"] * f["bytes_per_value"] + f["scale_bytes_per_token"]
+    assert kv8.header["cache"]["bytes_per_block"] == per_token * cache["block_size"]
+    budget = config["kv_cache_memory_mb"] * 1024**2
+    assert cache["num_blocks"] == budget // cache["bytes_per_block"]
+    assert kv8.header["cache"]["num_blocks"] == budget // kv8.header["cache"]["bytes_per_block"]
+    assert kv8.header["cache"]["num_blocks"] > 3 * cache["num_blocks"]
+    assert base.of("preempt") and not kv8.of("preempt")
+
+    # Weights: the bytes the header reports, and what they do to greedy outputs.
+    none, int8, int4 = (t.header["weights"] for t in (base, w8, w4))
+    assert none["quant"] == "none" and none["bytes"] == none["bytes_unquantized"]
+    assert int8["quant"] == "int8" and int4["quant"] == "int4" and int4["group_size"] == 64
+    assert int4["bytes"] < int8["bytes"] < none["bytes"] / 2 and int4["bytes"] < none["bytes"] / 3
+    assert w4.header["cache"] == cache  # weights only: the cache is the float run's
+
+    def agreement(trace: Trace) -> float:
+        pairs = [(a, b) for rid, out in base.outputs.items() for a, b in zip(out, trace.outputs[rid])]
+        return sum(a == b for a, b in pairs) / len(pairs)
+
+    assert agreement(w8) >= 0.9
+    assert agreement(w4) < 1.0, "int4 changing no greedy token at all would make the lesson's contrast moot"
