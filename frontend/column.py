@@ -18,6 +18,7 @@ from frontend.views.block_table import BlockTableView
 from frontend.views.kv_calc import KvCalculatorView
 from frontend.views.metrics import MetricsView
 from frontend.views.sampling import SamplingView
+from frontend.views.speculative import SpeculativeView
 from frontend.views.timeline import TimelineView
 
 FOLLOW = ""  # request picker value: follow the running requests
@@ -61,6 +62,7 @@ class RunColumn:
                 self.views["block_table"] = BlockTableView(feed, sel)
                 self.views["attention"] = AttentionView(feed, sel, height="260px")
             self.views["sampling"] = SamplingView(feed, sel)
+            self.views["speculative"] = SpeculativeView(feed, sel)
         self.views["kv_calc"] = KvCalculatorView(feed)
 
     def _compact(self) -> None:
@@ -100,6 +102,14 @@ def engine_summary(config: dict, cache: dict) -> str:
              f"{cache.get('num_blocks')} blocks × {cache.get('block_size')}", f"{config.get('max_num_seqs')} seqs"]
     if not config.get("kv_cache", True):
         parts.insert(1, "KV cache OFF")
+    spec = config.get("speculative")
+    if spec:
+        drafter = spec.get("draft_model") if spec.get("method") == "draft" else "n-gram"
+        parts.append(f"speculative {drafter}, k = {spec.get('num_tokens')}")
+    if config.get("weight_quant", "none") != "none":
+        parts.append(f"weights {config['weight_quant']}")
+    if config.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"KV {config['kv_cache_dtype']}")
     return " · ".join(parts)
 
 

@@ -30,7 +30,10 @@ VIEWS = ("timeline", "blocks", "batch")
 FORMATS = (".png", ".svg", ".json")
 X_UNITS = ("steps", "seconds")
 DPI = 110
-PHASE_COLORS = {"waiting": "#d4d4d4", "prefill": "#4c78a8", "decode": "#59a14f", "preempted": "#f4a6a6"}
+PHASE_COLORS = {"waiting": "#d4d4d4", "prefill": "#4c78a8", "decode": "#59a14f", "verify": "#b07aa1",
+                "preempted": "#f4a6a6"}
+# A request whose sequences are in different phases in one iteration shows the highest ranked one.
+PHASE_RANK = {"decode": 0, "verify": 1, "prefill": 2}
 PREEMPT_HATCH = "#d35f5f"
 FREE_COLOR, CACHED_COLOR = "#efefef", "#9a9a9a"
 IDLE_COLOR, IDLE_WAITING_COLOR, WAITING_COLOR = "#f1f1f1", "#f6c6c6", "#e15759"
@@ -73,7 +76,7 @@ class Run:
 
 @dataclass
 class Segment:
-    kind: str  # waiting | prefill | decode | preempted
+    kind: str  # waiting | prefill | decode | verify | preempted
     start: int  # first iteration
     end: int  # one past the last iteration
     tokens: int = 0
@@ -143,13 +146,13 @@ def _by_request(steps) -> dict[str, list[int]]:
 
 
 def _batches(iterations: list[Event]) -> dict[int, dict[str, tuple[str, int]]]:
-    """Per iteration, per request: its phase (prefill wins over its other sequences') and tokens."""
+    """Per iteration, per request: its phase (prefill wins over its other sequences', then verify) and tokens."""
     out: dict[int, dict[str, tuple[str, int]]] = {}
     for it in iterations:
         per = out.setdefault(it["step"], {})
         for entry in it["batch"]:
             phase, tokens = per.get(entry["request_id"], (entry["phase"], 0))
-            phase = "prefill" if "prefill" in (phase, entry["phase"]) else "decode"  # verify counts as decode
+            phase = max(phase, entry["phase"], key=PHASE_RANK.__getitem__)
             per[entry["request_id"]] = (phase, tokens + entry["num_query_tokens"])
     return out
 
@@ -213,7 +216,7 @@ def segments(run: Run, rid: str) -> list[Segment]:
     for s in ran:
         phase, tokens = run.batches[s][rid]
         last = segs[-1] if segs else None
-        if phase == "decode" and last and last.kind == "decode" and last.end == s:
+        if phase in ("decode", "verify") and last and last.kind == phase and last.end == s:
             last.end, last.tokens = s + 1, last.tokens + tokens
         else:
             segs.append(Segment(phase, s, s + 1, tokens))
@@ -279,6 +282,8 @@ def _timeline_axes(ax: Axes, run: Run, rows: list[str], seconds: bool) -> None:
                Patch(color=PHASE_COLORS["decode"], label="decode (1 token / step)"),
                Line2D([], [], marker="D", color="#f28e2b", markeredgecolor="black", ls="", label="first token (TTFT)"),
                Line2D([], [], marker="|", color="black", markersize=12, mew=2, ls="", label="finished")]
+    if any(seg_phase == "verify" for per in run.batches.values() for seg_phase, _ in per.values()):
+        handles.insert(3, Patch(color=PHASE_COLORS["verify"], label="verify (speculative, k + 1 tokens)"))
     if run.state.num_preemptions:
         handles.insert(3, Patch(facecolor=PHASE_COLORS["preempted"], hatch="xx", edgecolor=PREEMPT_HATCH,
                                 label="preempted (recompute)"))

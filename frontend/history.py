@@ -19,6 +19,7 @@ KINDS = ("waiting", "prefill", "decode", "preempted", "verify")
 MAX_COLUMNS = 20_000  # iterations kept for the timeline (a long lecture demo is a few thousand)
 MAX_MASK_STEPS = 128  # iterations whose attention masks are kept
 MAX_TOKENS_PER_REQUEST = 128  # token events (with their distributions) kept per request
+MAX_VERIFIES_PER_REQUEST = 64  # spec_verify events (with their p and q) kept per request
 
 
 class Cell(NamedTuple):
@@ -56,6 +57,9 @@ class MetricPoint:
     kv_waste: float
     prefix_hit_rate: float
     num_preemptions: int
+    spec_acceptance_rate: float | None = None  # speculative runs only
+    spec_alpha: float | None = None
+    spec_tokens_per_verify: float | None = None
 
 
 @dataclass
@@ -73,6 +77,7 @@ class RunHistory:
     finishes: list[Finish] = field(default_factory=list)
     masks: dict[int, list[Event]] = field(default_factory=dict)  # step -> attention_mask events
     tokens: dict[str, deque] = field(default_factory=dict)  # request -> its recent token events
+    verifies: dict[str, deque] = field(default_factory=dict)  # request -> its recent spec_verify events
     seq_context: dict[int, int] = field(default_factory=dict)  # seq -> tokens in its KV (block fill)
     rows: dict[str, int] = field(default_factory=dict)  # request -> timeline row, arrival order
 
@@ -112,9 +117,13 @@ class RunHistory:
     def _on_token(self, e: Event, state: RunState) -> None:
         self.tokens.setdefault(e["request_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(e)
 
+    def _on_spec_verify(self, e: Event, state: RunState) -> None:
+        self.verifies.setdefault(e["request_id"], deque(maxlen=MAX_VERIFIES_PER_REQUEST)).append(e)
+
     def _on_metrics(self, e: Event, state: RunState) -> None:
         self.metrics.append(MetricPoint(e["step"], e["t"], e["tokens_per_s"], e["kv_usage"], e["kv_waste"],
-                                        e["prefix_hit_rate"], e["num_preemptions"]))
+                                        e["prefix_hit_rate"], e["num_preemptions"], e.get("spec_acceptance_rate"),
+                                        e.get("spec_alpha"), e.get("spec_tokens_per_verify")))
 
     def _on_request_finished(self, e: Event, state: RunState) -> None:
         self.finishes.append(Finish(e["step"], e["request_id"], e["ttft_s"], e["tpot_s"]))
@@ -135,6 +144,8 @@ class RunHistory:
             history._on_iteration_from_snapshot(e)
         for rid, e in (snapshot.get("last_token_by_request") or {}).items():
             history.tokens.setdefault(rid, deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(e)
+        for e in state.recent_verifies:
+            history._on_spec_verify(e, state)
         if snapshot.get("metrics"):  # the latest values at least: the curves start there
             history._on_metrics(snapshot["metrics"], state)
         return history

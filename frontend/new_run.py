@@ -21,9 +21,50 @@ OVERRIDE_PATHS = {
     "max_num_seqs": "engine.max_num_seqs", "batching": "engine.batching", "kv_layout": "engine.kv_layout",
     "kv_cache": "engine.kv_cache", "prefix_caching": "engine.prefix_caching",
     "chunked_prefill": "engine.chunked_prefill", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "weight_quant": "engine.weight_quant", "quant_group_size": "engine.quant_group_size",
+    "kv_cache_dtype": "engine.kv_cache_dtype",
+    "n": "generate.sampling.n", "beam_width": "generate.sampling.beam_width",
+    "length_penalty": "generate.sampling.length_penalty",
 }  # fmt: skip
+SPEC_OFF = "off"
+SPEC_METHODS = {SPEC_OFF: "off", "draft": "draft model", "ngram": "n-gram"}
+DRAFT_MODELS = {"demo-draft": "demo-draft"}
+DEFAULT_DRAFT, DEFAULT_NUM_TOKENS = "demo-draft", 4
 
 Navigate = Callable[[str, str | None], Awaitable[None] | None]
+
+
+def dotted_get(data: dict[str, Any], path: str) -> Any:
+    """data["a"]["b"] for "a.b"; None where a part is missing."""
+    for part in path.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(part)
+    return data
+
+
+def spec_form(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """engine.speculative (null or an object) as the form's three fields."""
+    spec = spec or {}
+    return {"spec_method": spec.get("method", SPEC_OFF), "spec_draft_model": spec.get("draft_model", DEFAULT_DRAFT),
+            "spec_num_tokens": spec.get("num_tokens", DEFAULT_NUM_TOKENS)}
+
+
+def speculative_of(form: dict[str, Any]) -> dict[str, Any] | None:
+    """The form's three speculative fields as engine.speculative: null when off."""
+    method = form.get("spec_method") or SPEC_OFF
+    if method == SPEC_OFF:
+        return None
+    spec = {"method": method, "num_tokens": int(form.get("spec_num_tokens") or DEFAULT_NUM_TOKENS)}
+    if method == "draft":  # an n-gram proposer has no model
+        spec["draft_model"] = form.get("spec_draft_model") or DEFAULT_DRAFT
+    return spec
+
+
+def base_of(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The scenario's own values of every form field."""
+    base = {key: dotted_get(scenario, path) for key, path in OVERRIDE_PATHS.items()}
+    return {**base, **spec_form(dotted_get(scenario, "engine.speculative"))}
 
 
 def overrides_of(form: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -33,10 +74,16 @@ def overrides_of(form: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         value = form.get(key)
         if value is None or value == "":
             continue
+        if path.startswith("generate.") and base.get(key) is None:
+            continue  # the scenario lists its requests one by one: there is no generate.sampling to set
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if value != base.get(key):
             out[path] = value
+    # The whole object or null: a dotted path cannot reach into a speculative section that is null.
+    spec = speculative_of(form)
+    if spec != speculative_of(base):
+        out["engine.speculative"] = spec
     return out
 
 
@@ -93,6 +140,43 @@ class NewRunPanel:
             ui.switch("chunked prefill").bind_value(f, "chunked_prefill").mark("cfg-chunked_prefill")
             ui.number("token budget", min=1, precision=0).bind_value(f, "max_num_batched_tokens").classes("w-28") \
                 .mark("cfg-max_num_batched_tokens")
+        self._speculative_form()
+        self._quant_form()
+        self._sampling_form()
+
+    def _speculative_form(self) -> None:
+        f = self.form
+        ui.label("Speculative decoding").classes("kv-small")
+        ui.toggle(SPEC_METHODS, value=SPEC_OFF).bind_value(f, "spec_method").props("dense").mark("cfg-spec_method")
+        with ui.row().classes("gap-2 no-wrap").bind_visibility_from(f, "spec_method", backward=lambda m: m not in
+                                                                     (None, SPEC_OFF)):
+            ui.select(DRAFT_MODELS, label="draft model", with_input=True, new_value_mode="add-unique",
+                      value=DEFAULT_DRAFT).bind_value(f, "spec_draft_model").classes("w-40") \
+                .bind_visibility_from(f, "spec_method", value="draft").mark("cfg-spec_draft_model")
+            ui.number("draft tokens k", min=1, max=16, precision=0, value=DEFAULT_NUM_TOKENS) \
+                .bind_value(f, "spec_num_tokens").classes("w-28").mark("cfg-spec_num_tokens")
+
+    def _quant_form(self) -> None:
+        f = self.form
+        with ui.row().classes("gap-2 no-wrap"):
+            ui.select({"none": "none", "int8": "int8", "int4": "int4"}, label="weights").bind_value(f, "weight_quant") \
+                .classes("w-24").mark("cfg-weight_quant")
+            ui.number("group size", min=0, precision=0).bind_value(f, "quant_group_size").classes("w-24") \
+                .mark("cfg-quant_group_size").tooltip("weights sharing one scale; 0 = one scale per tensor")
+            ui.select({"auto": "model dtype", "int8": "int8 + scales"}, label="KV dtype") \
+                .bind_value(f, "kv_cache_dtype").classes("w-28").mark("cfg-kv_cache_dtype")
+
+    def _sampling_form(self) -> None:
+        f = self.form
+        with ui.row().classes("gap-2 no-wrap"):
+            self.sampling_fields = [
+                ui.number("n", min=1, max=16, precision=0).bind_value(f, "n").classes("w-16").mark("cfg-n")
+                .tooltip("sequences per request (parallel sampling)"),
+                ui.number("beam width", min=0, max=16, precision=0).bind_value(f, "beam_width").classes("w-24")
+                .mark("cfg-beam_width").tooltip("0 = no beam search"),
+                ui.number("length penalty", step=0.1).bind_value(f, "length_penalty").classes("w-28")
+                .mark("cfg-length_penalty").tooltip("beam score = log p / length ** penalty"),
+            ]
 
     @staticmethod
     def _model_options(*extra: str | None) -> dict[str, str]:
@@ -122,8 +206,10 @@ class NewRunPanel:
         except BackendError as e:
             ui.notify(str(e), type="negative")
             return
-        engine = scenario.get("engine", {})
-        self.base = {"model": scenario.get("model"), **{k: engine.get(k) for k in OVERRIDE_PATHS if k != "model"}}
+        self.base = base_of(scenario)
+        # sampling is set for generated requests only (a scenario's listed requests each carry their own)
+        for element in self.sampling_fields:
+            element.set_enabled(scenario.get("generate") is not None)
         model = self.default_model or self.base.get("model")  # a model chosen for the session stays
         self.model_select.set_options(self._model_options(model, self.form.get("model")))
         self.form.update(self.base)

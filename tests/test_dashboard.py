@@ -122,6 +122,12 @@ async def test_engine_form_becomes_overrides(dash: Dash, tiny_dir: str) -> None:
     form.update(batching="static", block_size=8, prefix_caching=False, max_num_batched_tokens=64.0)
     assert page.panel.overrides() == {"model": tiny_dir, "engine.batching": "static", "engine.block_size": 8,
                                       "engine.prefix_caching": False, "engine.max_num_batched_tokens": 64}
+    dash.user.find(marker="cfg-spec_method").elements.pop().set_value("ngram")
+    dash.user.find(marker="cfg-spec_num_tokens").elements.pop().set_value(3)
+    dash.user.find(marker="cfg-kv_cache_dtype").elements.pop().set_value("int8")
+    overrides = page.panel.overrides()
+    assert overrides["engine.speculative"] == {"method": "ngram", "num_tokens": 3}
+    assert overrides["engine.kv_cache_dtype"] == "int8"
 
 
 # ---- a live run: every view ------------------------------------------------------------------------------
@@ -140,7 +146,9 @@ async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> N
     await until(lambda: all(v.version == column.feed.version for v in column.views.values()))
     views = column.views
     assert views["blocks"].updates and views["blocks"].changes_sent > 0
-    assert all(views[name].updates for name in ("timeline", "batch", "metrics", "sampling", "attention", "kv_calc"))
+    assert all(views[name].updates for name in ("timeline", "batch", "metrics", "sampling", "attention", "kv_calc",
+                                                "speculative"))
+    assert views["speculative"].caption.text.startswith("No speculative decoding in this run")
     state = column.feed.state
     assert len(state.requests) == 12 and all(r.status == "finished" for r in state.requests.values())
     assert views["metrics"].kpis["done"] == "12/12"
@@ -209,6 +217,63 @@ async def test_sampling_what_if_knobs(dash: Dash, tiny_dir: str) -> None:
     await until(lambda: "what-if" not in view.caption.text)
     view._on_token_click(type("E", (), {"args": 0})())
     assert column.selection.token_index == 0
+
+
+# ---- speculative decoding, n > 1 and beams, quantization: the views on synthetic events ------------------
+
+
+async def synthetic_column(dash: Dash, events: list[dict]):
+    """A page on a feed that the test fills itself (no websocket): the header first, then the rest live."""
+    from tests.test_dashboard_units import snapshot_of
+
+    run_id = events[0]["run_id"]
+    feed = RunFeed(dash.backend, run_id)
+    feed.task = asyncio.get_running_loop().create_task(asyncio.Event().wait())  # stands for the websocket reader
+    dash.hub.feeds[run_id] = feed
+    feed.handle(snapshot_of(events[:1]))
+    column = (await dash.open(f"/?run={run_id}")).columns[0]
+    for e in events[1:]:
+        feed.handle(e)
+    await until(lambda: all(v.version == feed.version for v in column.views.values()))
+    return column
+
+
+async def test_speculative_view_rows_p_vs_q_and_the_formula(dash: Dash) -> None:
+    from tests.test_dashboard_units import spec_story
+
+    events = spec_story()
+    column = await synthetic_column(dash, events)
+    view = column.views["speculative"]
+    column.selection.select_request("r0")
+    await until(lambda: "kv-tok-rej" in view.rows.content)
+    assert view.rows.content.count("kv-spec-row") == 2
+    assert view.rows.content.index("kv-tok-bonus") < view.rows.content.index("kv-tok-rej")  # newest first
+    # alpha 0.7, k 3: (1 - 0.7^4) / (1 - 0.7) = 2.53 expected; 7 tokens in 2 verifies measured
+    assert "accepted 5/6 drafted = 83%" in view.caption.text and "tokens per verify 3.50" in view.caption.text
+    assert "expected (1 − α^4) / (1 − α) = 2.53" in view.caption.text
+    first = next(e for e in events if e["type"] == "spec_verify")
+    view.pick(first["seq"], 2)
+    await until(lambda: "rejected" in view.pq_caption.text)
+    assert "p = 0.500, q = 0.600" in view.pq_caption.text and "min(1, p/q) = 0.83" in view.pq_caption.text
+    view._on_click(type("E", (), {"args": [first["seq"], 3]})())  # the bonus position has no draft
+    await until(lambda: "bonus position" in view.pq_caption.text)
+    await dash.user.should_see("speculative demo-draft, k = 3", marker="run-engine")
+
+
+async def test_forks_drafts_and_dtypes_in_the_other_views(dash: Dash) -> None:
+    from tests.test_dashboard_units import spec_story
+
+    column = await synthetic_column(dash, spec_story())
+    views = column.views
+    assert [item[7] for item in views["timeline"].branches_sent] == [1, 2]  # r1's two sequences
+    assert views["timeline"].branches_sent[1][6] == 2  # seq 2 was pruned
+    column.selection.select_request("r0")
+    await until(lambda: "draft model for seq 0" in views["block_table"].last)
+    assert "draft model 1" in views["blocks"].caption.text
+    assert views["metrics"].kpis["spec"] == "83%"
+    assert "weights int8 in groups of 64" in views["metrics"].memory.text
+    assert "KV cache int8" in views["kv_calc"].memory.text and "B scale" in views["kv_calc"].result.content
+    assert "**576 B per token**" in views["kv_calc"].result.content
 
 
 # ---- controls ----------------------------------------------------------------------------------------

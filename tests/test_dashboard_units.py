@@ -21,7 +21,7 @@ from frontend.new_run import overrides_of
 from frontend.sampling_math import Knobs, compute_stages
 from frontend.views.base import Js, js
 from frontend.views.batch import MERGED, column_segments
-from frontend.views.kv_calc import bytes_per_token, inputs_from_header
+from frontend.views.kv_calc import bytes_per_token, human, inputs_from_header
 from frontend.views.timeline import merge_runs
 from tests.conftest import make_tiny_model
 
@@ -189,16 +189,34 @@ def test_overrides_are_only_what_differs_from_the_scenario():
     assert overrides_of(form, base) == {"engine.block_size": 8, "engine.prefix_caching": False}
 
 
-@pytest.mark.parametrize("variant", [{"n_kv_heads": 2}, {"n_kv_heads": 1}, {"n_kv_heads": 4}, {"mla": True}])
-def test_calculator_agrees_with_the_engine_header(variant):
+def engine_header(model: dict, **engine) -> dict:
     events: list[dict] = []
     bus = EventBus()
     bus.subscribe(events.append)
-    Engine(make_tiny_model(**variant), EngineConfig(num_blocks=8, block_size=4), bus).emit_header()
-    header = events[0]
+    Engine(make_tiny_model(**model), EngineConfig(num_blocks=8, block_size=4, **engine), bus).emit_header()
+    return events[0]
+
+
+@pytest.mark.parametrize("variant", [{"n_kv_heads": 2}, {"n_kv_heads": 1}, {"n_kv_heads": 4}, {"mla": True}])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_calculator_agrees_with_the_engine_header(variant, kv_dtype):
+    header = engine_header(variant, kv_cache_dtype=kv_dtype)
     inputs = inputs_from_header(header["model"], header["cache"])
-    assert inputs.variant == header["model"]["attention"]
+    assert inputs.variant == header["model"]["attention"] and inputs.scales == (kv_dtype == "int8")
     assert bytes_per_token(inputs) == header["model"]["kv_bytes_per_token"]
+
+
+def test_memory_line_of_a_real_quantized_engine():
+    from backend.events.state import RunState
+    from frontend.views.kv_calc import memory_text
+
+    state = RunState()
+    state.apply(engine_header({}, weight_quant="int4", quant_group_size=32, kv_cache_dtype="int8"))
+    w = state.weights
+    assert w["quant"] == "int4" and w["bytes"] < w["bytes_unquantized"]
+    assert f"weights int4 in groups of 32: {human(w['bytes'])} (unquantized {human(w['bytes_unquantized'])}" \
+        in memory_text(state)
+    assert "KV cache int8 + a float32 scale per token and KV head: 160 B per token" in memory_text(state)
 
 
 def test_batch_merges_equal_consecutive_columns():
@@ -220,3 +238,229 @@ def test_chunks_keep_a_small_live_series_and_seal_the_rest():
     chunks.add(12, 12)  # a new chunk: 8..11 seal into the second era
     assert chunks.take_dirty() == [("x-e1", [8, 9, 10]), ("x-live", [12])]
     assert chunks.all() == [("x-e0", [0, 1, 2, 3, 4, 5, 6, 7]), ("x-e1", [8, 9, 10]), ("x-live", [12])]
+
+
+# ---- speculative decoding, n > 1 and beams, quantization (synthetic events) ------------------------------
+
+SPEC_MODEL = {"name": "demo", "n_layers": 4, "n_heads": 8, "n_kv_heads": 2, "head_dim": 32, "attention": "gqa",
+              "vocab_size": 2048, "dtype": "float32", "kv_bytes_per_token": 2 * 4 * 2 * (32 + 4),
+              "eos_token_ids": [0]}  # int8 KV: a byte per value plus a float32 scale per token and KV head
+
+
+def dists(drafted: list[int]) -> list[list[list]]:
+    """Top tokens of p and q at each verified position (k + 1 of them)."""
+    return [[[t, f"d{t}", 0.5, 0.6], [t + 100, f"o{t}", 0.3, 0.1]] for t in drafted] + [[[21, "b", 0.8, 0.0]]]
+
+
+def spec_story() -> list[dict]:
+    """Four iterations: r0 speculates with a draft model (seq 100 holds the draft's KV), one verify
+    rejecting its third draft, one accepting all with a bonus; r1 samples n = 2 (seq 2 forks seq 1
+    after the prompt, sharing its block) and seq 2 is pruned."""
+    bus = EventBus(clock=iter(x / 10 for x in range(10_000)).__next__)
+    events: list[dict] = []
+    bus.subscribe(events.append)
+    bus.emit("header", schema_version=1, run_id="spec-1", scenario={"name": "speculative-draft"},
+             config={"block_size": 4, "num_blocks": 16, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+                     "batching": "continuous", "speculative": {"method": "draft", "draft_model": "demo-draft",
+                                                               "num_tokens": 3},
+                     "weight_quant": "int8", "quant_group_size": 64, "kv_cache_dtype": "int8"},
+             model=SPEC_MODEL, cache={"num_blocks": 16, "block_size": 4, "bytes_per_block": 4 * 576, "dtype": "int8",
+                                      "formula": {"n_layers": 4, "values_per_token_per_layer": 128,
+                                                  "bytes_per_value": 1, "text": "2 x L x N_kv x D_h x bytes"}},
+             weights={"quant": "int8", "group_size": 64, "bytes": 1_310_720, "bytes_unquantized": 5_242_880},
+             draft_model={"name": "demo-draft", "n_layers": 2, "kv_bytes_per_token": 144, "bytes_per_block": 576})
+    for rid, seq_ids, n in (("r0", [0], 1), ("r1", [1], 2)):
+        bus.emit("request_arrived", request_id=rid, prompt_token_ids=[5, 6, 7, 8], prompt_text="abcd",
+                 sampling={"temperature": 1.0, "n": n}, max_tokens=8, seq_ids=seq_ids)
+
+    def iteration(*batch):
+        bus.emit("iteration", batch=[dict(zip(("request_id", "seq_id", "phase", "num_query_tokens", "context_len"), b))
+                                     for b in batch], num_batched_tokens=sum(b[3] for b in batch), token_budget=64,
+                 num_running=2, num_waiting=0, kv_blocks_used=4, duration_s=0.1)
+
+    def token(rid, seq, position, token_id, source="target"):
+        bus.emit("token", request_id=rid, seq_id=seq, position=position, token_id=token_id, text=f"t{token_id}",
+                 logprob=-0.5, source=source)
+
+    def verify(position, drafted, accepted, resampled, bonus):
+        bus.emit("spec_propose", request_id="r0", seq_id=0, token_ids=drafted, q_probs=[0.6] * 3, method="draft",
+                 draft_seq_id=100, position=position, token_texts=[f"d{t}" for t in drafted])
+        results = [{"token_id": t, "text": f"d{t}", "p": 0.5, "q": 0.6, "accepted": i < accepted}
+                   for i, t in enumerate(drafted)]
+        bus.emit("spec_verify", request_id="r0", seq_id=0, position=position, results=results,
+                 num_accepted=accepted, resampled_token_id=resampled, bonus_token_id=bonus, dists=dists(drafted),
+                 expected_accept=[0.7, 0.7, 0.7])
+        for i in range(accepted):
+            token("r0", 0, position + i, drafted[i], "draft_accepted")
+        closing = resampled if resampled is not None else bonus
+        token("r0", 0, position + accepted, closing, "resampled" if resampled is not None else "bonus")
+
+    def metrics(**spec):
+        bus.emit("metrics", tokens_per_s=10.0, kv_usage=0.25, kv_waste=0.1, prefix_hit_rate=0.0, num_preemptions=0,
+                 **spec)
+
+    bus.step = 0
+    iteration(("r0", 0, "prefill", 4, 4), ("r1", 1, "prefill", 4, 4))
+    bus.emit("block_alloc", block_id=0, seq_id=0, request_id="r0", logical_index=0)
+    bus.emit("block_alloc", block_id=1, seq_id=1, request_id="r1", logical_index=0)
+    bus.emit("block_alloc", block_id=2, seq_id=100, request_id="r0", logical_index=0)  # the draft's prefill
+    token("r0", 0, 4, 10)
+    token("r1", 1, 4, 30)
+    bus.emit("seq_fork", request_id="r1", parent_seq_id=1, seq_id=2, position=4)
+    bus.emit("block_share", block_id=1, seq_id=2, request_id="r1", logical_index=0, ref_count=2, reason="fork")
+    token("r1", 2, 4, 31)
+    metrics()
+    bus.step = 1
+    iteration(("r0", 0, "verify", 4, 8), ("r1", 1, "decode", 1, 5), ("r1", 2, "decode", 1, 5))
+    bus.emit("attention_mask", request_id="r0", seq_id=0, kind="verify", query_positions=[4, 8], key_len=8)
+    bus.emit("block_alloc", block_id=3, seq_id=0, request_id="r0", logical_index=1)
+    verify(5, [11, 12, 13], 2, 14, None)
+    metrics(spec_acceptance_rate=2 / 3, spec_alpha=0.7, spec_tokens_per_verify=3.0)
+    bus.step = 2
+    iteration(("r0", 0, "verify", 4, 12), ("r1", 1, "decode", 1, 6))
+    bus.emit("block_alloc", block_id=4, seq_id=0, request_id="r0", logical_index=2)
+    verify(8, [15, 16, 17], 3, None, 21)
+    bus.emit("seq_end", request_id="r1", seq_id=2, reason="pruned")
+    bus.emit("block_free", block_id=1, seq_id=2, request_id="r1", cached=False)
+    metrics(spec_acceptance_rate=5 / 6, spec_alpha=0.7, spec_tokens_per_verify=3.5)
+    bus.step = 3
+    iteration(("r1", 1, "decode", 1, 7))
+    bus.emit("seq_end", request_id="r1", seq_id=1, reason="length")
+    bus.emit("block_free", block_id=1, seq_id=1, request_id="r1", cached=True)
+    bus.emit("request_finished", request_id="r1", finish_reason="length", output_token_ids=[30, 32],
+             output_text="t30t32", ttft_s=0.1, tpot_s=0.1, e2e_s=0.4,
+             outputs=[{"seq_id": 1, "output_token_ids": [30, 32], "output_text": "t30t32", "finish_reason": "length",
+                       "cumulative_logprob": -1.0, "score": -0.5}])
+    metrics(spec_acceptance_rate=5 / 6, spec_alpha=0.7, spec_tokens_per_verify=3.5)
+    return events
+
+
+def state_of(events: list[dict]):
+    from backend.events.state import RunState
+
+    state = RunState()
+    for e in events:
+        state.apply(e)
+    return state
+
+
+def test_the_story_is_valid_events():
+    from backend.events.schema import parse_event
+
+    for e in spec_story():
+        parse_event(e)
+
+
+def test_reducer_keeps_sequences_drafts_and_speculation_totals():
+    state = state_of(spec_story())
+    assert state.draft_seqs == {100: 0} and state.seq_request[100] == "r0"
+    assert state.spec.verifies == 2 and state.spec.proposed == 6 and state.spec.accepted == 5
+    assert state.spec.tokens_per_verify == 3.5  # (2 + resampled) and (3 + bonus)
+    forked = state.sequences[2]
+    assert (forked.parent_seq_id, forked.position, forked.start_step, forked.end_step, forked.end_reason) == \
+        (1, 4, 0, 2, "pruned")
+    assert state.sequences[1].parent_seq_id is None and state.sequences[1].end_reason == "length"
+    assert state.requests["r1"].outputs[0]["score"] == -0.5 and state.requests["r1"].seq_ids == [1]
+    assert state.weights["quant"] == "int8" and state.draft_model["name"] == "demo-draft"
+    # blocks still come from block events alone: the fork's shared block is back to one owner, then cached
+    assert state.block_tables == {0: [0, 3, 4], 100: [2]} and state.cached_blocks == {1}
+
+
+def test_a_snapshot_carries_what_the_new_views_need():
+    events = spec_story()
+    for cut in (12, 30, len(events)):
+        live = state_of(events[:cut])
+        resynced = RunFeed(None, "r")
+        resynced.handle(snapshot_of(events[:cut]))
+        assert resynced.state.snapshot() == live.snapshot()
+    joined = RunFeed(None, "r")
+    joined.handle(snapshot_of(events))
+    assert [e["num_accepted"] for e in joined.history.verifies["r0"]] == [2, 3]
+
+
+def test_block_pool_marks_shared_and_draft_blocks():
+    from frontend.views.block_pool import DRAFT, SHARED, cell_of, describe_block
+
+    events = spec_story()
+    feed = RunFeed(None, "r")
+    feed.handle(snapshot_of(events[:1]))
+    for e in events[1:]:
+        feed.handle(e)
+        if e["type"] == "block_share":
+            break  # r1's two sequences share their prompt block
+    state, history = feed.state, feed.history
+    free = set(state.free_blocks)
+    assert cell_of(state, history, free, 1)[2] == SHARED
+    assert cell_of(state, history, free, 2)[2] == 0  # the draft's sequence is not named yet
+    for e in events[len(events) // 2:]:
+        feed.handle(e)
+    free = set(feed.state.free_blocks)
+    assert cell_of(feed.state, history, free, 2)[2] == DRAFT
+    assert cell_of(feed.state, history, free, 0)[2] == 0
+    assert "draft model for seq 0" in describe_block(feed.state, feed.history, 2)
+
+
+def test_timeline_draws_one_row_per_request_and_its_branches():
+    from frontend.history import Cell
+    from frontend.views.timeline import branch_items, request_cells
+
+    cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])
+    assert cells == [Cell("r1", "decode", 2), Cell("r0", "verify", 4)]
+    assert request_cells([Cell("a", "decode", 1), Cell("a", "prefill", 8)]) == [Cell("a", "prefill", 9)]
+    state = state_of(spec_story())
+    # [x0, x1, row, slot, slots, parent slot, end mark, seq, request, position, reason, parent]
+    assert branch_items(state, {"r0": 0, "r1": 1}, None) == [
+        [-1.5, 3.5, 1, 0, 2, -1, 1, 1, "r1", 0, "length", None],
+        [-0.5, 2.5, 1, 1, 2, 0, 2, 2, "r1", 4, "pruned", 1]]
+
+
+def test_verify_rows_colour_each_draft_and_mark_the_added_token():
+    from frontend.views.speculative import closing_text, expected_tokens_per_verify, pq_bars, verify_row_html
+
+    verifies = [e for e in spec_story() if e["type"] == "spec_verify"]
+    tokens = [e for e in spec_story() if e["type"] == "token" and e["request_id"] == "r0"]
+    rejected = verify_row_html(verifies[0], tokens, picked=(verifies[0]["seq"], 2))
+    assert rejected.count("kv-tok-acc") == 2 and rejected.count("kv-tok-rej") == 1
+    assert rejected.count("kv-tok-res") == 1 and "kv-tok-bonus" not in rejected and "t14" in rejected
+    assert rejected.count("kv-tok-picked") == 2  # the rejected draft and its replacement share position 2
+    bonus = verify_row_html(verifies[1], tokens, None)
+    assert bonus.count("kv-tok-acc") == 3 and bonus.count("kv-tok-bonus") == 1 and "kv-tok-rej" not in bonus
+    assert closing_text(verifies[1], []) == "b"  # no token event: the text comes from the bonus position's dists
+    assert pq_bars(verifies[0], 2) == (["d13", "o13"], [0.5, 0.3], [0.6, 0.1])
+    assert expected_tokens_per_verify(0.0, 4) == 1.0 and expected_tokens_per_verify(1.0, 4) == 5.0
+    assert expected_tokens_per_verify(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+
+
+def test_speculative_form_fields_become_overrides():
+    from frontend.new_run import base_of
+
+    scenario = {"model": "demo", "engine": {"block_size": 16, "speculative": None, "weight_quant": "none",
+                                            "quant_group_size": 64, "kv_cache_dtype": "auto"},
+                "generate": {"sampling": {"n": 1, "beam_width": 0, "length_penalty": 1.0}}}
+    base = base_of(scenario)
+    assert base["spec_method"] == "off" and base["n"] == 1
+    form = {**base, "spec_method": "draft", "spec_num_tokens": 5.0, "weight_quant": "int4", "quant_group_size": 32.0,
+            "kv_cache_dtype": "int8", "n": 3.0, "beam_width": 2.0, "length_penalty": 0.5}
+    assert overrides_of(form, base) == {
+        "engine.weight_quant": "int4", "engine.quant_group_size": 32, "engine.kv_cache_dtype": "int8",
+        "generate.sampling.n": 3, "generate.sampling.beam_width": 2, "generate.sampling.length_penalty": 0.5,
+        "engine.speculative": {"method": "draft", "num_tokens": 5, "draft_model": "demo-draft"}}
+    ngram = base_of({**scenario, "engine": {"speculative": {"method": "ngram", "draft_model": "demo-draft",
+                                                            "num_tokens": 4}}, "generate": None})
+    assert overrides_of({**ngram, "n": 2}, ngram) == {}  # listed requests: no generate.sampling to set
+    assert overrides_of({**ngram, "spec_method": "off"}, ngram) == {"engine.speculative": None}
+    assert overrides_of({**ngram, "spec_num_tokens": 2}, ngram) == {"engine.speculative": {"method": "ngram",
+                                                                                           "num_tokens": 2}}
+
+
+def test_calculator_and_memory_line_know_int8_and_quantized_weights():
+    from frontend.views.kv_calc import formula_text, memory_text
+
+    state = state_of(spec_story()[:1])
+    inputs = inputs_from_header(state.model, state.cache)
+    assert inputs.scales and bytes_per_token(inputs) == SPEC_MODEL["kv_bytes_per_token"] == 576
+    assert formula_text(inputs) == "2 · 4 · 2 · (32 · 1 B + 4 B scale)"
+    text = memory_text(state)
+    assert "weights int8 in groups of 64: 1.2 MiB (unquantized 5.0 MiB, 4.0× smaller)" in text
+    assert "KV cache int8 + a float32 scale per token and KV head: 576 B per token" in text
+    assert "draft demo-draft: 2 layers, 144 B per token" in text

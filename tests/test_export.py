@@ -154,3 +154,21 @@ def test_a_2048_block_pool_renders_quickly(tmp_path, tiny_dir):
     assert pixels.shape[1] >= 800 and distinct_colors(pixels) >= 4
     batch = read_png(render(events, "batch", tmp_path / "batch.png"))  # static: idle slots drawn
     assert batch.std() > 0.1
+
+
+def test_verify_phase_and_forked_sequences_export(tmp_path):
+    """Speculative verifies get their own colour; n > 1 sequences share their request's row."""
+    from matplotlib.colors import to_rgb
+
+    from frontend.export import PHASE_COLORS, perfetto_trace
+    from tests.test_dashboard_units import spec_story
+
+    events = spec_story()
+    run = replay(events)
+    assert [(s.kind, s.start, s.end) for s in segments(run, "r0")] == [("prefill", 0, 1), ("verify", 1, 3)]
+    assert [s.kind for s in segments(run, "r1")] == ["prefill", "decode"]
+    pixels = read_png(render(events, "timeline", tmp_path / "timeline.png"))
+    assert (np.abs(pixels - np.array(to_rgb(PHASE_COLORS["verify"]))).max(axis=-1) < 0.02).sum() > 100
+    for view in ("blocks", "batch"):
+        render(events, view, tmp_path / f"{view}.svg")
+    assert "verify" in {e["name"] for e in perfetto_trace(run)["traceEvents"]}

@@ -16,7 +16,9 @@ Event = dict[str, Any]
 _PLAIN_FIELDS = (
     "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
     "metrics", "num_preemptions", "paused", "speed", "finished", "finish_reason", "last_token_by_request",
+    "weights", "draft_model",
 )  # fmt: skip
+RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
 
 @dataclass
@@ -40,6 +42,39 @@ class RequestView:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    seq_ids: list[int] = field(default_factory=list)  # n > 1 / beam search: the sequences it arrived with
+    outputs: list[dict[str, Any]] | None = None  # every returned sequence, best first (n > 1, beams)
+
+
+@dataclass
+class SeqView:
+    """One sequence of a multi-sequence request (n > 1, beam search): where it branched and ended."""
+
+    seq_id: int
+    request_id: str
+    parent_seq_id: int | None = None  # None: a root (the request's first sequence)
+    position: int = 0  # tokens inherited from the parent at the fork
+    start_step: int = -1
+    end_step: int | None = None
+    end_reason: str | None = None  # eos | stop | length | abort | pruned
+
+
+@dataclass
+class SpecTotals:
+    """Speculative decoding so far, counted from spec_verify events (exact, unlike a windowed rate)."""
+
+    verifies: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    appended: int = 0  # tokens the verifies appended: accepted + the resampled or bonus one
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_verify(self) -> float | None:
+        return self.appended / self.verifies if self.verifies else None
 
 
 class RunState:
@@ -59,6 +94,8 @@ class RunState:
         self.config: dict[str, Any] = {}
         self.model: dict[str, Any] = {}
         self.cache: dict[str, Any] = {}
+        self.weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
+        self.draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
         self.block_tables: dict[int, list[int]] = {}
         self.ref_counts: dict[int, int] = {}
         self.block_owner: dict[int, set[int]] = {}
@@ -66,6 +103,10 @@ class RunState:
         self.cached_blocks: set[int] = set()  # free blocks still findable by prefix hash
         self.seq_request: dict[int, str] = {}
         self.requests: dict[str, RequestView] = {}
+        self.sequences: dict[int, SeqView] = {}  # only the sequences of multi-sequence requests
+        self.draft_seqs: dict[int, int] = {}  # draft model's sequence -> the target sequence it drafts for
+        self.spec = SpecTotals()
+        self.recent_verifies: deque[Event] = deque(maxlen=RECENT_VERIFIES)
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.iterations: deque[Event] = deque(maxlen=self.max_iterations)
@@ -105,6 +146,8 @@ class RunState:
         self.config = e["config"]
         self.model = e["model"]
         self.cache = e["cache"]
+        self.weights = e.get("weights")
+        self.draft_model = e.get("draft_model")
         self._free = dict.fromkeys(range(self.cache["num_blocks"]))
 
     def _on_iteration(self, e: Event) -> None:
@@ -137,8 +180,12 @@ class RunState:
             max_tokens=e["max_tokens"],
             sampling=e["sampling"],
             arrival_step=e["step"],
+            seq_ids=list(e.get("seq_ids") or []),
         )
         self.waiting.append(rid)
+        if len(e.get("seq_ids") or []) > 1:
+            for seq in e["seq_ids"]:
+                self._sequence(seq, rid)
 
     def _on_request_rejected(self, e: Event) -> None:
         rid = e["request_id"]
@@ -192,6 +239,7 @@ class RunState:
         view.output_token_ids = list(e["output_token_ids"])
         view.output_text = e["output_text"]
         view.ttft_s, view.tpot_s, view.e2e_s = e["ttft_s"], e["tpot_s"], e["e2e_s"]
+        view.outputs = e.get("outputs")
         self._leave_queues(rid)
 
     def _leave_queues(self, rid: str) -> None:
@@ -199,6 +247,40 @@ class RunState:
             self.waiting.remove(rid)
         if rid in self.running:
             self.running.remove(rid)
+
+    # -- sequences: forks, ends, speculation --------------------------------------------------
+
+    def _sequence(self, seq: int, rid: str) -> SeqView:
+        """The sequence's record, created as a root starting at its request's arrival if new."""
+        view = self.sequences.get(seq)
+        if view is None:
+            request = self.requests.get(rid)
+            view = self.sequences[seq] = SeqView(seq, rid, start_step=request.arrival_step if request else self.step)
+        return view
+
+    def _on_seq_fork(self, e: Event) -> None:
+        rid = e["request_id"]
+        self._sequence(e["parent_seq_id"], rid)  # a fork makes its parent one of several too
+        child = self._sequence(e["seq_id"], rid)
+        child.parent_seq_id, child.position, child.start_step = e["parent_seq_id"], e["position"], e["step"]
+        self.seq_request[e["seq_id"]] = rid
+
+    def _on_seq_end(self, e: Event) -> None:
+        view = self._sequence(e["seq_id"], e["request_id"])
+        view.end_step, view.end_reason = e["step"], e["reason"]
+
+    def _on_spec_propose(self, e: Event) -> None:
+        if e.get("draft_seq_id") is not None:
+            self.draft_seqs[e["draft_seq_id"]] = e["seq_id"]
+            self.seq_request[e["draft_seq_id"]] = e["request_id"]
+
+    def _on_spec_verify(self, e: Event) -> None:
+        self.recent_verifies.append(e)
+        self.spec.verifies += 1
+        self.spec.proposed += len(e["results"])
+        self.spec.accepted += e["num_accepted"]
+        closing = e["resampled_token_id"] is not None or e["bonus_token_id"] is not None
+        self.spec.appended += e["num_accepted"] + int(closing)
 
     # -- blocks ------------------------------------------------------------------------------
 
@@ -296,6 +378,12 @@ class RunState:
             "speed": self.speed,
             "finished": self.finished,
             "finish_reason": self.finish_reason,
+            "weights": self.weights,
+            "draft_model": self.draft_model,
+            "sequences": {seq: asdict(view) for seq, view in self.sequences.items()},
+            "draft_seqs": dict(self.draft_seqs),
+            "spec": asdict(self.spec),
+            "recent_verifies": list(self.recent_verifies),
         }
 
     @classmethod
@@ -314,6 +402,10 @@ class RunState:
         state.seq_request = {int(seq): rid for seq, rid in d["seq_request"].items()}
         state.requests = {rid: RequestView(**view) for rid, view in d["requests"].items()}
         state.iterations.extend(d["iterations"])
+        state.sequences = {int(seq): SeqView(**view) for seq, view in d["sequences"].items()}
+        state.draft_seqs = {int(seq): target for seq, target in d["draft_seqs"].items()}
+        state.spec = SpecTotals(**d["spec"])
+        state.recent_verifies.extend(d["recent_verifies"])
         return state
 
 

@@ -29,8 +29,32 @@
       return { type: "rect", shape: { x: a[0], y: a[1] - h / 2, width: Math.max(b[0] - a[0] - 0.4, 0.8), height: h },
                style: { fill: KIND_COLORS[api.value(3)] } };
     },
+    // [x0, x1, row, slot, slots, parent slot, end (0 open, 1 finished, 2 pruned), seq, request, position,
+    // reason, parent seq]: one sequence of a multi-sequence request, a thin line inside the request's row
+    branchLine(params, api) {
+      const row = api.value(2), slots = api.value(4), parent = api.value(5), end = api.value(6);
+      const band = Math.max(api.size([0, 1])[1] * 0.74, 4);
+      const top = api.coord([api.value(0), row])[1] - band / 2;
+      const yOf = (slot) => top + (band * (slot + 0.5)) / slots;
+      const x0 = api.coord([api.value(0), row])[0], x1 = api.coord([api.value(1), row])[0], y = yOf(api.value(3));
+      const ink = { stroke: "#111827", lineWidth: 1.5 };
+      const kids = [{ type: "line", shape: { x1: x0, y1: y, x2: x1, y2: y }, style: ink }];
+      if (parent >= 0) kids.push({ type: "line", shape: { x1: x0, y1: yOf(parent), x2: x0, y2: y }, style: ink });
+      const r = Math.min(4, band / slots / 2 + 1);
+      if (end === 2) {
+        kids.push({ type: "line", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: { stroke: "#dc2626", lineWidth: 2 } });
+        kids.push({ type: "line", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: { stroke: "#dc2626", lineWidth: 2 } });
+      } else if (end === 1) {
+        kids.push({ type: "circle", shape: { cx: x1, cy: y, r: r * 0.8 }, style: { fill: "#111827" } });
+      }
+      return { type: "group", children: kids };
+    },
     timelineTip(p) {
       const v = p.value;
+      if (p.seriesId === "branches") {
+        const origin = v[5] >= 0 ? `forked from seq ${v[11]} at token ${v[9]}` : "first sequence";
+        return `<b>${esc(v[8])}</b> · seq ${v[7]}<br>${origin}` + (v[10] ? `<br>ended: ${esc(v[10])}` : "");
+      }
       if (p.seriesId === "ttft") return `<b>${esc(v[2])}</b>: first token at ${v[0]}<br>TTFT ${v[3]}`;
       const tokens = v[4] ? ` · ${v[4]} token${v[4] > 1 ? "s" : ""}` : "";
       const steps = v[7] > v[5] ? `iterations ${v[5]}–${v[7]}` : `iteration ${v[5]}`;

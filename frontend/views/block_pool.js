@@ -5,6 +5,7 @@ const FREE = "#eef1f5";
 const CACHED = "#bfe3d4";
 const FLASH = { alloc: "#16a34a", free: "#475569", share: "#9333ea", copy: "#f59e0b", evict: "#dc2626" };
 const FLASH_MS = 900;
+const SHARED = 1, DRAFT = 2; // bits of a cell's marks (block_pool.py)
 
 export default {
   template: `<div style="position:relative;width:100%;height:100%">
@@ -14,7 +15,7 @@ export default {
   props: { palette: Array },
   mounted() {
     this.n = 0;
-    this.cells = { state: new Uint8Array(0), color: new Int16Array(0), shared: new Uint8Array(0) };
+    this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
     this.flashes = new Map(); // block -> [color, start time]
     this.hover = -1;
     this.dirty = new Set(); // blocks to repaint at the next frame
@@ -45,18 +46,18 @@ export default {
       this.probe(meta);
       this.n = full.state.length;
       this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
-                     shared: Uint8Array.from(full.shared) };
+                     marks: Uint8Array.from(full.marks) };
       this.flashes.clear();
       this.layout();
     },
     apply(changes, meta) {
       this.probe(meta);
       const now = performance.now();
-      for (const [b, state, color, shared, flash] of changes) {
+      for (const [b, state, color, marks, flash] of changes) {
         if (b >= this.n) continue;
         this.cells.state[b] = state;
         this.cells.color[b] = color;
-        this.cells.shared[b] = shared;
+        this.cells.marks[b] = marks;
         if (flash) this.flashes.set(b, [FLASH[flash] || "#000", now]);
         this.dirty.add(b);
       }
@@ -116,7 +117,23 @@ export default {
       ctx.clearRect(x, y, cell, cell);
       ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? CACHED : FREE;
       ctx.fillRect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
-      if (this.cells.shared[b]) { // a dark corner: more than one sequence reads this block
+      const marks = this.cells.marks[b];
+      if (marks & DRAFT) { // white stripes: the draft model's own KV
+        ctx.save();
+        ctx.beginPath();
+        ctx.rect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
+        ctx.clip();
+        ctx.strokeStyle = "rgba(255,255,255,0.75)";
+        ctx.lineWidth = Math.max(1, cell / 10);
+        for (let d = -cell; d < cell; d += Math.max(3, cell / 4)) {
+          ctx.beginPath();
+          ctx.moveTo(x + d, y + cell);
+          ctx.lineTo(x + d + cell, y);
+          ctx.stroke();
+        }
+        ctx.restore();
+      }
+      if (marks & SHARED) { // a dark corner: more than one sequence reads this block
         ctx.fillStyle = "#111827";
         ctx.beginPath();
         ctx.moveTo(x + cell - gap, y + gap);

@@ -15,6 +15,7 @@ from frontend.views.base import PALETTE, FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
 FREE, USED, CACHED = 0, 1, 2
+SHARED, DRAFT = 1, 2  # bits of a cell's marks
 FLASH_OF = {"block_alloc": "alloc", "block_free": "free", "block_share": "share", "block_evict": "evict"}
 
 EXPLANATION = """
@@ -25,7 +26,9 @@ reserved for tokens that do not exist yet (that is *paged attention*).
 - **colour**: the request owning the block (the same colour as in the timeline and batch views)
 - **grey**: free; **pale green**: free but still holding a full block of some prefix, reusable by
   a later request with the same prefix until it is evicted
-- **dark corner**: shared by more than one sequence (ref count > 1): prefix caching or a fork
+- **dark corner**: shared by more than one sequence (ref count > 1): prefix caching, or a fork
+  (parallel sampling with n > 1, beam search) whose sequences read the prompt's blocks once
+- **white stripes**: the draft model's own KV blocks (speculative decoding with a draft model)
 - rings flash on **allocate** (green), **free** (slate), **share** (purple), **copy-on-write**
   (orange) and **evict** (red)
 
@@ -43,16 +46,18 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
-    """(state, colour index, shared) of one block as the reducer knows it."""
+    """(state, colour index, marks: SHARED | DRAFT bits) of one block as the reducer knows it."""
     owners = state.block_owner.get(block)
+    shared = SHARED if state.ref_counts.get(block, 1) > 1 else 0
     if owners:
         rid = state.seq_request.get(min(owners), "")
-        return USED, history.rows.get(rid, 0), int(state.ref_counts.get(block, 1) > 1)
+        draft = DRAFT if any(seq in state.draft_seqs for seq in owners) else 0
+        return USED, history.rows.get(rid, 0), shared | draft
     if block in state.cached_blocks:
         return CACHED, 0, 0
     if block in free:
         return FREE, 0, 0
-    return USED, 0, int(state.ref_counts.get(block, 1) > 1)  # allocated but its owner is not known yet
+    return USED, 0, shared  # allocated but its owner is not known yet
 
 
 def describe_block(state: RunState, history: RunHistory, block: int) -> str:
@@ -65,10 +70,11 @@ def describe_block(state: RunState, history: RunHistory, block: int) -> str:
     lines = [f"<b>block {block}</b> · ref count {state.ref_counts.get(block, 1)}"]
     for seq in owners:
         rid = state.seq_request.get(seq, "?")
+        role = f", draft model for seq {state.draft_seqs[seq]}" if seq in state.draft_seqs else ""
         table = state.block_tables.get(seq, [])
         logical = table.index(block) if block in table else -1
         filled = min(bs, max(0, history.seq_context.get(seq, 0) - logical * bs)) if logical >= 0 else 0
-        lines.append(f"{html.escape(rid)} (seq {seq}) · logical block {logical} · {filled}/{bs} slots filled")
+        lines.append(f"{html.escape(rid)} (seq {seq}{role}) · logical block {logical} · {filled}/{bs} slots filled")
     return "<br>".join(lines)
 
 
@@ -82,7 +88,8 @@ class BlockPoolView(FeedView):
             self.canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark("block-pool") \
                 .props("data-kv=block-pool")
             legend([("#eef1f5", "free"), (PALETTE[0], "in use (colour = request)"),
-                    ("#bfe3d4", "free, cached prefix"), ("#111827", "corner: shared (ref > 1)")])
+                    ("#bfe3d4", "free, cached prefix"), ("#111827", "corner: shared (ref > 1)"),
+                    ("repeating-linear-gradient(45deg,#4e79a7 0 3px,#fff 3px 5px)", "stripes: draft model")])
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
         super().__init__(feed)
@@ -93,7 +100,7 @@ class BlockPoolView(FeedView):
         free = set(state.free_blocks)
         cells = [cell_of(state, history, free, b) for b in range(state.num_blocks)]
         self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
-                                         "shared": [c[2] for c in cells]}, self.stamp_args())
+                                         "marks": [c[2] for c in cells]}, self.stamp_args())
         self._caption()
         return True
 
@@ -105,6 +112,10 @@ class BlockPoolView(FeedView):
                 flashes[e["block_id"]] = FLASH_OF[e["type"]]
             elif e["type"] == "block_copy":
                 flashes[e["src_block_id"]] = flashes[e["dst_block_id"]] = "copy"
+            elif e["type"] == "spec_propose" and e.get("draft_seq_id") is not None:
+                # the draft's blocks may predate the proposal that names its sequence: restripe them
+                for block in self.feed.state.block_tables.get(e["draft_seq_id"], ()):
+                    flashes.setdefault(block, "")
         if not flashes:
             return False
         state, history = self.feed.state, self.feed.history
@@ -121,6 +132,8 @@ class BlockPoolView(FeedView):
         used = n - len(state.free_blocks)
         text = (f"{n} blocks × {bs} tokens · in use {used} ({100 * used / max(n, 1):.0f}%) · "
                 f"cached {len(state.cached_blocks)} · shared {sum(1 for c in state.ref_counts.values() if c > 1)}")
+        if state.draft_seqs:
+            text += f" · draft model {sum(len(state.block_tables.get(s, ())) for s in state.draft_seqs)}"
         self.caption.set(text)
 
     def _on_hover(self, e: GenericEventArguments) -> None:

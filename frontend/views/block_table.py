@@ -18,7 +18,8 @@ each to a **physical** block anywhere in the pool (the numbers in the block pool
 kernels follow this table to find a token's keys and values, which is why the blocks of one request
 need not be contiguous. Only the last block is partly filled; a block marked **shared** is read by
 several sequences (a cached prefix or a fork) and is copied before anyone writes into it
-(copy-on-write).
+(copy-on-write). With n > 1 or beam search a request has several sequences, forked from one
+another; with a draft model, the draft keeps its own, smaller KV in a sequence of its own.
 """
 
 
@@ -49,8 +50,20 @@ def _seq_row(state: RunState, history: RunHistory, seq: int, bs: int, color: str
             f'<span class="kv-chip-logical">L{logical}</span><span class="kv-chip-arrow">→</span>'
             f'<span class="kv-chip-physical" style="background:{color}">{block}</span>{fill}{badge}</div>'
         )
-    head = f'<div class="kv-seq-head">seq {seq} · {tokens} tokens in {len(table)} blocks</div>'
+    head = f'<div class="kv-seq-head">seq {seq}{seq_role(state, seq)} · {tokens} tokens in {len(table)} blocks</div>'
     return f'<div class="kv-seq">{head}<div class="kv-chips">{"".join(chips)}</div></div>'
+
+
+def seq_role(state: RunState, seq: int) -> str:
+    """What a sequence is to its request: the draft model's, a fork, or ended while others go on."""
+    if seq in state.draft_seqs:
+        return f" · draft model for seq {state.draft_seqs[seq]}"
+    view = state.sequences.get(seq)
+    if view is None:
+        return ""
+    forked = view.parent_seq_id is not None
+    fork = f" · forked from seq {view.parent_seq_id} at token {view.position}" if forked else ""
+    return fork + (f" · ended ({view.end_reason})" if view.end_reason else "")
 
 
 class BlockTableView(FeedView):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nicegui import ui
 
+from backend.events.state import RunState
 from frontend.client import RunFeed
 from frontend.views.base import FeedView, view_card
 
@@ -20,11 +21,16 @@ latent attention (MLA, DeepSeek) caches one compressed latent plus a small rotar
 
 **bytes per token = L · (kv_lora_rank + qk_rope_head_dim) · bytes**
 
+An **int8** cache stores each value in one byte plus one float32 **scale** per token and KV head
+(per row: `2 · L · N_kv · (D_h · 1 + 4)` bytes per token), about a quarter of fp32. Quantized
+**weights** (int8, int4 in groups sharing one scale) shrink the model itself, not the cache.
+
 Multiply by the context length and the number of sequences for the memory a batch needs; this is
 what limits batch size and context length on a real GPU.
 """
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+SCALE_BYTES = 4  # an int8 cache keeps one float32 scale per token and KV head (kernels/cache_write.py)
 
 
 @dataclass
@@ -36,22 +42,30 @@ class KvInputs:
     head_dim: int = 32
     latent: int = 64  # kv_lora_rank + qk_rope_head_dim (MLA)
     bytes_per_value: int = 4
+    scales: bool = False  # int8: plus one scale per stored row
     context: int = 1024
     sequences: int = 8
 
 
+def _kv_heads(x: KvInputs) -> int:
+    return {"mha": x.n_heads, "mqa": 1}.get(x.variant, x.n_kv_heads)
+
+
 def bytes_per_token(x: KvInputs) -> int:
+    scale = SCALE_BYTES if x.scales else 0
     if x.variant == "mla":
-        return x.n_layers * x.latent * x.bytes_per_value
-    kv_heads = {"mha": x.n_heads, "mqa": 1}.get(x.variant, x.n_kv_heads)
-    return 2 * x.n_layers * kv_heads * x.head_dim * x.bytes_per_value
+        return x.n_layers * (x.latent * x.bytes_per_value + scale)
+    return 2 * x.n_layers * _kv_heads(x) * (x.head_dim * x.bytes_per_value + scale)
 
 
 def formula_text(x: KvInputs) -> str:
     if x.variant == "mla":
-        return f"{x.n_layers} · {x.latent} · {x.bytes_per_value} B"
-    kv_heads = {"mha": x.n_heads, "mqa": 1}.get(x.variant, x.n_kv_heads)
-    return f"2 · {x.n_layers} · {kv_heads} · {x.head_dim} · {x.bytes_per_value} B"
+        row = f"({x.latent} · {x.bytes_per_value} B + {SCALE_BYTES} B scale)" if x.scales \
+            else f"{x.latent} · {x.bytes_per_value} B"
+        return f"{x.n_layers} · {row}"
+    row = f"({x.head_dim} · {x.bytes_per_value} B + {SCALE_BYTES} B scale)" if x.scales \
+        else f"{x.head_dim} · {x.bytes_per_value} B"
+    return f"2 · {x.n_layers} · {_kv_heads(x)} · {row}"
 
 
 def human(n: float) -> str:
@@ -65,10 +79,47 @@ def human(n: float) -> str:
 def inputs_from_header(model: dict, cache: dict) -> KvInputs:
     formula = cache.get("formula") or {}
     variant = model.get("attention", "gqa")
+    int8 = cache.get("dtype") == "int8"
     return KvInputs(variant=variant, n_layers=model.get("n_layers", 1), n_heads=model.get("n_heads", 1),
                     n_kv_heads=model.get("n_kv_heads", 1), head_dim=model.get("head_dim", 1),
                     latent=formula.get("values_per_token_per_layer", 64) if variant == "mla" else 64,
-                    bytes_per_value=formula.get("bytes_per_value") or DTYPE_BYTES.get(model.get("dtype", ""), 4))
+                    bytes_per_value=1 if int8 else
+                    formula.get("bytes_per_value") or DTYPE_BYTES.get(model.get("dtype", ""), 4), scales=int8)
+
+
+def weights_text(weights: dict | None) -> str:
+    """Weight bytes as run, and against the unquantized model when quantized."""
+    if not weights:
+        return ""
+    quant = weights.get("quant") or "none"
+    if quant == "none":
+        return f"weights unquantized: {human(weights.get('bytes', 0))}"
+    group = f" in groups of {weights['group_size']}" if weights.get("group_size") else " per tensor"
+    size, full = weights.get("bytes", 0), weights.get("bytes_unquantized", 0)
+    ratio = f", {full / size:.1f}× smaller" if size else ""
+    return f"weights {quant}{group}: {human(size)} (unquantized {human(full)}{ratio})"
+
+
+def kv_dtype_text(model: dict, cache: dict) -> str:
+    """The cache's dtype and what it costs per token."""
+    dtype = cache.get("dtype") or model.get("dtype", "?")
+    scales = " + a float32 scale per token and KV head" if dtype == "int8" else ""
+    return f"KV cache {dtype}{scales}: {model.get('kv_bytes_per_token', 0):,} B per token"
+
+
+def draft_text(draft: dict | None) -> str:
+    if not draft:
+        return ""
+    return (f"draft {draft.get('name')}: {draft.get('n_layers')} layers, {draft.get('kv_bytes_per_token', 0):,} B "
+            f"per token, {human(draft.get('bytes_per_block', 0))} per block")
+
+
+def memory_text(state: RunState) -> str:
+    """Weights, KV dtype and the draft model of a run, in one line (metrics view, calculator)."""
+    if not state.model:
+        return ""
+    parts = (weights_text(state.weights), kv_dtype_text(state.model, state.cache), draft_text(state.draft_model))
+    return " · ".join(p for p in parts if p)
 
 
 def current_model_text(model: dict, cache: dict) -> str:
@@ -94,6 +145,7 @@ class KvCalculatorView(FeedView):
         self.fields: dict[str, ui.number] = {}
         with view_card("KV memory calculator", EXPLANATION, "w-full"):
             self.model_text = ui.markdown("").classes("kv-small").mark("kv-model")
+            self.memory = ui.label("").classes("kv-small").mark("kv-memory")
             with ui.row().classes("items-end gap-2"):
                 self.variant = ui.select({"mha": "MHA", "gqa": "GQA", "mqa": "MQA", "mla": "MLA"}, label="attention",
                                          value=self.inputs.variant, on_change=self.compute).classes("w-20") \
@@ -104,6 +156,8 @@ class KvCalculatorView(FeedView):
                                      ("sequences", "sequences")):
                     self.fields[field] = ui.number(label, value=getattr(self.inputs, field), min=1, precision=0,
                                                    on_change=self.compute).classes("w-24").mark(f"kv-{field}")
+                self.scales = ui.switch("int8 + scales", value=self.inputs.scales, on_change=self.compute) \
+                    .mark("kv-scales").tooltip("one float32 scale per token and KV head, as an int8 cache keeps")
             self.result = ui.markdown("").classes("kv-result").mark("kv-result")
             ui.button("use this run's model", on_click=self.load_model).props("flat dense size=sm") \
                 .mark("kv-load-model")
@@ -115,6 +169,7 @@ class KvCalculatorView(FeedView):
         if not state.model:
             return False
         self.model_text.set_content(current_model_text(state.model, state.cache))
+        self.memory.set_text(memory_text(state))
         self.load_model()
         return True
 
@@ -127,6 +182,7 @@ class KvCalculatorView(FeedView):
             return
         loaded = inputs_from_header(state.model, state.cache)
         self.variant.value = loaded.variant
+        self.scales.value = loaded.scales
         for field, element in self.fields.items():
             if field not in ("context", "sequences"):
                 element.value = getattr(loaded, field)
@@ -135,6 +191,7 @@ class KvCalculatorView(FeedView):
     def compute(self) -> None:
         x = self.inputs
         x.variant = self.variant.value or "gqa"
+        x.scales = bool(self.scales.value)
         for field, element in self.fields.items():
             setattr(x, field, _int(element.value))
         per_token = bytes_per_token(x)

@@ -11,6 +11,7 @@ from frontend.views.base import FeedView, view_card
 from frontend.views.charts import make_chart
 from frontend.views.live_text import LiveText
 from frontend.views.chunks import Chunks
+from frontend.views.kv_calc import memory_text
 
 EXPLANATION = """
 - **tokens/s**: generated tokens per second of engine time (decode throughput).
@@ -22,6 +23,10 @@ EXPLANATION = """
 - **KV waste**: slots reserved but empty (the unfilled tail of each last block, or with the
   contiguous layout the whole reserved maximum length): paging keeps it below one block per sequence.
 - **prefix hit rate**: prompt tokens found already in the cache instead of being recomputed.
+- **draft acceptance** (speculative decoding only): drafted tokens the target model accepted.
+
+The line above the chart: the weights' dtype and bytes (quantized against unquantized), the KV
+cache's dtype and bytes per token, and the draft model's, when there is one.
 """
 
 # (key, legend name, colour, grid): one line per metric
@@ -30,22 +35,24 @@ LINES = [
     ("kv_usage", "KV usage %", "#59a14f", 1),
     ("kv_waste", "KV waste %", "#e15759", 1),
     ("prefix_hit_rate", "prefix hit %", "#b07aa1", 1),
+    ("spec_acceptance_rate", "draft acceptance %", "#edc948", 1),  # speculative runs only
 ]
-PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate"}
+PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate", "spec_acceptance_rate"}
 KPI_TITLES = {"tps": "tokens/s", "ttft": "mean TTFT", "tpot": "mean TPOT", "usage": "KV usage", "waste": "KV waste",
-              "hit": "prefix hits", "preempt": "preemptions", "done": "finished"}
+              "hit": "prefix hits", "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
 
 
 def kpi_html(values: dict[str, str]) -> str:
     """The current numbers in large type (one HTML string: one message per tick for all of them)."""
-    cells = "".join(f'<div class="kv-kpi"><div class="kv-kpi-value">{values[key]}</div>'
-                    f'<div class="kv-kpi-label">{title}</div></div>' for key, title in KPI_TITLES.items())
+    cells = "".join(f'<div class="kv-kpi"><div class="kv-kpi-value">{value}</div>'
+                    f'<div class="kv-kpi-label">{KPI_TITLES[key]}</div></div>' for key, value in values.items())
     return f'<div class="kv-kpis">{cells}</div>'
 
 
-
-def line_value(point: MetricPoint, key: str) -> float:
+def line_value(point: MetricPoint, key: str) -> float | None:
     value = getattr(point, key)
+    if value is None:  # a metric this run does not have (no speculative decoding)
+        return None
     return round(100 * value, 2) if key in PERCENT else round(value, 1)
 
 
@@ -57,9 +64,10 @@ class MetricsView(FeedView):
         self.last_point: dict[str, list] = {}
         self.n_points = 0
         self.n_finishes = -1
-        self.kpis: dict[str, str] = {key: "–" for key in KPI_TITLES}
+        self.kpis: dict[str, str] = {key: "–" for key in KPI_TITLES if key != "spec"}
         with view_card("Metrics over time", EXPLANATION, "w-full"):
             self.kpi_row = LiveText(kpi_html(self.kpis), html=True).classes("w-full").mark("kpis")
+            self.memory = LiveText().classes("kv-caption").mark("metrics-memory")
             self.chart = make_chart(self._options(), height, "metrics")
         super().__init__(feed)
 
@@ -126,6 +134,8 @@ class MetricsView(FeedView):
         points = self.feed.history.metrics
         for point in points[self.n_points:]:
             for key, chunks in self.lines.items():
+                if line_value(point, key) is None:
+                    continue
                 value = [point.step, line_value(point, key)]
                 k = point.step // chunks.size
                 if k not in chunks.items and key in self.last_point:
@@ -150,5 +160,9 @@ class MetricsView(FeedView):
             "preempt": str(state.num_preemptions),
             "done": f"{finished}/{len(state.requests)}",
         }
+        if state.config.get("speculative"):
+            rate = state.spec.acceptance_rate
+            values["spec"] = f"{100 * rate:.0f}%" if rate is not None else "–"
         self.kpis = values
+        self.memory.set(memory_text(state))
         self.kpi_row.set(kpi_html(values))

@@ -7,8 +7,9 @@ from typing import Any
 from nicegui import ui
 from nicegui.events import EChartPointClickEventArguments
 
+from backend.events.state import RunState, SeqView
 from frontend.client import LogEntry, RunFeed
-from frontend.history import KINDS, Column, RunHistory
+from frontend.history import KINDS, Cell, Column, RunHistory
 from frontend.selection import Selection
 from frontend.views.base import INTEGER_LABELS, KIND_COLORS, FeedView, Js, legend, view_card
 from frontend.views.charts import make_chart
@@ -21,7 +22,11 @@ A request **waits** in the queue (grey) until the scheduler admits it, then **pr
 and **decodes** one token per iteration (blue). When the KV cache runs out of blocks the newest
 request is **preempted** (red): its blocks are freed and it waits to recompute its prefix later.
 The diamond marks its **first token**: the time to first token (TTFT) is the distance from the row's
-start to it. Scroll or drag the sliders to zoom; switch the x axis between iterations and seconds.
+start to it. With speculative decoding a request **verifies** (purple) several drafted tokens per
+iteration. A request with several sequences (parallel sampling with n > 1, beam search) shows them
+as thin lines inside its row: each **fork** branches from its parent at the iteration it happened
+(hover: at which token), a pruned beam ends in a ×, a finished sequence in a dot. Scroll or drag
+the sliders to zoom; switch the x axis between iterations and seconds.
 """
 
 CELL_SERIES = {
@@ -30,10 +35,31 @@ CELL_SERIES = {
 }  # fmt: skip
 
 
+BRANCH_SERIES = {
+    "id": "branches", "type": "custom", "renderItem": Js("kvscope.branchLine"), "encode": {"x": [0, 1], "y": 2},
+    "clip": True, "animation": False, "z": 4,
+}  # fmt: skip
+# Which phase a request's row shows when its sequences are in different ones in one iteration.
+KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "verify": 3, "prefill": 4}
+END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
+
+
+def request_cells(cells: list[Cell]) -> list[Cell]:
+    """One cell per request: its sequences (n > 1, beams) share the request's row."""
+    out: dict[str, Cell] = {}
+    for cell in cells:
+        seen = out.get(cell.request_id)
+        if seen is not None:
+            kind = max(seen.kind, cell.kind, key=KIND_RANK.__getitem__)
+            cell = Cell(cell.request_id, kind, seen.tokens + cell.tokens)
+        out[cell.request_id] = cell
+    return list(out.values())
+
+
 def column_items(col: Column, prev_t: float | None, history: RunHistory, seconds: bool) -> list[list[Any]]:
     """Data items [x0, x1, row, kind, tokens, step, request_id] of one iteration."""
     items = []
-    for cell in col.cells:
+    for cell in request_cells(col.cells):
         if seconds:
             waiting = cell.kind in ("waiting", "preempted")
             x0 = (prev_t if prev_t is not None else col.t - col.duration_s) if waiting else col.t - col.duration_s
@@ -65,6 +91,38 @@ def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
     return merged
 
 
+def branch_items(state: RunState, rows: dict[str, int], x_of: dict[int, float] | None) -> list[list[Any]]:
+    """[x0, x1, row, slot, slots, parent slot (-1: root), end mark, seq, request, position, reason, parent]
+    for every sequence of a multi-sequence request; x in iterations, or seconds through `x_of`."""
+    by_request: dict[str, list[SeqView]] = {}
+    for view in state.sequences.values():
+        by_request.setdefault(view.request_id, []).append(view)
+    items = []
+    for rid, seqs in by_request.items():
+        if len(seqs) < 2 or rid not in rows:
+            continue
+        seqs.sort(key=lambda v: (v.start_step, v.seq_id))
+        slot = {v.seq_id: i for i, v in enumerate(seqs)}
+        request = state.requests.get(rid)
+        done = request.finish_step if request is not None and request.finish_step is not None else state.step
+        for v in seqs:
+            x0, x1 = _x(v.start_step, x_of, -0.5), _x(v.end_step if v.end_step is not None else done, x_of, 0.5)
+            if x0 is None or x1 is None:
+                continue
+            items.append([x0, x1, rows[rid], slot[v.seq_id], len(seqs), slot.get(v.parent_seq_id, -1),
+                          END_MARK.get(v.end_reason, 1), v.seq_id, rid, v.position, v.end_reason or "",
+                          v.parent_seq_id])
+    return items
+
+
+def _x(step: int, x_of: dict[int, float] | None, edge: float) -> float | None:
+    """An iteration's left (edge -0.5) or right (+0.5) boundary, or in seconds the time it ended."""
+    if x_of is None:
+        return step + edge
+    t = x_of.get(step)
+    return round(t, 4) if t is not None else None
+
+
 class TimelineView(FeedView):
     name = "timeline"
 
@@ -76,11 +134,13 @@ class TimelineView(FeedView):
         self.last_t: float | None = None
         self.rows_sent = 0
         self.ttft_sent: list = []
+        self.branches_sent: list = []
         self.step_t: dict[int, float] = {}
         with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
             with ui.row().classes("items-center gap-3"):
                 legend([(KIND_COLORS[0], "waiting"), (KIND_COLORS[1], "prefill (chunk)"),
-                        (KIND_COLORS[2], "decode"), (KIND_COLORS[3], "preempted"), ("#111", "◆ first token")])
+                        (KIND_COLORS[2], "decode"), (KIND_COLORS[4], "verify (speculative)"),
+                        (KIND_COLORS[3], "preempted"), ("#111", "◆ first token · ─ sequences (n > 1, beams)")])
                 ui.space()
                 ui.toggle({False: "iterations", True: "seconds"}, value=False,
                           on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \
@@ -115,11 +175,12 @@ class TimelineView(FeedView):
     def full(self) -> bool:
         self.chunks.clear()
         self.step_t = {}
-        self.last_step, self.last_t, self.rows_sent, self.ttft_sent = -10**9, None, 0, []
+        self.last_step, self.last_t, self.rows_sent, self.ttft_sent, self.branches_sent = -10**9, None, 0, [], []
         self._add_columns(self.feed.history.columns)
         option = self._axes(force=True)
         option["series"] = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.all()]
         option["series"].append(self._ttft_series(force=True) or {"id": "ttft", "type": "scatter", "data": []})
+        option["series"].append(self._branch_series(force=True))
         self.push(self.chart, option, replace_series=True)
         return True
 
@@ -129,9 +190,7 @@ class TimelineView(FeedView):
         self._add_columns(new)
         option = self._axes()
         series = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.take_dirty()]
-        ttft = self._ttft_series()
-        if ttft:
-            series.append(ttft)
+        series += [extra for extra in (self._ttft_series(), self._branch_series()) if extra]
         if series:
             option["series"] = series
         if not option:
@@ -178,6 +237,13 @@ class TimelineView(FeedView):
         self.ttft_sent = data
         return {"id": "ttft", "type": "scatter", "data": data, "symbol": "diamond", "symbolSize": 9,
                 "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
+
+    def _branch_series(self, force: bool = False) -> dict | None:
+        data = branch_items(self.feed.state, self.feed.history.rows, self.step_t if self.seconds else None)
+        if not force and data == self.branches_sent:
+            return None
+        self.branches_sent = data
+        return {**BRANCH_SERIES, "data": data}
 
     def _on_click(self, e: EChartPointClickEventArguments) -> None:
         value = e.value if isinstance(e.value, list) else (e.data or {}).get("value", [])
