@@ -276,6 +276,18 @@ async def test_forks_drafts_and_dtypes_in_the_other_views(dash: Dash) -> None:
     assert "**576 B per token**" in views["kv_calc"].result.content
 
 
+async def test_a_real_quantized_run_shows_its_dtypes_and_bytes(dash: Dash, tiny_dir: str) -> None:
+    scenario = small_scenario(tiny_dir, count=2, weight_quant="int8", quant_group_size=32, kv_cache_dtype="int8")
+    run_id = await dash.backend.start_run(scenario, speed=0)
+    column = (await dash.open(f"/?run={run_id}")).columns[0]
+    await finished(column.feed)
+    views = column.views
+    await until(lambda: "weights int8 in groups of 32" in views["metrics"].memory.text)
+    assert "KV cache int8 + a float32 scale per token and KV head: 160 B per token" in views["metrics"].memory.text
+    await until(lambda: "**160 B per token**" in views["kv_calc"].result.content)  # 2 · 2 · 2 · (16 · 1 B + 4 B)
+    assert views["kv_calc"].scales.value and "weights int8" in column.engine.text
+
+
 # ---- controls ----------------------------------------------------------------------------------------
 
 
