@@ -223,7 +223,7 @@ def print_report(meta: dict, rows: list[dict], verdicts: list[dict]) -> None:
                  for r in rows]))
     print()
     for v in verdicts:
-        print(f"{'PASS' if v['met'] else 'FAIL'}: {v['name']} {v['target']}: {v['value']}")
+        print(f"{'PASS' if v['met'] else 'FAIL'}: {v['name']} (target {v['target']}): {v['value']}")
     print()
 
 
