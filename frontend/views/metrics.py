@@ -134,9 +134,10 @@ class MetricsView(FeedView):
         points = self.feed.history.metrics
         for point in points[self.n_points:]:
             for key, chunks in self.lines.items():
-                if line_value(point, key) is None:
+                y = line_value(point, key)
+                if y is None:
                     continue
-                value = [point.step, line_value(point, key)]
+                value = [point.step, y]
                 k = point.step // chunks.size
                 if k not in chunks.items and key in self.last_point:
                     chunks.add(point.step, self.last_point[key])  # join the new chunk to the previous one

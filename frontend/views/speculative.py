@@ -28,7 +28,8 @@ leftover mass max(0, p − q) (**resampled**). If all k pass, the target's distr
 gives one more token for free (**bonus**). The output has exactly the target's distribution: only
 speed changes.
 
-Each row is one verify: green accepted, red rejected, then the resampled or bonus token. Click a
+Each row is one verify: green accepted, red the first rejected (the drafts after it are discarded
+unjudged, grey), then the resampled or bonus token. Click a
 token to compare p and q at that position. With acceptance rate α per token, a verify appends on
 average **(1 − α^(k+1)) / (1 − α)** tokens; the measured number is beside it.
 """
@@ -63,6 +64,16 @@ def closing_text(e: Event, tokens: list[Event]) -> str:
     return next((text for tid, text, *_ in top if tid == token_id), f"#{token_id}")
 
 
+def verdict_of(e: Event, index: int) -> tuple[str, str]:
+    """(chip kind, words) of a drafted position. Drafts after the first rejection are never judged:
+    the target's own token replaces the rest of the draft."""
+    if index < e["num_accepted"]:
+        return "acc", "accepted"
+    if index == e["num_accepted"]:
+        return "rej", "rejected"
+    return "skip", "discarded after an earlier rejection"
+
+
 def _chip(kind: str, text: str, v: int, i: int, picked: bool, title: str) -> str:
     cls = f"kv-tok kv-tok-{kind}" + (" kv-tok-picked" if picked else "")
     return (f'<span class="{cls}" data-v="{v}" data-i="{i}" title="{html.escape(title)}">'
@@ -73,9 +84,9 @@ def verify_row_html(e: Event, tokens: list[Event], picked: tuple[int, int] | Non
     """One verify: drafted tokens coloured by the verdict, then the resampled or bonus token."""
     chips = []
     for i, r in enumerate(e["results"]):
-        verdict = "accepted" if r["accepted"] else "rejected"
-        chips.append(_chip("acc" if r["accepted"] else "rej", r.get("text") or f"#{r['token_id']}", e["seq"], i,
-                           picked == (e["seq"], i), f"{verdict}: p = {r['p']:.3f}, q = {r['q']:.3f}"))
+        kind, verdict = verdict_of(e, i)
+        chips.append(_chip(kind, r.get("text") or f"#{r['token_id']}", e["seq"], i, picked == (e["seq"], i),
+                           f"{verdict}: p = {r['p']:.3f}, q = {r['q']:.3f}"))
     if e["resampled_token_id"] is not None or e["bonus_token_id"] is not None:
         kind = "res" if e["resampled_token_id"] is not None else "bonus"
         i = closing_index(e)
@@ -124,11 +135,12 @@ class SpeculativeView(FeedView):
         with view_card("Speculative decoding: draft, verify, accept", EXPLANATION, "w-full"):
             self.caption = LiveText().classes("kv-caption").mark("spec-caption")
             with ui.column().classes("w-full gap-1") as self.body:  # hidden in runs without speculation
-                legend([("#59a14f", "accepted draft"), ("#e15759", "rejected draft"), ("#f28e2b", "resampled"),
-                        ("#4e79a7", "bonus")])
+                legend([("#59a14f", "accepted draft"), ("#e15759", "rejected draft"),
+                        ("#cbd5e1", "discarded (after a rejection)"), ("#f28e2b", "resampled"), ("#4e79a7", "bonus")])
                 self.rows = LiveText(html=True).classes("w-full").mark("spec-rows")
                 self.rows.on("click", self._on_click, js_handler=CLICK_JS)
-                self.pq_caption = LiveText().classes("kv-caption").mark("spec-pq-caption")
+                self.pq_caption = LiveText().classes("kv-caption").mark("spec-pq-caption") \
+                    .props("data-kv=spec-pq-caption")  # for the browser test
                 self.chart = make_chart(self._options(), height, "spec-pq")
         selection.on_change(self.invalidate)
         super().__init__(feed)
@@ -211,7 +223,7 @@ class SpeculativeView(FeedView):
         where = f"{e['request_id']} · step {e['step']} · position {(e.get('position') or 0) + index}"
         if index < len(e["results"]):
             r = e["results"][index]
-            verdict = "accepted" if r["accepted"] else "rejected"
+            verdict = verdict_of(e, index)[1]
             return (f"{where}: drafted {token_label(r.get('text') or '')!r}, p = {r['p']:.3f}, q = {r['q']:.3f}, "
                     f"kept with probability min(1, p/q) = {min(1.0, r['p'] / r['q']) if r['q'] else 1.0:.2f}: "
                     f"{verdict}")
