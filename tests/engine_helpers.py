@@ -23,14 +23,15 @@ def mixed_workload(loaded: LoadedModel, count: int = 16, seed: int = 0) -> list[
 
 
 def run_engine(loaded: LoadedModel, config: EngineConfig, workload, sampling=GREEDY, check=True,
-               replay: RunState | None = None, events: list | None = None, max_steps: int = 5000) -> Engine:
+               replay: RunState | None = None, events: list | None = None, max_steps: int = 5000,
+               draft_model: LoadedModel | None = None) -> Engine:
     """Deliver the workload at its arrival steps and step to the end, checking block invariants."""
     bus = EventBus(level=config.events)
     if events is not None:
         bus.subscribe(events.append)
     if replay is not None:
         bus.subscribe(replay.apply)
-    engine = Engine(loaded, config, bus)
+    engine = Engine(loaded, config, bus, draft=draft_model)
     engine.emit_header()
     pending = sorted(workload, key=lambda w: w[1])
     while (pending or engine.has_unfinished()) and engine.step_no < max_steps:
@@ -40,8 +41,7 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, workload, sampling=GRE
             engine.add_request(rid, prompt, max_tokens, params)
         engine.step()
         if check:
-            live = [r.seq for r in engine.unfinished.values()]
-            engine.blocks.check_invariants(live)
+            engine.blocks.check_invariants(engine.live_sequences())
             if replay is not None:
                 assert_replay_matches(replay, engine)
     assert not pending and not engine.has_unfinished(), "engine did not finish the workload"
@@ -50,7 +50,7 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, workload, sampling=GRE
 
 def assert_replay_matches(state: RunState, engine: Engine) -> None:
     """The reducer, fed only events, agrees with the block manager on tables and the free list."""
-    live = {r.seq.seq_id: r.seq.block_table for r in engine.unfinished.values() if r.seq.block_table}
+    live = {seq.seq_id: seq.block_table for seq in engine.live_sequences() if seq.block_table}
     assert {k: v for k, v in state.block_tables.items() if v} == live
     assert list(state.free_blocks) == engine.blocks.free_block_ids
 

@@ -121,7 +121,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens, hits = seq.token_ids, []
-        parent_hash, parent_content_id = ROOT_HASH, ROOT_CONTENT
+        parent_hash, parent_content_id = self._root(seq)
         for i in range((len(tokens) - 1) // self.block_size):
             block_tokens = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash_block(parent_hash, block_tokens)
@@ -138,8 +138,10 @@ class BlockManager:
         reviving = sum(1 for b in hits if b in self._free)  # shared cached blocks leave the free queue
         return self._blocks_for(total) - len(hits) <= len(self._free) - reviving
 
-    def match_prefix(self, seq: Sequence, hits: list[int] | None = None) -> int:
-        """Share the longest cached prefix of a newly admitted sequence; returns the matched tokens."""
+    def match_prefix(self, seq: Sequence, hits: list[int] | None = None, count: bool = True) -> int:
+        """Share the longest cached prefix of a newly admitted sequence; returns the matched tokens.
+
+        `count=False` leaves the prefix hit rate alone (a draft model's lookups are not requests')."""
         if not self.enable_prefix_caching:
             return 0
         assert not seq.block_table, "match_prefix expects a sequence without blocks"
@@ -147,8 +149,9 @@ class BlockManager:
             self._share(seq, block, "prefix_cache")
         matched = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = matched
-        self._lookup_tokens += len(seq.token_ids)
-        self._hit_tokens += matched
+        if count:
+            self._lookup_tokens += len(seq.token_ids)
+            self._hit_tokens += matched
         return matched
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -166,7 +169,7 @@ class BlockManager:
     def _commit_block(self, seq: Sequence, index: int) -> None:
         block = seq.block_table[index]
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
-        parent_hash, parent_content_id = ROOT_HASH, ROOT_CONTENT
+        parent_hash, parent_content_id = self._root(seq)
         if index > 0:
             parent = self._content[seq.block_table[index - 1]]
             parent_hash, parent_content_id = parent.hash, parent.content_id
@@ -180,6 +183,13 @@ class BlockManager:
             self._hash_to_block[h] = block
         # else: keep the existing mapping; this block is valid for its holders, just not findable.
         self._content[block] = BlockContent(h, parent_content_id, block_tokens, content_id)
+
+    @staticmethod
+    def _root(seq: Sequence) -> tuple[int, int]:
+        """(parent hash, parent content id) of a sequence's first block, apart per cache namespace."""
+        if seq.cache_namespace == 0:
+            return ROOT_HASH, ROOT_CONTENT
+        return hash((ROOT_HASH, -seq.cache_namespace)), ROOT_CONTENT - seq.cache_namespace  # ints: no per-process salt
 
     def _same_content(self, block: int, parent_content_id: int, block_tokens: tuple[int, ...]) -> bool:
         content = self._content[block]

@@ -20,13 +20,15 @@ from backend.engine.kv_cache import DTYPE_NAMES, KVCache, check_kv_dtype, kv_for
 from backend.engine.metrics import MetricsTracker, RequestTimes
 from backend.engine.request import Request, RequestError, check_fits, check_supported, finish_reason_after
 from backend.engine.runner import ModelRunner
-from backend.engine.sampler import SamplerOutput, sample
+from backend.engine.sampler import distributions, sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ScheduledSeq, Scheduler
+from backend.engine.speculative import (DraftModelProposer, NgramProposer, Proposal, SpecRequest, SpecStats, Verdict,
+                                        verify)
 from backend.engine.sequence import Sequence, SeqStatus
 from backend.events.bus import EventBus
 from backend.events.schema import SCHEMA_VERSION
-from backend.model.loader import LoadedModel
+from backend.model.loader import LoadedModel, ModelLoadError, load_model
 from backend.model.quant import QuantError, quantize_loaded
 
 
@@ -52,9 +54,11 @@ def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0) -> None:
-        if config.speculative is not None:
-            raise RequestError("engine.speculative", "speculative decoding is not supported by this engine yet")
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
+                 draft: LoadedModel | None = None) -> None:
+        if config.speculative is not None and not config.kv_cache:
+            raise RequestError("engine.speculative", "speculative decoding verifies against the KV cache: "
+                                                     "it needs kv_cache: true")
         try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
             loaded, self.weights = quantize_loaded(loaded, config.weight_quant, config.quant_group_size)
         except QuantError as e:
@@ -74,14 +78,52 @@ class Engine:
         self.cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, self.device, config.kv_cache_dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
                                    self.bus.emit)
-        self.scheduler = Scheduler(config, self.blocks, self._on_preempt)
         self.runner = ModelRunner(loaded.model.to(self.device), self.cache, self.attention_backend)
+        self.proposer = self._make_proposer(draft) if config.speculative else None
+        self.spec_stats = SpecStats()
+        self.scheduler = Scheduler(config, self.blocks, self._on_preempt,
+                                   self._num_draft if self.proposer else None)
         self.metrics = MetricsTracker()
         self.requests: dict[str, Request] = {}
         self.unfinished: dict[int, Request] = {}  # seq_id -> request
         self.step_no = 0
         self._next_seq_id = 0
         self._token_text: dict[int, str] = {}
+
+    def _make_proposer(self, draft: LoadedModel | None) -> NgramProposer | DraftModelProposer:
+        spec = self.config.speculative
+        vocab = self.loaded.config.vocab_size
+        if spec.method == "ngram":
+            return NgramProposer(vocab)
+        if draft is None:
+            try:
+                draft = load_model(spec.draft_model)
+            except ModelLoadError as e:
+                raise RequestError("engine.speculative.draft_model", str(e)) from None
+        if draft.config.vocab_size != vocab:
+            raise RequestError("engine.speculative.draft_model",
+                               f"its vocabulary has {draft.config.vocab_size} tokens, the target's {vocab}: "
+                               "a draft must share the target's tokenizer")
+        self.draft = draft
+        dtype = next(draft.model.parameters()).dtype
+        cache = KVCache(draft.config, self.cache.num_blocks, self.cache.block_size, dtype, self.device,
+                        self.config.kv_cache_dtype)
+        runner = ModelRunner(draft.model.to(self.device), cache, self.attention_backend)
+        return DraftModelProposer(runner, self.blocks, self.eos_ids, self._new_seq_id)
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _num_draft(self, seq: Sequence) -> int:
+        """Drafts worth verifying: never past max_tokens or max_model_len (the +1 is the target's own token)."""
+        req = self.unfinished[seq.seq_id]
+        left = min(req.max_tokens - len(seq.output_token_ids), self.config.max_model_len - len(seq)) - 1
+        return max(0, min(self.config.speculative.num_tokens, left))
+
+    def live_sequences(self) -> list[Sequence]:
+        """Every sequence holding blocks or waiting for them: the requests' and the draft model's."""
+        return [r.seq for r in self.unfinished.values()] + (self.proposer.sequences() if self.proposer else [])
 
     # ---- the header: what a trace needs to make sense of everything after it ----------------------
 
@@ -98,7 +140,17 @@ class Engine:
             cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size, "dtype": kv_dtype,
                    "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
             weights=self.weights,
+            **self._draft_header(),
         )
+
+    def _draft_header(self) -> dict:
+        """The draft model's size and cache, when one runs beside the target."""
+        if not isinstance(self.proposer, DraftModelProposer):
+            return {}
+        c, cache = self.draft.config, self.proposer.cache
+        return {"draft_model": {"name": self.config.speculative.draft_model, "n_layers": c.num_hidden_layers,
+                                "kv_bytes_per_token": cache.bytes_per_token,
+                                "bytes_per_block": cache.bytes_per_block}}
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -121,12 +173,12 @@ class Engine:
         if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
             raise RequestError("prompt", f"token ids must lie in [0, {self.loaded.config.vocab_size})")
         check_fits(self.config, self.cache.num_blocks, len(ids), max_tokens)
-        seq = Sequence(self._next_seq_id, request_id, list(ids), len(ids))
-        self._next_seq_id += 1
+        seq = Sequence(self._new_seq_id(), request_id, list(ids), len(ids))
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + seq.seq_id
         req = Request(request_id, ids, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
                       max_tokens, params, torch.Generator().manual_seed(seed), self.step_no,
-                      RequestTimes(time.perf_counter()), seq)
+                      RequestTimes(time.perf_counter()), seq,
+                      draft_generator=torch.Generator().manual_seed((seed + 0x5EED) % 2**63))
         self.requests[request_id] = req
         self.unfinished[seq.seq_id] = req
         self.scheduler.add(seq)
@@ -161,17 +213,30 @@ class Engine:
         started = time.perf_counter()
         self._abort_impossible()
         out = self.scheduler.schedule()
+        verifying = [item for item in out.scheduled if item.phase == "verify"]
+        proposals = self._propose(verifying) if verifying else []
         logits = self.runner.execute(out.scheduled, out.block_copies) if out.scheduled else None
+        sampling, sample_rows, verify_rows, row = [], [], [], 0
         for item in out.scheduled:
+            if item.phase == "verify":  # its cache is settled only once the drafts are judged
+                verify_rows.append(logits[row:row + item.num_tokens])
+                row += item.num_tokens
+                continue
             item.seq.num_computed_tokens = item.context_len
             self.blocks.commit_computed(item.seq)
-        sampling = [item for item in out.scheduled if item.samples]
+            if item.samples:
+                sampling.append(item)
+                sample_rows.append(row)
+                row += 1
         now = time.perf_counter()
         self._emit_iteration(out.scheduled, out.num_batched_tokens, now - started)
+        generated = len(sampling)
         if sampling:
-            self._sample_and_append(sampling, logits, now)
+            self._sample_and_append(sampling, logits[sample_rows], now)
+        for item, proposal, rows in zip(verifying, proposals, verify_rows, strict=True):
+            generated += self._verify_and_append(item, proposal, rows, now)
         prefill = sum(i.num_tokens for i in out.scheduled if i.phase == "prefill")
-        self.metrics.on_iteration(now, prefill, len(sampling))
+        self.metrics.on_iteration(now, prefill, generated)
         self._emit_metrics()
         self.step_no += 1
 
@@ -179,23 +244,102 @@ class Engine:
         reqs = [self.unfinished[item.seq.seq_id] for item in items]
         result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
                         [r.seq.token_ids for r in reqs], [r.seq.output_token_ids for r in reqs])
-        tops = self._top_tokens(result) if self.bus.wants_dist else None
+        tops = self._top_tokens(result.raw_probs, result.final_probs, result.token_ids) if self.bus.wants_dist else None
         for row, req in enumerate(reqs):
             token = result.token_ids[row]
-            self._emit_token(req, row, token, result, tops[row] if tops else None)
-            req.seq.token_ids.append(token)
-            req.times.num_output_tokens += 1
-            if req.times.first_token is None:
-                req.times.first_token = now
-            reason = finish_reason_after(req, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
-            if reason:
-                self._finish(req, reason)
+            self._emit_token(req, token, result.logprobs[row], result.raw_probs[row], tops[row] if tops else None)
+            self._append(req, token, now)
+
+    def _append(self, req: Request, token: int, now: float) -> bool:
+        """Append one generated token; finish the request if it ends here. True if it did."""
+        req.seq.token_ids.append(token)
+        req.times.num_output_tokens += 1
+        if req.times.first_token is None:
+            req.times.first_token = now
+        reason = finish_reason_after(req, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
+        if reason:
+            self._finish(req, reason)
+        return reason is not None
+
+    # ---- speculative decoding -----------------------------------------------------------------------
+
+    def _propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
+        """Draft for each verifying sequence and put the drafts into its tokens for the target to check."""
+        reqs = [self.unfinished[item.seq.seq_id] for item in items]
+        proposals = self.proposer.propose([SpecRequest(item.seq, item.num_draft, r.params, r.draft_generator)
+                                           for item, r in zip(items, reqs, strict=True)])
+        for item, proposal in zip(items, proposals, strict=True):
+            seq, drafts = item.seq, proposal.token_ids
+            if len(drafts) < item.num_draft:  # the proposer came up short: give back the spare slots
+                self._trim(seq, seq.num_computed_tokens + 1 + len(drafts))
+            item.num_draft, item.num_tokens = len(drafts), 1 + len(drafts)
+            item.context_len = seq.num_computed_tokens + item.num_tokens
+            if drafts:
+                self.bus.emit("spec_propose", request_id=seq.request_id, seq_id=seq.seq_id, token_ids=drafts,
+                              q_probs=[proposal.q[j, t].item() for j, t in enumerate(drafts)],
+                              method=self.proposer.method, position=len(seq),
+                              draft_seq_id=self.proposer.shadows[seq.seq_id].seq_id
+                              if isinstance(self.proposer, DraftModelProposer) else None,
+                              token_texts=[self.token_text(t) for t in drafts])
+            seq.token_ids += drafts
+        return proposals
+
+    def _verify_and_append(self, item: ScheduledSeq, proposal: Proposal, logits: torch.Tensor, now: float) -> int:
+        """Judge the drafts against the target's k + 1 rows of logits; returns the tokens appended."""
+        req, seq, k = self.unfinished[item.seq.seq_id], item.seq, item.num_draft
+        start = len(seq) - k  # position of the first draft
+        drafts = seq.token_ids[start:]
+        prefixes = [seq.token_ids[:start + j] for j in range(k + 1)]  # what each row's penalties see
+        raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.eos_ids, prefixes,
+                                      [t[seq.num_prompt_tokens:] for t in prefixes])
+        verdict = verify(p, proposal.q, drafts, req.generator, req.params.greedy)
+        del seq.token_ids[start:]
+        seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts
+        expected = torch.minimum(p[:k], proposal.q).sum(-1).tolist() if k else []
+        self.spec_stats.record(k, verdict.num_accepted, expected)
+        self._emit_verify(seq, drafts, verdict, p, proposal.q, expected)
+        new = drafts[:verdict.num_accepted] + [verdict.token_id]
+        sources = ["draft_accepted"] * verdict.num_accepted + [verdict.source]
+        raw = raw_log.exp()
+        tops = self._top_tokens(raw[:len(new)], p[:len(new)], new) if self.bus.wants_dist else None
+        for j, (token, source) in enumerate(zip(new, sources, strict=True)):
+            self._emit_token(req, token, raw_log[j, token].item(), raw[j], tops[j] if tops else None, source)
+            if self._append(req, token, now):
+                return j + 1
+        self._trim(seq, len(seq))
+        self.blocks.commit_computed(seq)
+        self.proposer.rollback(seq, seq.num_computed_tokens)
+        return len(new)
+
+    def _trim(self, seq: Sequence, num_slots: int) -> None:
+        """Give back blocks reserved past num_slots (paged only: contiguous keeps its reservation)."""
+        if self.config.kv_layout == "paged":
+            self.blocks.truncate(seq, num_slots)
+
+    def _emit_verify(self, seq: Sequence, drafts: list[int], verdict: Verdict, p: torch.Tensor, q: torch.Tensor,
+                     expected: list[float]) -> None:
+        results = [{"token_id": t, "text": self.token_text(t), "p": p[j, t].item(), "q": q[j, t].item(),
+                    "accepted": verdict.accepted[j]} for j, t in enumerate(drafts)]
+        fields = {}
+        if self.bus.wants_dist:
+            q_full = torch.cat((q, torch.zeros_like(p[:1])))  # the bonus position has no draft
+            n = self.config.dist_top_n
+            fields["dists"] = [[[t, self.token_text(t), p[j, t].item(), q_full[j, t].item()]
+                                for t in dict.fromkeys(p[j].topk(n).indices.tolist() + q_full[j].topk(n).indices.tolist())
+                                if p[j, t] > 0 or q_full[j, t] > 0] for j in range(len(drafts) + 1)]
+        resampled = verdict.source == "resampled"
+        self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
+                      results=results, num_accepted=verdict.num_accepted,
+                      resampled_token_id=verdict.token_id if resampled else None,
+                      bonus_token_id=None if resampled else verdict.token_id, expected_accept=expected, **fields)
 
     def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
         req.finish_reason, req.abort_reason = reason, why
         req.times.finish = time.perf_counter()
         req.seq.status = SeqStatus.FINISHED
         self.scheduler.remove(req.seq)
+        if self.proposer:
+            self.proposer.release(req.seq)
         self.unfinished.pop(req.seq.seq_id, None)
         if not req.stop_hit:
             req.output_text = self.tokenizer.decode([t for t in req.seq.output_token_ids if t not in self.eos_ids])
@@ -213,6 +357,8 @@ class Engine:
                 self._finish(req, "abort", f"needs {need} KV blocks, the cache has {self.cache.num_blocks}")
 
     def _on_preempt(self, seq: Sequence, num_blocks: int) -> None:
+        if self.proposer:
+            self.proposer.release(seq)  # the draft recomputes too, from the target's tokens
         self.bus.emit("preempt", request_id=seq.request_id, seq_id=seq.seq_id, num_blocks_freed=num_blocks,
                       mode="recompute")
 
@@ -222,7 +368,8 @@ class Engine:
         self.bus.emit(
             "iteration",
             batch=[{"request_id": i.seq.request_id, "seq_id": i.seq.seq_id, "phase": i.phase,
-                    "num_query_tokens": i.num_tokens, "context_len": i.context_len} for i in batch],
+                    "num_query_tokens": i.num_tokens, "context_len": i.context_len,
+                    **({"num_draft_tokens": i.num_draft} if i.phase == "verify" else {})} for i in batch],
             num_batched_tokens=num_tokens, token_budget=self.config.max_num_batched_tokens,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used_blocks, duration_s=duration, max_num_seqs=self.config.max_num_seqs,
@@ -230,35 +377,36 @@ class Engine:
         if self.bus.wants("attention_mask"):
             for i in batch:
                 begin = i.context_len - i.num_tokens
-                kind = "decode" if i.phase == "decode" else ("chunked_prefill" if begin > 0 else "prefill")
+                kind = i.phase if i.phase != "prefill" else ("chunked_prefill" if begin > 0 else "prefill")
                 self.bus.emit("attention_mask", request_id=i.seq.request_id, seq_id=i.seq.seq_id, kind=kind,
                               query_positions=[begin, i.context_len], key_len=i.context_len)
 
-    def _emit_token(self, req: Request, row: int, token: int, result: SamplerOutput, top: list | None) -> None:
+    def _emit_token(self, req: Request, token: int, logprob: float, raw_probs: torch.Tensor, top: list | None,
+                    source: str = "target") -> None:
+        """One token event; raw_probs [V] is the T=1 distribution it came from (for top_logprobs)."""
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": req.seq.seq_id, "position": len(req.seq),
-                  "token_id": token, "text": self.token_text(token), "logprob": result.logprobs[row],
-                  "source": "target"}
+                  "token_id": token, "text": self.token_text(token), "logprob": logprob, "source": source}
         p = req.params
         if top is not None:
             fields["dist"] = {"top": top, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                               "min_p": p.min_p}
         if p.logprobs:
-            best = result.raw_probs[row].topk(p.logprobs)
+            best = raw_probs.topk(p.logprobs)
             fields["top_logprobs"] = [[t, self.token_text(t), math.log(max(pr, 1e-45))]
                                       for t, pr in zip(best.indices.tolist(), best.values.tolist())]
         self.bus.emit("token", **fields)
 
-    def _top_tokens(self, result: SamplerOutput) -> list[list[list]]:
-        """Per row: the top N by raw probability, plus the chosen token and EOS when not among them.
+    def _top_tokens(self, raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[int]) -> list[list[list]]:
+        """Per row of [B, V]: the top N by raw probability, plus the chosen token and EOS when not among them.
 
         One topk and one gather for the whole batch: this runs every step when events are full."""
-        chosen = torch.tensor(result.token_ids, device=result.raw_probs.device)[:, None]  # [B, 1]
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=chosen.device).expand(len(chosen), -1)
-        ids = torch.cat((result.raw_probs.topk(self.config.dist_top_n).indices, chosen, eos), dim=1)  # [B, N+1+E]
-        raw = result.raw_probs.gather(1, ids).tolist()
-        final = result.final_probs.gather(1, ids).tolist()
+        chosen_ids = torch.tensor(chosen, device=raw_probs.device)[:, None]  # [B, 1]
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=raw_probs.device).expand(len(chosen), -1)
+        ids = torch.cat((raw_probs.topk(self.config.dist_top_n).indices, chosen_ids, eos), dim=1)  # [B, N+1+E]
+        raw = raw_probs.gather(1, ids).tolist()
+        final = final_probs.gather(1, ids).tolist()
         rows = []
         for r, row_ids in enumerate(ids.tolist()):
             seen: set[int] = set()
@@ -267,12 +415,12 @@ class Engine:
         return rows
 
     def _emit_metrics(self) -> None:
-        seqs = [r.seq for r in self.unfinished.values()]
-        usage, waste = self.metrics.kv_snapshot(seqs, self.blocks.num_used_blocks, self.cache.num_blocks,
+        usage, waste = self.metrics.kv_snapshot(self.live_sequences(), self.blocks.num_used_blocks, self.cache.num_blocks,
                                                 self.config.block_size)
         self.bus.emit("metrics", tokens_per_s=self.metrics.tokens_per_s(), kv_usage=usage, kv_waste=waste,
                       prefix_hit_rate=self.blocks.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
-                      num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+                      num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                      **(self.spec_stats.summary() if self.proposer else {}))
 
     def token_text(self, token: int) -> str:
         text = self._token_text.get(token)

@@ -37,6 +37,7 @@ class Request:
     abort_reason: str | None = None
     output_text: str = ""
     stop_hit: bool = False  # a stop string ended it: output_text is already cut
+    draft_generator: torch.Generator | None = None  # speculative drafts draw from their own stream
 
 
 def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_tokens: int) -> None:

@@ -31,46 +31,66 @@ class AttentionMetadata:
     prefill_seqs: list[int]  # the others: attended one by one, causal within the chunk
 
 
+SHORT_QUERY = 16  # sequences with at most this many query tokens (decodes, verifies) attend in one batch
+
+
 class PagedTorchBackend:
-    """Attention over the paged cache in plain torch: the reference for the Triton kernels."""
+    """Attention over the paged cache in plain torch: the reference for the Triton kernels.
+
+    Short queries (decode rows, speculative verifies, small chunks) attend in one padded batch;
+    longer prefill chunks one by one, so that padding never multiplies a long chunk's cost.
+    """
 
     absorb_mla = True  # the cache holds MLA's latent, so MLA layers attend in the absorbed form
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
         self.cache, self.meta = cache, meta
         dev = cache.data.device
-        decode = meta.decode_seqs
-        width = max((len(meta.block_tables[i]) for i in decode), default=0)
-        # Padded block tables of the decode rows; padding points at block 0 and is masked out.
-        self.decode_tables = torch.tensor([meta.block_tables[i] + [0] * (width - len(meta.block_tables[i]))
-                                           for i in decode], dtype=torch.long, device=dev).view(len(decode), width)
-        self.decode_lens = torch.tensor([meta.context_lens[i] for i in decode], device=dev)
-        self.decode_rows = torch.tensor([meta.query_starts[i] for i in decode], dtype=torch.long, device=dev)
+        starts, ctx = meta.query_starts, meta.context_lens
+        q_lens = [starts[i + 1] - starts[i] for i in range(len(ctx))]
+        self.short = [i for i, n in enumerate(q_lens) if n <= SHORT_QUERY]
+        self.long = [i for i, n in enumerate(q_lens) if n > SHORT_QUERY]
+        width = max((len(meta.block_tables[i]) for i in self.short), default=0)
+        t = max((q_lens[i] for i in self.short), default=0)
+        # Padded block tables of the short rows; padding points at block 0 and is masked out.
+        self.short_tables = torch.tensor([meta.block_tables[i] + [0] * (width - len(meta.block_tables[i]))
+                                          for i in self.short], dtype=torch.long, device=dev).view(len(self.short), width)
+        # [B, T] rows of the flat batch; a padded query repeats the sequence's last row and is dropped.
+        self.short_rows = torch.tensor([[starts[i] + min(j, q_lens[i] - 1) for j in range(t)] for i in self.short],
+                                       dtype=torch.long, device=dev).view(len(self.short), t)
+        self.short_valid = torch.tensor([[j < q_lens[i] for j in range(t)] for i in self.short],
+                                        dtype=torch.bool, device=dev).view(len(self.short), t)
+        # Absolute position of each query: it sees keys 0..position (bottom-right aligned causal mask).
+        query_pos = torch.tensor([[ctx[i] - q_lens[i] + min(j, q_lens[i] - 1) for j in range(t)] for i in self.short],
+                                 device=dev).view(len(self.short), t)
+        self.short_visible = torch.arange(width * cache.block_size, device=dev) <= query_pos[..., None]  # [B, T, L]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [num_tokens, n_heads, v_dim]
-        if self.meta.decode_seqs:
-            out[self.decode_rows] = self._decode(layer, q[self.decode_rows], scale)
-        for i in self.meta.prefill_seqs:
+        if self.short:
+            batched = self._short(layer, q[self.short_rows], scale)  # [B, T, Hq, Dv]
+            out[self.short_rows[self.short_valid]] = batched[self.short_valid]
+        for i in self.long:
             start, end = self.meta.query_starts[i], self.meta.query_starts[i + 1]
-            out[start:end] = self._prefill(layer, q[start:end], i, scale)
+            out[start:end] = self._long(layer, q[start:end], i, scale)
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query row per sequence over its whole context: q [B, Hq, D] -> [B, Hq, Dv]."""
-        b, hq, _ = q.shape
-        keys = self.cache.gather_keys(layer, self.decode_tables).flatten(1, 2)  # [B, L, Hkv, D], dequantized
-        values = self.cache.gather_values(layer, self.decode_tables).flatten(1, 2)  # [B, L, Hkv, Dv]
-        hkv = keys.shape[2]
-        qg = q.view(b, hkv, hq // hkv, -1)  # [B, Hkv, group, D]: the group's queries share one K/V head
-        visible = torch.arange(keys.shape[1], device=q.device)[None, :] < self.decode_lens[:, None]  # [B, L]
+    def _short(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """A few query rows per sequence over its whole context: q [B, T, Hq, D] -> [B, T, Hq, Dv]."""
+        b, t, hq, d = q.shape
+        keys = self.cache.gather_keys(layer, self.short_tables).flatten(1, 2)  # [B, L, Hkv, D], dequantized
+        values = self.cache.gather_values(layer, self.short_tables).flatten(1, 2)  # [B, L, Hkv, Dv]
+        hkv, length = keys.shape[2], keys.shape[1]
+        g = hq // hkv  # a group's query heads share one K/V head: fold (group, T) into one query axis
+        qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        mask = self.short_visible[:, None].expand(b, g, t, length).reshape(b, 1, g * t, length)
         out = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=visible[:, None, None, :], scale=scale)
-        return out.reshape(b, hq, -1)
+                                             attn_mask=mask, scale=scale)  # [B, Hkv, G*T, Dv]
+        return out.view(b, hkv, g, t, -1).permute(0, 3, 1, 2, 4).reshape(b, t, hq, -1)
 
-    def _prefill(self, layer: int, q: torch.Tensor, i: int, scale: float) -> torch.Tensor:
-        """A chunk of queries over the cached prefix plus itself, causal within the chunk."""
+    def _long(self, layer: int, q: torch.Tensor, i: int, scale: float) -> torch.Tensor:
+        """A long chunk of queries over the cached prefix plus itself, causal within the chunk."""
         ctx, table = self.meta.context_lens[i], self.meta.block_tables[i]
         keys = self.cache.gather_keys(layer, table).flatten(0, 1)[:ctx]  # [ctx, Hkv, D], dequantized
         values = self.cache.gather_values(layer, table).flatten(0, 1)[:ctx]  # [ctx, Hkv, Dv]
@@ -177,9 +197,14 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run one iteration; logits [num_sampling_seqs, vocab] for the sequences that sample."""
+        """Run one iteration: logits [rows, vocab], one row per sampling sequence, k + 1 per verify."""
         self.cache.copy_blocks(block_copies)
         ids, positions, meta = self.prepare(batch)
         hidden = self.model(ids, positions, self.backend(self.cache, meta))  # [num_tokens, hidden]
-        last = [meta.query_starts[i + 1] - 1 for i, item in enumerate(batch) if item.samples]
-        return self.model.logits(hidden[last])
+        rows: list[int] = []
+        for i, item in enumerate(batch):
+            if item.phase == "verify":  # every position: each checks the draft that follows it
+                rows += range(meta.query_starts[i], meta.query_starts[i + 1])
+            elif item.samples:
+                rows.append(meta.query_starts[i + 1] - 1)
+        return self.model.logits(hidden[rows])

@@ -98,16 +98,23 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           eos_ids: list[int], histories: list[list[int]] | None = None,
-           outputs: list[list[int]] | None = None) -> SamplerOutput:
-    """Pick one token per row of logits [B, V]."""
+def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int],
+                  histories: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(raw log-probs at T=1, penalised logits, final distribution), each [B, V], for logits [B, V]."""
     logits = logits.float()
     raw_log = torch.log_softmax(logits, dim=-1)
     histories = histories or [[] for _ in params]
     outputs = outputs or [[] for _ in params]
     adjusted = apply_penalties(logits, params, histories, outputs) if any(_penalised(p) for p in params) else logits
-    final = final_distribution(adjusted, params, eos_ids)
+    return raw_log, adjusted, final_distribution(adjusted, params, eos_ids)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           eos_ids: list[int], histories: list[list[int]] | None = None,
+           outputs: list[list[int]] | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V]."""
+    raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, outputs)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
                                                                       draw(final, generators))

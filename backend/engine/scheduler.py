@@ -24,7 +24,8 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # query tokens computed this iteration
     context_len: int  # tokens in the cache after this iteration (keys attended to)
-    phase: str  # prefill | decode
+    phase: str  # prefill | decode | verify (the last token plus drafted ones, speculative decoding)
+    num_draft: int = 0  # verify: drafted tokens among the query tokens
 
     @property
     def samples(self) -> bool:
@@ -44,10 +45,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager,
-                 on_preempt: Callable[[Sequence, int], None]) -> None:
+                 on_preempt: Callable[[Sequence, int], None],
+                 lookahead: Callable[[Sequence], int] | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.on_preempt = on_preempt
+        # Speculative decoding: how many drafted tokens a decoding sequence may verify this step.
+        self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,7 +79,10 @@ class Scheduler:
 
     # ---- running sequences ----------------------------------------------------------------------
 
-    def _entry(self, seq: Sequence, num: int) -> ScheduledSeq:
+    def _entry(self, seq: Sequence, num: int, num_draft: int = 0) -> ScheduledSeq:
+        if num_draft:
+            # Slots for the drafts are reserved now; the engine fills in the tokens after drafting.
+            return ScheduledSeq(seq, num + num_draft, seq.num_computed_tokens + num + num_draft, "verify", num_draft)
         context_len = seq.num_computed_tokens + num
         # Decode: the step that extends an already generating sequence by its newest token (without
         # a cache that step recomputes everything, but it is still the decode of one new token).
@@ -97,7 +104,10 @@ class Scheduler:
             if not self.config.kv_cache and num < len(seq):
                 i += 1  # without a cache a sequence is computed whole or not at all
                 continue
-            copies = self.blocks.allocate_slots(seq, num)
+            num_draft = self._num_draft(seq, num, budget)
+            copies = self.blocks.allocate_slots(seq, num + num_draft) if num_draft else None
+            if copies is None:  # short of blocks for the drafts: a plain decode still may fit
+                num_draft, copies = 0, self.blocks.allocate_slots(seq, num)
             while copies is None:
                 # The most recently arrived of those not yet scheduled this iteration.
                 victim = max(self.running[i:], key=lambda s: s.seq_id)
@@ -108,10 +118,16 @@ class Scheduler:
             if copies is None:
                 continue  # seq itself was preempted; self.running[i] is now the next one
             out.block_copies += copies
-            out.scheduled.append(self._entry(seq, num))
-            budget -= num
+            out.scheduled.append(self._entry(seq, num, num_draft))
+            budget -= num + num_draft
             i += 1
         return budget
+
+    def _num_draft(self, seq: Sequence, num: int, budget: int) -> int:
+        """Drafted tokens to verify: only for a sequence that is decoding, within the token budget."""
+        if self.lookahead is None or num != 1 or not seq.output_token_ids or not self.config.kv_cache:
+            return 0
+        return max(0, min(self.lookahead(seq), budget - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         num_blocks = len(seq.block_table)

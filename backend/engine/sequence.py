@@ -12,7 +12,7 @@ class SeqStatus(str, Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds sequences in its lists by who they are
 class Sequence:
     seq_id: int
     request_id: str
@@ -22,6 +22,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # logical block index -> physical block id
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache
+    # Which model's K/V the blocks hold: 0 the target, 1 a speculative draft model. Prefix-cache
+    # hashes are kept apart per namespace, so equal tokens never share blocks across models.
+    cache_namespace: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

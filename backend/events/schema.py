@@ -54,9 +54,21 @@ class TokenDist(_Open):
 
 class SpecResult(_Open):
     token_id: int
-    p: float
-    q: float
+    p: float  # target's final probability of the drafted token
+    q: float  # the proposer's probability of it (1 for n-gram lookup)
     accepted: bool
+    text: str | None = None
+
+
+class SeqOutput(_Open):
+    """One sequence's result when a request has several (n > 1, beam search)."""
+
+    seq_id: int
+    output_token_ids: list[int]
+    output_text: str
+    finish_reason: str
+    cumulative_logprob: float
+    score: float | None = None  # beam search: cumulative logprob / length ** length_penalty
 
 
 class _Event(_Open):
@@ -172,6 +184,10 @@ class SpecProposeEvent(_Event):
     seq_id: int
     token_ids: list[int]
     q_probs: list[float]
+    method: Literal["draft", "ngram"] | None = None
+    draft_seq_id: int | None = None  # the draft model's own sequence (its blocks are in the pool)
+    position: int | None = None  # position of the first drafted token
+    token_texts: list[str] | None = None
 
 
 class SpecVerifyEvent(_Event):
@@ -182,6 +198,30 @@ class SpecVerifyEvent(_Event):
     num_accepted: int
     resampled_token_id: int | None
     bonus_token_id: int | None
+    position: int | None = None  # position of the first drafted token
+    # Per verified position (k + 1, the last one is the bonus position): [token_id, text, p, q]
+    # for the top tokens of p and of q, for the dashboard's p-vs-q bars. Only at events level full.
+    dists: list[list[tuple[int, str, float, float]]] | None = None
+    expected_accept: list[float] | None = None  # sum_x min(p(x), q(x)) per drafted position
+
+
+class SeqForkEvent(_Event):
+    """A request's sequence branches (n > 1 after the prompt, or a beam kept twice)."""
+
+    type: Literal["seq_fork"]
+    request_id: str
+    parent_seq_id: int
+    seq_id: int
+    position: int  # tokens the child inherits
+
+
+class SeqEndEvent(_Event):
+    """One sequence of a multi-sequence request ends (finished, or a beam pruned)."""
+
+    type: Literal["seq_end"]
+    request_id: str
+    seq_id: int
+    reason: Literal["eos", "stop", "length", "abort", "pruned"]
 
 
 class PreemptEvent(_Event):
@@ -202,6 +242,7 @@ class RequestFinishedEvent(_Event):
     tpot_s: float | None  # null with fewer than two output tokens
     e2e_s: float
     reason: str | None = None  # why it was aborted
+    outputs: list[SeqOutput] | None = None  # n > 1 or beam search: every returned sequence, best first
 
 
 class MetricsEvent(_Event):
@@ -211,6 +252,9 @@ class MetricsEvent(_Event):
     kv_waste: float  # reserved-but-unused slots / total slots
     prefix_hit_rate: float
     num_preemptions: int
+    spec_acceptance_rate: float | None = None  # accepted / proposed draft tokens, speculative runs only
+    spec_alpha: float | None = None  # mean sum_x min(p, q) over drafted positions
+    spec_tokens_per_verify: float | None = None  # tokens appended per verify (accepted + 1)
 
 
 class RunFinishedEvent(_Event):
@@ -241,6 +285,8 @@ EVENT_MODELS: tuple[type[_Event], ...] = (
     TokenEvent,
     SpecProposeEvent,
     SpecVerifyEvent,
+    SeqForkEvent,
+    SeqEndEvent,
     PreemptEvent,
     RequestFinishedEvent,
     MetricsEvent,

@@ -1,0 +1,223 @@
+"""Speculative decoding: a cheap proposer drafts k tokens, the target checks them all in one forward.
+
+Exactness comes from the acceptance rule (modified rejection sampling, Leviathan et al. 2023):
+accept draft x with probability min(1, p(x) / q(x)); at the first rejection draw from
+norm(max(0, p - q)); if all k are accepted, draw a bonus token from the target's next p. Whatever
+q is, every appended token is distributed exactly as the target would have sampled it.
+
+Two proposers:
+- `DraftModelProposer`: a small model with its own KV cache tensors whose blocks come from the
+  engine's block manager (so they show in the block pool). Its sequences live in cache namespace 1.
+- `NgramProposer`: prompt lookup, no model. q is one-hot on the copied tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.kv_cache import KVCache
+from backend.engine.runner import ModelRunner
+from backend.engine.sampler import draw, sample
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.scheduler import ScheduledSeq
+from backend.engine.sequence import Sequence
+
+DRAFT_NAMESPACE = 1
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]  # the drafted tokens, possibly fewer than asked (none: plain decode)
+    q: torch.Tensor  # [len(token_ids), V] the distribution each was drawn from
+
+
+@dataclass
+class SpecRequest:
+    """What a proposer needs of one sequence to draft for it."""
+
+    seq: Sequence
+    num_tokens: int  # drafts wanted
+    params: SamplingParams
+    generator: torch.Generator  # the proposer's own, so drafting never shifts the target's draws
+
+
+@dataclass
+class Verdict:
+    num_accepted: int
+    token_id: int  # the resampled token (a rejection) or the bonus token (all accepted)
+    source: str  # resampled | bonus
+    accepted: list[bool]  # per drafted token (False after the first rejection: never looked at)
+
+
+def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator,
+           greedy: bool) -> Verdict:
+    """Modified rejection sampling. p [k+1, V] target, q [k, V] proposer, k = len(drafts)."""
+    k = len(drafts)
+    for j, x in enumerate(drafts):
+        # Greedy: p and q are one-hot, so the ratio is 0 or 1 and no random number is needed.
+        ratio = (p[j, x] / q[j, x]).item() if q[j, x] > 0 else 0.0
+        accept = ratio >= 1.0 if greedy else torch.rand((), generator=generator).item() < ratio
+        if accept:
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)
+        if residual.sum() <= 0:  # p <= q everywhere means p == q: x could not have been rejected
+            residual = p[j]
+        token = int(residual.argmax()) if greedy else int(draw(residual[None], [generator])[0])
+        return Verdict(j, token, "resampled", [True] * j + [False] * (k - j))
+    token = int(p[k].argmax()) if greedy else int(draw(p[k][None], [generator])[0])
+    return Verdict(k, token, "bonus", [True] * k)
+
+
+@dataclass
+class SpecStats:
+    """Running totals behind the acceptance rate, alpha and tokens per verify."""
+
+    num_verifies: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_appended: int = 0  # accepted + the resampled or bonus token
+    # alpha = E[sum_x min(p(x), q(x))], over the drafted positions the target judged (those up to the
+    # first rejection): later ones were drafted after a token the target did not keep.
+    alpha_sum: float = 0.0
+    num_judged: int = 0
+
+    def record(self, num_proposed: int, num_accepted: int, expected_accept: list[float]) -> None:
+        judged = expected_accept[:num_accepted + 1]
+        self.num_verifies += 1
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_appended += num_accepted + 1
+        self.alpha_sum += sum(judged)
+        self.num_judged += len(judged)
+
+    def summary(self) -> dict[str, float]:
+        """The metrics event's spec fields."""
+        return {"spec_acceptance_rate": self.num_accepted / max(1, self.num_proposed),
+                "spec_alpha": self.alpha_sum / max(1, self.num_judged),
+                "spec_tokens_per_verify": self.num_appended / max(1, self.num_verifies)}
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens, copy what followed."""
+
+    method = "ngram"
+
+    def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1) -> None:
+        self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
+
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
+        return [self._one(r.seq.token_ids, r.num_tokens) for r in requests]
+
+    def _one(self, tokens: list[int], k: int) -> Proposal:
+        drafted = lookup(tokens, k, self.max_n, self.min_n)
+        q = torch.zeros(len(drafted), self.vocab_size)
+        q[range(len(drafted)), drafted] = 1.0
+        return Proposal(drafted, q)
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is held per sequence."""
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Nothing is cached."""
+
+    def sequences(self) -> list[Sequence]:
+        return []
+
+
+def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+class DraftModelProposer:
+    """A small draft model drafting autoregressively over its own paged cache.
+
+    Each target sequence gets a shadow draft sequence (namespace 1) whose blocks come from the
+    shared block manager and index the draft's KV tensors. Before drafting, the shadow catches up
+    on the tokens it has not computed yet (the whole prompt the first time, afterwards the last
+    accepted tokens) in one forward; then it drafts one token per forward.
+    """
+
+    method = "draft"
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, eos_ids: list[int],
+                 new_seq_id: Callable[[], int]) -> None:
+        self.runner, self.blocks, self.eos_ids = runner, blocks, eos_ids
+        self.new_seq_id = new_seq_id
+        self.shadows: dict[int, Sequence] = {}  # target seq_id -> draft sequence
+
+    @property
+    def cache(self) -> KVCache:
+        return self.runner.cache
+
+    def shadow(self, seq: Sequence) -> Sequence:
+        draft = self.shadows.get(seq.seq_id)
+        if draft is None:
+            draft = Sequence(self.new_seq_id(), seq.request_id, [], seq.num_prompt_tokens,
+                             cache_namespace=DRAFT_NAMESPACE)
+            self.shadows[seq.seq_id] = draft
+        return draft
+
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
+        drafted: list[list[int]] = [[] for _ in requests]
+        qs: list[list[torch.Tensor]] = [[] for _ in requests]  # each [V]
+        for round_ in range(max((r.num_tokens for r in requests), default=0)):
+            # Rows still drafting: they want more, and no earlier round ran out of blocks for them.
+            wanted = [i for i, r in enumerate(requests) if r.num_tokens > round_ and len(drafted[i]) == round_]
+            pairs = [(i, item) for i in wanted if (item := self._schedule(requests[i], round_ == 0))]
+            if not pairs:
+                break
+            batch = [item for _, item in pairs]
+            logits = self.runner.execute(batch, [])  # [len(batch), V]
+            for item in batch:
+                item.seq.num_computed_tokens = item.context_len
+                self.blocks.commit_computed(item.seq)
+            reqs = [requests[i] for i, _ in pairs]
+            out = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
+                         [item.seq.token_ids for item in batch], [item.seq.output_token_ids for item in batch])
+            for row, (i, item) in enumerate(pairs):
+                item.seq.token_ids.append(out.token_ids[row])
+                drafted[i].append(out.token_ids[row])
+                qs[i].append(out.final_probs[row])
+        vocab = self.runner.model.config.vocab_size
+        return [Proposal(d, torch.stack(q) if q else torch.zeros(0, vocab)) for d, q in zip(drafted, qs, strict=True)]
+
+    def _schedule(self, request: SpecRequest, first: bool) -> ScheduledSeq | None:
+        """The draft forward for one sequence, with its slots reserved; None when blocks ran out."""
+        draft = self.shadow(request.seq)
+        if first:
+            # Catch up on the target's tokens, reusing the draft's own cached prefix when it has none.
+            draft.token_ids = list(request.seq.token_ids)
+            if not draft.block_table:
+                self.blocks.match_prefix(draft, count=False)
+        num = len(draft) - draft.num_computed_tokens
+        if self.blocks.allocate_slots(draft, num) is None:
+            return None
+        return ScheduledSeq(draft, num, len(draft), "decode" if num == 1 else "prefill")
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Keep the draft's K/V for the target's first num_valid tokens, drop the rest (and emptied blocks)."""
+        draft = self.shadows.get(seq.seq_id)
+        if draft is None:
+            return
+        keep = min(draft.num_computed_tokens, num_valid)
+        self.blocks.truncate(draft, keep)
+        draft.token_ids = list(seq.token_ids[:keep])
+
+    def release(self, seq: Sequence) -> None:
+        """The target sequence finished or was preempted: its draft gives back every block."""
+        draft = self.shadows.pop(seq.seq_id, None)
+        if draft is not None:
+            self.blocks.free(draft)
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.shadows.values())
