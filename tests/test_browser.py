@@ -234,6 +234,20 @@ def test_latency_with_2048_blocks_and_64_requests(page, backend_url, dashboard_u
     assert max(clicks) < CLICK_MAX_S, result
 
 
+def test_speculative_rows_p_vs_q_and_striped_draft_blocks(page, backend_url, dashboard_url, tiny_dir):
+    spec = scenario(tiny_dir, "speculative", 256, 4, 3, (16, 32), (40, 60), {"process": "burst"})
+    spec["engine"]["speculative"] = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}
+    page.goto(f"{dashboard_url}/?run={start(backend_url, spec, speed=4, paused=False)}")
+    page.wait_for_function(f"""() => {{ const pool = ({COMPONENT})('block-pool');
+        return pool.cells && Array.from(pool.cells.marks).some((m) => m & 2); }}""")  # the draft's blocks
+    page.locator(".kv-tok-acc, .kv-tok-rej").first.wait_for()
+    page.locator(".kv-tok-res, .kv-tok-bonus").first.click()
+    page.wait_for_function(f"""() => {{ const s = ({COMPONENT})('spec-pq').chart.getOption().series;
+        return s.length === 2 && s[0].data.length > 0; }}""")
+    assert "p = " in page.locator("[data-kv=spec-pq-caption]").inner_text() or \
+        "bonus position" in page.locator("[data-kv=spec-pq-caption]").inner_text()
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 

@@ -288,6 +288,30 @@ async def test_a_real_quantized_run_shows_its_dtypes_and_bytes(dash: Dash, tiny_
     assert views["kv_calc"].scales.value and "weights int8" in column.engine.text
 
 
+async def test_a_real_speculative_run_in_the_views(dash: Dash, tiny_dir: str) -> None:
+    speculative = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 3}
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=2, speculative=speculative), speed=0,
+                                          paused=True)
+    column = (await dash.open(f"/?run={run_id}")).columns[0]
+    feed, views = column.feed, column.views
+    await until(lambda: feed.state is not None)
+    await dash.backend.control(run_id, "step", 3)  # mid-run: the draft model holds blocks
+    await until(lambda: feed.state.spec.verifies > 0 and feed.state.step >= 2)
+    rid = next(iter(feed.history.verifies))
+    column.selection.select_request(rid)
+    view = views["speculative"]
+    await until(lambda: "kv-spec-row" in view.rows.content and "p = " in view.pq_caption.text)
+    assert view.rows.content.count("kv-tok-res") + view.rows.content.count("kv-tok-bonus") == \
+        view.rows.content.count("kv-spec-row")  # each verify ends with the token the target added
+    await until(lambda: "draft model for seq" in views["block_table"].last)
+    assert "draft model" in views["blocks"].caption.text
+    await dash.backend.control(run_id, "resume")
+    await finished(feed)
+    await until(lambda: "α = " in view.caption.text and view.version == feed.version)
+    assert f"{feed.state.spec.verifies} verifies" in view.caption.text
+    assert views["metrics"].kpis["spec"].endswith("%") and "draft demo-draft" in views["metrics"].memory.text
+
+
 # ---- controls ----------------------------------------------------------------------------------------
 
 

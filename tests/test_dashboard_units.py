@@ -464,3 +464,62 @@ def test_calculator_and_memory_line_know_int8_and_quantized_weights():
     assert "weights int8 in groups of 64: 1.2 MiB (unquantized 5.0 MiB, 4.0× smaller)" in text
     assert "KV cache int8 + a float32 scale per token and KV head: 576 B per token" in text
     assert "draft demo-draft: 2 layers, 144 B per token" in text
+
+
+# ---- the same views on a real speculative run (demo target, demo-draft proposer) --------------------------
+
+
+@pytest.fixture(scope="module")
+def speculative_run() -> list[dict]:
+    scenario = validate({
+        "name": "speculative", "model": "demo", "seed": 0,
+        "engine": {"block_size": 4, "num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+                   "speculative": {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}},
+        "generate": {"count": 2, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 6, "max": 10},
+                     "max_tokens": {"min": 12, "max": 16}, "sampling": {"temperature": 1.0, "seed": 1}},
+    }, "test")  # fmt: skip
+    bus = EventBus()
+    events: list[dict] = []
+    bus.subscribe(events.append)
+    ScenarioRun(scenario, bus).run()
+    return events
+
+
+def test_real_verifies_draw_as_rows_and_add_up_to_the_engines_metrics(speculative_run):
+    from backend.events.schema import parse_event
+    from frontend.views.block_pool import DRAFT, cell_of
+    from frontend.views.speculative import closing_index, closing_text, pq_bars, verify_row_html
+
+    feed = RunFeed(None, "r")
+    feed.handle(snapshot_of(speculative_run[:1]))
+    striped = set()
+    for e in speculative_run[1:]:
+        parse_event(e)
+        feed.handle(e)
+        free = set(feed.state.free_blocks)
+        striped |= {b for b in range(feed.state.num_blocks) if cell_of(feed.state, feed.history, free, b)[2] & DRAFT}
+    state, history = feed.state, feed.history
+    assert state.draft_model["name"] == "demo-draft" and striped  # the draft's own KV blocks were marked
+    targets = {b["seq_id"] for e in speculative_run if e["type"] == "iteration" for b in e["batch"]}
+    assert set(state.draft_seqs.values()) <= targets and not set(state.draft_seqs) & targets
+    last = state.metrics
+    assert state.spec.acceptance_rate == pytest.approx(last["spec_acceptance_rate"])
+    assert state.spec.tokens_per_verify == pytest.approx(last["spec_tokens_per_verify"])
+    verifies = [e for rid in history.verifies for e in history.verifies[rid]]
+    assert len(verifies) == state.spec.verifies > 0
+    appended_tokens = {(e["seq_id"], e["position"], e["token_id"]) for e in speculative_run if e["type"] == "token"}
+    for e in verifies:
+        tokens = list(history.tokens[e["request_id"]])
+        row = verify_row_html(e, tokens, None)
+        assert row.count("kv-tok-acc") == e["num_accepted"]
+        assert row.count("kv-tok-rej") == min(1, len(e["results"]) - e["num_accepted"])
+        assert row.count("kv-tok-skip") == max(0, len(e["results"]) - e["num_accepted"] - 1)
+        assert row.count("kv-tok-res") + row.count("kv-tok-bonus") == 1
+        closing = e["resampled_token_id"] if e["resampled_token_id"] is not None else e["bonus_token_id"]
+        appended = (e["seq_id"], e["position"] + closing_index(e), closing) in appended_tokens
+        assert not appended or closing_text(e, tokens) != f"#{closing}"  # (a drafted EOS ends it before the bonus)
+        for i in range(len(e["results"]) + 1):
+            labels, p, q = pq_bars(e, i)
+            assert labels and len(labels) == len(p) == len(q)
+    phases = {b["phase"] for e in speculative_run if e["type"] == "iteration" for b in e["batch"]}
+    assert "verify" in phases
