@@ -136,6 +136,7 @@ EXAMPLES: dict[str, dict] = {
         "kv_waste": 0.1,
         "prefix_hit_rate": 0.25,
         "num_preemptions": 0,
+        "kv_blocks_saved_by_sharing": 3,
         "spec_acceptance_rate": 0.5,
         "spec_alpha": 0.6,
         "spec_tokens_per_verify": 2.0,

@@ -15,6 +15,7 @@ import torch
 from pydantic import ValidationError
 
 from backend.config import EngineConfig
+from backend.engine.beam_search import BeamState, Choice, Hypothesis, select
 from backend.engine.block_manager import BlockManager
 from backend.engine.kv_cache import DTYPE_NAMES, KVCache, check_kv_dtype, kv_formula, num_blocks_for_budget
 from backend.engine.metrics import MetricsTracker, RequestTimes
@@ -123,7 +124,9 @@ class Engine:
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence holding blocks or waiting for them: the requests' and the draft model's."""
-        return [r.seq for r in self.unfinished.values()] + (self.proposer.sequences() if self.proposer else [])
+        requests = {id(r): r for r in self.unfinished.values()}.values()
+        seqs = [s for r in requests for s in r.seqs if s.seq_id in self.unfinished]
+        return seqs + (self.proposer.sequences() if self.proposer else [])
 
     # ---- the header: what a trace needs to make sense of everything after it ----------------------
 
@@ -168,7 +171,7 @@ class Engine:
         if request_id in self.requests:
             raise RequestError("id", f"duplicate request id {request_id!r}")
         params = self._parse_sampling(sampling)
-        check_supported(params)
+        check_supported(params, self.config)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
             raise RequestError("prompt", f"token ids must lie in [0, {self.loaded.config.vocab_size})")
@@ -176,8 +179,8 @@ class Engine:
         seq = Sequence(self._new_seq_id(), request_id, list(ids), len(ids))
         seed = params.seed if params.seed is not None else self.seed * 1_000_003 + seq.seq_id
         req = Request(request_id, ids, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                      max_tokens, params, torch.Generator().manual_seed(seed), self.step_no,
-                      RequestTimes(time.perf_counter()), seq,
+                      max_tokens, params, seed, self.step_no, RequestTimes(time.perf_counter()), seq,
+                      beam=BeamState(params.beam_width, params.length_penalty) if params.beam_width else None,
                       draft_generator=torch.Generator().manual_seed((seed + 0x5EED) % 2**63))
         self.requests[request_id] = req
         self.unfinished[seq.seq_id] = req
@@ -216,7 +219,9 @@ class Engine:
         verifying = [item for item in out.scheduled if item.phase == "verify"]
         proposals = self._propose(verifying) if verifying else []
         logits = self.runner.execute(out.scheduled, out.block_copies) if out.scheduled else None
-        sampling, sample_rows, verify_rows, row = [], [], [], 0
+        sampling: list[tuple[Sequence, int]] = []  # (sequence, its row of logits)
+        beams: list[tuple[Sequence, int]] = []
+        verify_rows, row = [], 0
         for item in out.scheduled:
             if item.phase == "verify":  # its cache is settled only once the drafts are judged
                 verify_rows.append(logits[row:row + item.num_tokens])
@@ -225,14 +230,16 @@ class Engine:
             item.seq.num_computed_tokens = item.context_len
             self.blocks.commit_computed(item.seq)
             if item.samples:
-                sampling.append(item)
-                sample_rows.append(row)
+                (beams if self.unfinished[item.seq.seq_id].beam else sampling).append((item.seq, row))
                 row += 1
         now = time.perf_counter()
         self._emit_iteration(out.scheduled, out.num_batched_tokens, now - started)
-        generated = len(sampling)
+        sampling = [pair for seq, r in sampling for pair in self._fork_for_n(seq, r)]
+        generated = len(sampling) + len(beams)
         if sampling:
-            self._sample_and_append(sampling, logits[sample_rows], now)
+            self._sample_and_append(sampling, logits, now)
+        if beams:
+            self._beam_search_step(beams, logits, now)
         for item, proposal, rows in zip(verifying, proposals, verify_rows, strict=True):
             generated += self._verify_and_append(item, proposal, rows, now)
         prefill = sum(i.num_tokens for i in out.scheduled if i.phase == "prefill")
@@ -240,26 +247,100 @@ class Engine:
         self._emit_metrics()
         self.step_no += 1
 
-    def _sample_and_append(self, items: list[ScheduledSeq], logits: torch.Tensor, now: float) -> None:
-        reqs = [self.unfinished[item.seq.seq_id] for item in items]
-        result = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
-                        [r.seq.token_ids for r in reqs], [r.seq.output_token_ids for r in reqs])
+    def _sample_and_append(self, pairs: list[tuple[Sequence, int]], logits: torch.Tensor, now: float) -> None:
+        """Draw one token for each (sequence, row of logits), each from the sequence's own generator."""
+        seqs = [seq for seq, _ in pairs]
+        reqs = [self.unfinished[seq.seq_id] for seq in seqs]
+        result = sample(logits[[r for _, r in pairs]], [r.params for r in reqs],
+                        [r.generators[seq.seq_id] for r, seq in zip(reqs, seqs, strict=True)], self.eos_ids,
+                        [seq.token_ids for seq in seqs], [seq.output_token_ids for seq in seqs])
         tops = self._top_tokens(result.raw_probs, result.final_probs, result.token_ids) if self.bus.wants_dist else None
-        for row, req in enumerate(reqs):
+        for row, (req, seq) in enumerate(zip(reqs, seqs, strict=True)):
             token = result.token_ids[row]
-            self._emit_token(req, token, result.logprobs[row], result.raw_probs[row], tops[row] if tops else None)
-            self._append(req, token, now)
+            self._emit_token(req, seq, token, result.logprobs[row], result.raw_probs[row], tops[row] if tops else None)
+            self._append(req, seq, token, result.logprobs[row], now)
 
-    def _append(self, req: Request, token: int, now: float) -> bool:
-        """Append one generated token; finish the request if it ends here. True if it did."""
-        req.seq.token_ids.append(token)
+    def _extend(self, req: Request, seq: Sequence, token: int, logprob: float, now: float) -> None:
+        seq.token_ids.append(token)
+        req.cumulative_logprob[seq.seq_id] += logprob
         req.times.num_output_tokens += 1
         if req.times.first_token is None:
             req.times.first_token = now
-        reason = finish_reason_after(req, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
+
+    def _append(self, req: Request, seq: Sequence, token: int, logprob: float, now: float) -> bool:
+        """Append one generated token; end the sequence if it ends here. True if it did."""
+        self._extend(req, seq, token, logprob, now)
+        reason = finish_reason_after(req, seq, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
         if reason:
-            self._finish(req, reason)
+            self._end_seq(req, seq, reason)
         return reason is not None
+
+    # ---- several sequences per request: n > 1 and beam search ---------------------------------------
+
+    def _fork_for_n(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
+        """n > 1: right after the prompt, fork n - 1 siblings that draw their first token from the same row."""
+        req = self.unfinished[seq.seq_id]
+        if req.params.n == 1 or len(req.seqs) > 1 or seq.output_token_ids:
+            return [(seq, row)]
+        return [(seq, row)] + [(self._fork(req, seq), row) for _ in range(req.params.n - 1)]
+
+    def _fork(self, req: Request, parent: Sequence) -> Sequence:
+        """A new sequence of the request sharing every block of the parent (copy-on-write on divergence)."""
+        child = Sequence(self._new_seq_id(), req.request_id, list(parent.token_ids), parent.num_prompt_tokens)
+        self.bus.emit("seq_fork", request_id=req.request_id, parent_seq_id=parent.seq_id, seq_id=child.seq_id,
+                      position=len(parent))
+        self.blocks.fork(parent, child)
+        child.status = parent.status
+        if parent.status == SeqStatus.RUNNING:
+            self.scheduler.running.append(child)
+        else:  # a beam preempted while it waited for its siblings: the child recomputes too
+            self.scheduler.waiting.appendleft(child)
+        req.seqs.append(child)
+        req.add_stream(child)
+        req.cumulative_logprob[child.seq_id] = req.cumulative_logprob[parent.seq_id]
+        self.unfinished[child.seq_id] = req
+        return child
+
+    def _beam_search_step(self, pairs: list[tuple[Sequence, int]], logits: torch.Tensor, now: float) -> None:
+        """Store each beam's next-token log-probs; a request whose live beams all have them takes its step."""
+        ready: list[Request] = []
+        for seq, row in pairs:
+            req = self.unfinished[seq.seq_id]
+            req.beam.pending[seq.seq_id] = torch.log_softmax(logits[row].float(), dim=-1)
+            if req not in ready and all(s.seq_id in req.beam.pending for s in self._live(req)):
+                ready.append(req)
+        for req in ready:
+            self._advance_beams(req, now)
+
+    def _live(self, req: Request) -> list[Sequence]:
+        return [s for s in req.seqs if s.seq_id in self.unfinished]
+
+    def _advance_beams(self, req: Request, now: float) -> None:
+        beam, live = req.beam, self._live(req)
+        logprobs = torch.stack([beam.pending.pop(s.seq_id) for s in live])  # [beams, V]
+        choices, finishing = select([req.cumulative_logprob[s.seq_id] for s in live], logprobs, beam.width,
+                                    self.eos_ids, not req.params.ignore_eos)
+        for c in finishing:
+            parent = live[c.parent]
+            beam.finished.append(Hypothesis(parent.seq_id, parent.output_token_ids + [c.token_id],
+                                            c.cumulative_logprob, "eos"))
+        # Fork before anyone appends: a beam chosen twice hands its current tokens to the child.
+        kept: list[tuple[Sequence, Choice]] = []
+        for c in choices:
+            parent = live[c.parent]
+            taken = any(c.parent == other.parent for _, other in kept)
+            kept.append((self._fork(req, parent) if taken else parent, c))
+        chosen = {c.parent for c in choices}
+        for i, seq in enumerate(live):
+            if i not in chosen:
+                self._end_seq(req, seq, "pruned")
+        for seq, c in kept:
+            self._emit_token(req, seq, c.token_id, c.logprob, None, None)
+            self._extend(req, seq, c.token_id, c.logprob, now)
+        full = any(len(s.output_token_ids) >= req.max_tokens or len(s) >= self.config.max_model_len for s, _ in kept)
+        if beam.done or full or not kept:
+            for seq, _ in kept:  # enough hypotheses: the rest are dropped; at the length limit they count
+                self._end_seq(req, seq, "pruned" if beam.done else "length")
 
     # ---- speculative decoding -----------------------------------------------------------------------
 
@@ -292,7 +373,7 @@ class Engine:
         prefixes = [seq.token_ids[:start + j] for j in range(k + 1)]  # what each row's penalties see
         raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.eos_ids, prefixes,
                                       [t[seq.num_prompt_tokens:] for t in prefixes])
-        verdict = verify(p, proposal.q, drafts, req.generator, req.params.greedy)
+        verdict = verify(p, proposal.q, drafts, req.generators[seq.seq_id], req.params.greedy)
         del seq.token_ids[start:]
         seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts
         expected = torch.minimum(p[:k], proposal.q).sum(-1).tolist() if k else []
@@ -303,8 +384,9 @@ class Engine:
         raw = raw_log.exp()
         tops = self._top_tokens(raw[:len(new)], p[:len(new)], new) if self.bus.wants_dist else None
         for j, (token, source) in enumerate(zip(new, sources, strict=True)):
-            self._emit_token(req, token, raw_log[j, token].item(), raw[j], tops[j] if tops else None, source)
-            if self._append(req, token, now):
+            logprob = raw_log[j, token].item()
+            self._emit_token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source)
+            if self._append(req, seq, token, logprob, now):
                 return j + 1
         self._trim(seq, len(seq))
         self.blocks.commit_computed(seq)
@@ -333,27 +415,59 @@ class Engine:
                       resampled_token_id=verdict.token_id if resampled else None,
                       bonus_token_id=None if resampled else verdict.token_id, expected_accept=expected, **fields)
 
-    def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
-        req.finish_reason, req.abort_reason = reason, why
-        req.times.finish = time.perf_counter()
-        req.seq.status = SeqStatus.FINISHED
-        self.scheduler.remove(req.seq)
+    def _end_seq(self, req: Request, seq: Sequence, reason: str) -> None:
+        """One sequence ends: its blocks go back; the request ends with its last sequence."""
+        seq.status = SeqStatus.FINISHED
+        self.scheduler.remove(seq)
         if self.proposer:
-            self.proposer.release(req.seq)
-        self.unfinished.pop(req.seq.seq_id, None)
-        if not req.stop_hit:
-            req.output_text = self.tokenizer.decode([t for t in req.seq.output_token_ids if t not in self.eos_ids])
+            self.proposer.release(seq)
+        self.unfinished.pop(seq.seq_id, None)
+        req.seq_finish[seq.seq_id] = reason
+        if req.beam is not None and reason != "pruned":
+            req.beam.finished.append(Hypothesis(seq.seq_id, seq.output_token_ids, req.cumulative_logprob[seq.seq_id],
+                                                reason))
+        if req.multi:
+            self.bus.emit("seq_end", request_id=req.request_id, seq_id=seq.seq_id, reason=reason)
+        if not self._live(req):
+            self._finish_request(req)
+
+    def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
+        """End the whole request (an abort): every live sequence with it."""
+        req.abort_reason = why
+        for seq in self._live(req):
+            self._end_seq(req, seq, reason)
+
+    def _finish_request(self, req: Request) -> None:
+        outputs = self._outputs(req)
+        best = outputs[0]
+        req.finish_reason, req.output_text = best["finish_reason"], best["output_text"]
+        req.times.finish = time.perf_counter()
         t = req.times
-        self.bus.emit("request_finished", request_id=req.request_id, seq_id=req.seq.seq_id, finish_reason=reason,
-                      reason=why, output_token_ids=req.seq.output_token_ids, output_text=req.output_text,
+        self.bus.emit("request_finished", request_id=req.request_id, seq_id=best["seq_id"],
+                      finish_reason=req.finish_reason, reason=req.abort_reason,
+                      output_token_ids=best["output_token_ids"], output_text=req.output_text,
                       ttft_s=t.ttft(), tpot_s=t.tpot(), e2e_s=t.e2e(),
-                      num_cached_prompt_tokens=req.seq.num_cached_prompt_tokens)
+                      num_cached_prompt_tokens=req.seq.num_cached_prompt_tokens,
+                      **({"outputs": outputs} if req.multi else {}))
+
+    def _outputs(self, req: Request) -> list[dict]:
+        """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""
+        if req.beam is not None and req.beam.finished:
+            return [{"seq_id": h.seq_id, "output_token_ids": h.output_token_ids, "finish_reason": h.finish_reason,
+                     "output_text": self.tokenizer.decode([t for t in h.output_token_ids if t not in self.eos_ids]),
+                     "cumulative_logprob": h.cumulative_logprob, "score": h.score(req.beam.length_penalty)}
+                    for h in req.beam.ranked()[:req.params.n]]
+        return [{"seq_id": s.seq_id, "output_token_ids": s.output_token_ids, "finish_reason": req.seq_finish[s.seq_id],
+                 "output_text": req.output_text_of(s, self.tokenizer, self.eos_ids),
+                 "cumulative_logprob": req.cumulative_logprob[s.seq_id], "score": None}
+                for s in req.seqs if req.seq_finish.get(s.seq_id) != "pruned"]
 
     def _abort_impossible(self) -> None:
         """A sequence that has outgrown the whole cache can never run again: end it, let the rest go on."""
-        for req in list(self.unfinished.values()):
-            need = math.ceil((len(req.seq) + 1) / self.config.block_size)
-            if need > self.cache.num_blocks:
+        for seq_id, req in list(self.unfinished.items()):
+            seq = next(s for s in req.seqs if s.seq_id == seq_id)
+            need = math.ceil((len(seq) + 1) / self.config.block_size)
+            if need > self.cache.num_blocks and req.finish_reason is None:
                 self._finish(req, "abort", f"needs {need} KV blocks, the cache has {self.cache.num_blocks}")
 
     def _on_preempt(self, seq: Sequence, num_blocks: int) -> None:
@@ -381,18 +495,18 @@ class Engine:
                 self.bus.emit("attention_mask", request_id=i.seq.request_id, seq_id=i.seq.seq_id, kind=kind,
                               query_positions=[begin, i.context_len], key_len=i.context_len)
 
-    def _emit_token(self, req: Request, token: int, logprob: float, raw_probs: torch.Tensor, top: list | None,
-                    source: str = "target") -> None:
+    def _emit_token(self, req: Request, seq: Sequence, token: int, logprob: float, raw_probs: torch.Tensor | None,
+                    top: list | None, source: str = "target") -> None:
         """One token event; raw_probs [V] is the T=1 distribution it came from (for top_logprobs)."""
         if not self.bus.wants("token"):
             return
-        fields = {"request_id": req.request_id, "seq_id": req.seq.seq_id, "position": len(req.seq),
+        fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
                   "token_id": token, "text": self.token_text(token), "logprob": logprob, "source": source}
         p = req.params
         if top is not None:
             fields["dist"] = {"top": top, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                               "min_p": p.min_p}
-        if p.logprobs:
+        if p.logprobs and raw_probs is not None:
             best = raw_probs.topk(p.logprobs)
             fields["top_logprobs"] = [[t, self.token_text(t), math.log(max(pr, 1e-45))]
                                       for t, pr in zip(best.indices.tolist(), best.values.tolist())]
@@ -415,11 +529,15 @@ class Engine:
         return rows
 
     def _emit_metrics(self) -> None:
-        usage, waste = self.metrics.kv_snapshot(self.live_sequences(), self.blocks.num_used_blocks, self.cache.num_blocks,
+        live = self.live_sequences()
+        usage, waste = self.metrics.kv_snapshot(live, self.blocks.num_used_blocks, self.cache.num_blocks,
                                                 self.config.block_size)
+        # Blocks that sharing saves: what every table would hold unshared, less the distinct blocks.
+        held = [b for s in live for b in s.block_table]
         self.bus.emit("metrics", tokens_per_s=self.metrics.tokens_per_s(), kv_usage=usage, kv_waste=waste,
                       prefix_hit_rate=self.blocks.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
                       num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                      kv_blocks_saved_by_sharing=len(held) - len(set(held)),
                       **(self.spec_stats.summary() if self.proposer else {}))
 
     def token_text(self, token: int) -> str:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from backend.config import EngineConfig
+from backend.engine.beam_search import BeamState
 from backend.engine.metrics import RequestTimes
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
@@ -22,22 +23,47 @@ class RequestError(ValueError):
         self.field, self.reason = field, reason
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is found in lists by who it is
 class Request:
     request_id: str
     prompt_ids: list[int]
     prompt_text: str
     max_tokens: int
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
     arrival_step: int
     times: RequestTimes
-    seq: Sequence
+    seq: Sequence  # the first sequence: the only one unless n > 1 or beam search forks more
+    seqs: list[Sequence] = field(default_factory=list)  # every sequence of the request, in fork order
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seq_id -> its own random stream
+    cumulative_logprob: dict[int, float] = field(default_factory=dict)  # seq_id -> sum of its tokens' logprobs
+    seq_finish: dict[int, str] = field(default_factory=dict)  # seq_id -> why it ended
+    stop_texts: dict[int, str] = field(default_factory=dict)  # seq_id -> output cut before a stop string
+    beam: BeamState | None = None
     finish_reason: str | None = None
     abort_reason: str | None = None
     output_text: str = ""
-    stop_hit: bool = False  # a stop string ended it: output_text is already cut
     draft_generator: torch.Generator | None = None  # speculative drafts draw from their own stream
+
+    def __post_init__(self) -> None:
+        self.seqs = [self.seq]
+        self.add_stream(self.seq)
+
+    def add_stream(self, seq: Sequence) -> None:
+        """Give a new sequence its own generator and a zero cumulative log-prob."""
+        index = len(self.generators)  # seq 0 keeps the plain seed: n = 1 draws what it always drew
+        self.generators[seq.seq_id] = torch.Generator().manual_seed((self.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        self.cumulative_logprob[seq.seq_id] = 0.0
+
+    @property
+    def multi(self) -> bool:
+        """Whether the request has (or will have) several sequences."""
+        return self.params.n > 1 or self.beam is not None
+
+    def output_text_of(self, seq: Sequence, tokenizer: Tokenizer, eos_ids: list[int]) -> str:
+        if seq.seq_id in self.stop_texts:
+            return self.stop_texts[seq.seq_id]
+        return tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
 
 
 def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_tokens: int) -> None:
@@ -63,34 +89,37 @@ def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_token
                                      "and chunked_prefill is off")
 
 
-def check_supported(params: SamplingParams) -> None:
-    if params.n > 1:
-        raise RequestError("sampling.n", "parallel sampling (n > 1) is not supported by this engine yet")
+def check_supported(params: SamplingParams, config: EngineConfig) -> None:
+    """Refuse sampling settings this engine configuration cannot honour."""
     if params.beam_width > 0:
-        raise RequestError("sampling.beam_width", "beam search is not supported by this engine yet")
+        if config.speculative is not None:
+            raise RequestError("sampling.beam_width", "beam search ranks every candidate, it does not sample: "
+                                                      "it cannot run with speculative decoding")
+        if params.n > params.beam_width:
+            raise RequestError("sampling.n", f"beam search returns at most beam_width={params.beam_width} "
+                                             f"sequences, n={params.n} asked")
 
 
-def finish_reason_after(req: Request, token: int, eos_ids: list[int], max_model_len: int,
+def finish_reason_after(req: Request, seq: Sequence, token: int, eos_ids: list[int], max_model_len: int,
                         tokenizer: Tokenizer) -> str | None:
-    """Why the request stops after `token` was appended, or None to go on."""
+    """Why the sequence stops after `token` was appended, or None to go on."""
     p = req.params
     if token in eos_ids and not p.ignore_eos:
         return "eos"
     if token in p.stop_token_ids:
         return "stop"
-    if p.stop and _cut_at_stop_string(req, eos_ids, tokenizer):
+    if p.stop and _cut_at_stop_string(req, seq, eos_ids, tokenizer):
         return "stop"
-    if len(req.seq.output_token_ids) >= req.max_tokens or len(req.seq) >= max_model_len:
+    if len(seq.output_token_ids) >= req.max_tokens or len(seq) >= max_model_len:
         return "length"
     return None
 
 
-def _cut_at_stop_string(req: Request, eos_ids: list[int], tokenizer: Tokenizer) -> bool:
+def _cut_at_stop_string(req: Request, seq: Sequence, eos_ids: list[int], tokenizer: Tokenizer) -> bool:
     """Whether a stop string has appeared; if so the text is cut before it (it is not returned)."""
-    text = tokenizer.decode([t for t in req.seq.output_token_ids if t not in eos_ids])
+    text = tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
     hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
     if not hits:
         return False
-    req.output_text = text[: min(hits)]
-    req.stop_hit = True
+    req.stop_texts[seq.seq_id] = text[: min(hits)]
     return True

@@ -101,6 +101,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num = min(self._tokens_to_compute(seq), budget)
+            if num == 0:  # a beam whose logits are in, waiting for its siblings
+                i += 1
+                continue
             if not self.config.kv_cache and num < len(seq):
                 i += 1  # without a cache a sequence is computed whole or not at all
                 continue

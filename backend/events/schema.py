@@ -252,6 +252,7 @@ class MetricsEvent(_Event):
     kv_waste: float  # reserved-but-unused slots / total slots
     prefix_hit_rate: float
     num_preemptions: int
+    kv_blocks_saved_by_sharing: int | None = None  # table entries minus distinct blocks (forks, prefix hits)
     spec_acceptance_rate: float | None = None  # accepted / proposed draft tokens, speculative runs only
     spec_alpha: float | None = None  # mean sum_x min(p, q) over drafted positions
     spec_tokens_per_verify: float | None = None  # tokens appended per verify (accepted + 1)
