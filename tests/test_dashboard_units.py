@@ -523,3 +523,39 @@ def test_real_verifies_draw_as_rows_and_add_up_to_the_engines_metrics(speculativ
             assert labels and len(labels) == len(p) == len(q)
     phases = {b["phase"] for e in speculative_run if e["type"] == "iteration" for b in e["batch"]}
     assert "verify" in phases
+
+
+@pytest.mark.parametrize("sampling,pruned", [({"temperature": 1.0, "seed": 1, "n": 2}, False),
+                                             ({"temperature": 0.0, "beam_width": 2}, True)])
+def test_real_forks_share_blocks_and_branch_in_the_timeline(tiny, tmp_path, sampling, pruned):
+    from frontend.export import render
+    from frontend.views.block_pool import SHARED, cell_of
+    from frontend.views.timeline import branch_items
+
+    scenario = validate({
+        "name": "forks", "model": "unused", "seed": 0,
+        "engine": {"block_size": 4, "num_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64},
+        "generate": {"count": 1, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 6, "max": 6},
+                     "max_tokens": {"min": 6, "max": 6}, "sampling": sampling},
+    }, "test")  # fmt: skip
+    bus = EventBus()
+    events: list[dict] = []
+    bus.subscribe(events.append)
+    ScenarioRun(scenario, bus, loaded=tiny).run()
+    feed = RunFeed(None, "r")
+    feed.handle(snapshot_of(events[:1]))
+    shared_seen = False
+    for e in events[1:]:
+        feed.handle(e)
+        free = set(feed.state.free_blocks)
+        shared_seen |= any(cell_of(feed.state, feed.history, free, b)[2] & SHARED for b in feed.state.ref_counts)
+    assert shared_seen  # the forked sequences read the prompt's blocks once
+    forks = [e for e in events if e["type"] == "seq_fork"]
+    items = branch_items(feed.state, feed.history.rows, None)
+    assert len(items) == len(forks) + 1  # the first sequence and every fork, in the request's row
+    by_seq = {item[7]: item for item in items}
+    for fork in forks:
+        child, parent = by_seq[fork["seq_id"]], by_seq[fork["parent_seq_id"]]
+        assert child[5] == parent[3] and child[9] == fork["position"] and child[0] == fork["step"] - 0.5
+    assert any(item[6] == 2 for item in items) == pruned  # pruned beams end in a cross
+    assert render(events, "timeline", tmp_path / "forks.png").stat().st_size > 0
