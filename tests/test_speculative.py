@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import backend.engine.engine as engine_module
+import backend.engine.speculative_steps as speculative_steps
 from backend.config import EngineConfig
 from backend.engine.request import RequestError
 from backend.engine.speculative import Verdict, lookup, verify
@@ -194,6 +195,6 @@ def test_the_distribution_test_catches_a_wrong_rule(demo, draft, direct_samples,
         return Verdict(len(drafts), int(torch.multinomial(p[-1], 1, generator=generator)), "bonus",
                        [True] * len(drafts))
 
-    monkeypatch.setattr(engine_module, "verify", always_accept)
+    monkeypatch.setattr(speculative_steps, "verify", always_accept)
     spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS["T1"])
     assert chi_square_pvalue(spec[0], direct_samples["T1"][0]) < 0.01

@@ -15,21 +15,22 @@ import torch
 from pydantic import ValidationError
 
 from backend.config import EngineConfig
-from backend.engine.beam_search import BeamState, Choice, Hypothesis, select
+from backend.engine.beam_search import BeamState
 from backend.engine.block_manager import BlockManager
 from backend.engine.kv_cache import DTYPE_NAMES, KVCache, check_kv_dtype, kv_formula, num_blocks_for_budget
 from backend.engine.metrics import MetricsTracker, RequestTimes
 from backend.engine.request import Request, RequestError, check_fits, check_supported, finish_reason_after
 from backend.engine.runner import ModelRunner
-from backend.engine.sampler import distributions, sample
+from backend.engine.sampler import sample
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ScheduledSeq, Scheduler
-from backend.engine.speculative import (DraftModelProposer, NgramProposer, Proposal, SpecRequest, SpecStats, Verdict,
-                                        verify)
-from backend.engine.sequence import Sequence, SeqStatus
+from backend.engine.sequence_groups import SequenceGroups
+from backend.engine.speculative import SpecStats
+from backend.engine.speculative_steps import SpeculativeSteps
+from backend.engine.sequence import Sequence
 from backend.events.bus import EventBus
 from backend.events.schema import SCHEMA_VERSION
-from backend.model.loader import LoadedModel, ModelLoadError, load_model
+from backend.model.loader import LoadedModel
 from backend.model.quant import QuantError, quantize_loaded
 
 
@@ -54,7 +55,7 @@ def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
     return config.attention_backend
 
 
-class Engine:
+class Engine(SpeculativeSteps, SequenceGroups):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
                  draft: LoadedModel | None = None) -> None:
         if config.speculative is not None and not config.kv_cache:
@@ -91,36 +92,9 @@ class Engine:
         self._next_seq_id = 0
         self._token_text: dict[int, str] = {}
 
-    def _make_proposer(self, draft: LoadedModel | None) -> NgramProposer | DraftModelProposer:
-        spec = self.config.speculative
-        vocab = self.loaded.config.vocab_size
-        if spec.method == "ngram":
-            return NgramProposer(vocab)
-        if draft is None:
-            try:
-                draft = load_model(spec.draft_model)
-            except ModelLoadError as e:
-                raise RequestError("engine.speculative.draft_model", str(e)) from None
-        if draft.config.vocab_size != vocab:
-            raise RequestError("engine.speculative.draft_model",
-                               f"its vocabulary has {draft.config.vocab_size} tokens, the target's {vocab}: "
-                               "a draft must share the target's tokenizer")
-        self.draft = draft
-        dtype = next(draft.model.parameters()).dtype
-        cache = KVCache(draft.config, self.cache.num_blocks, self.cache.block_size, dtype, self.device,
-                        self.config.kv_cache_dtype)
-        runner = ModelRunner(draft.model.to(self.device), cache, self.attention_backend)
-        return DraftModelProposer(runner, self.blocks, self.eos_ids, self._new_seq_id)
-
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
-
-    def _num_draft(self, seq: Sequence) -> int:
-        """Drafts worth verifying: never past max_tokens or max_model_len (the +1 is the target's own token)."""
-        req = self.unfinished[seq.seq_id]
-        left = min(req.max_tokens - len(seq.output_token_ids), self.config.max_model_len - len(seq)) - 1
-        return max(0, min(self.config.speculative.num_tokens, left))
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence holding blocks or waiting for them: the requests' and the draft model's."""
@@ -145,15 +119,6 @@ class Engine:
             weights=self.weights,
             **self._draft_header(),
         )
-
-    def _draft_header(self) -> dict:
-        """The draft model's size and cache, when one runs beside the target."""
-        if not isinstance(self.proposer, DraftModelProposer):
-            return {}
-        c, cache = self.draft.config, self.proposer.cache
-        return {"draft_model": {"name": self.config.speculative.draft_model, "n_layers": c.num_hidden_layers,
-                                "kv_bytes_per_token": cache.bytes_per_token,
-                                "bytes_per_block": cache.bytes_per_block}}
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -274,193 +239,6 @@ class Engine:
         if reason:
             self._end_seq(req, seq, reason)
         return reason is not None
-
-    # ---- several sequences per request: n > 1 and beam search ---------------------------------------
-
-    def _fork_for_n(self, seq: Sequence, row: int) -> list[tuple[Sequence, int]]:
-        """n > 1: right after the prompt, fork n - 1 siblings that draw their first token from the same row."""
-        req = self.unfinished[seq.seq_id]
-        if req.params.n == 1 or len(req.seqs) > 1 or seq.output_token_ids:
-            return [(seq, row)]
-        return [(seq, row)] + [(self._fork(req, seq), row) for _ in range(req.params.n - 1)]
-
-    def _fork(self, req: Request, parent: Sequence) -> Sequence:
-        """A new sequence of the request sharing every block of the parent (copy-on-write on divergence)."""
-        child = Sequence(self._new_seq_id(), req.request_id, list(parent.token_ids), parent.num_prompt_tokens)
-        self.bus.emit("seq_fork", request_id=req.request_id, parent_seq_id=parent.seq_id, seq_id=child.seq_id,
-                      position=len(parent))
-        self.blocks.fork(parent, child)
-        child.status = parent.status
-        if parent.status == SeqStatus.RUNNING:
-            self.scheduler.running.append(child)
-        else:  # a beam preempted while it waited for its siblings: the child recomputes too
-            self.scheduler.waiting.appendleft(child)
-        req.seqs.append(child)
-        req.add_stream(child)
-        req.cumulative_logprob[child.seq_id] = req.cumulative_logprob[parent.seq_id]
-        self.unfinished[child.seq_id] = req
-        return child
-
-    def _beam_search_step(self, pairs: list[tuple[Sequence, int]], logits: torch.Tensor, now: float) -> None:
-        """Store each beam's next-token log-probs; a request whose live beams all have them takes its step."""
-        ready: list[Request] = []
-        for seq, row in pairs:
-            req = self.unfinished[seq.seq_id]
-            req.beam.pending[seq.seq_id] = torch.log_softmax(logits[row].float(), dim=-1)
-            if req not in ready and all(s.seq_id in req.beam.pending for s in self._live(req)):
-                ready.append(req)
-        for req in ready:
-            self._advance_beams(req, now)
-
-    def _live(self, req: Request) -> list[Sequence]:
-        return [s for s in req.seqs if s.seq_id in self.unfinished]
-
-    def _advance_beams(self, req: Request, now: float) -> None:
-        beam, live = req.beam, self._live(req)
-        logprobs = torch.stack([beam.pending.pop(s.seq_id) for s in live])  # [beams, V]
-        choices, finishing = select([req.cumulative_logprob[s.seq_id] for s in live], logprobs, beam.width,
-                                    self.eos_ids, not req.params.ignore_eos)
-        for c in finishing:
-            parent = live[c.parent]
-            beam.finished.append(Hypothesis(parent.seq_id, parent.output_token_ids + [c.token_id],
-                                            c.cumulative_logprob, "eos"))
-        # Fork before anyone appends: a beam chosen twice hands its current tokens to the child.
-        kept: list[tuple[Sequence, Choice]] = []
-        for c in choices:
-            parent = live[c.parent]
-            taken = any(c.parent == other.parent for _, other in kept)
-            kept.append((self._fork(req, parent) if taken else parent, c))
-        chosen = {c.parent for c in choices}
-        for i, seq in enumerate(live):
-            if i not in chosen:
-                self._end_seq(req, seq, "pruned")
-        for seq, c in kept:
-            self._emit_token(req, seq, c.token_id, c.logprob, None, None)
-            self._extend(req, seq, c.token_id, c.logprob, now)
-        full = any(len(s.output_token_ids) >= req.max_tokens or len(s) >= self.config.max_model_len for s, _ in kept)
-        if beam.done or full or not kept:
-            for seq, _ in kept:  # enough hypotheses: the rest are dropped; at the length limit they count
-                self._end_seq(req, seq, "pruned" if beam.done else "length")
-
-    # ---- speculative decoding -----------------------------------------------------------------------
-
-    def _propose(self, items: list[ScheduledSeq]) -> list[Proposal]:
-        """Draft for each verifying sequence and put the drafts into its tokens for the target to check."""
-        reqs = [self.unfinished[item.seq.seq_id] for item in items]
-        proposals = self.proposer.propose([SpecRequest(item.seq, item.num_draft, r.params, r.draft_generator)
-                                           for item, r in zip(items, reqs, strict=True)])
-        for item, proposal in zip(items, proposals, strict=True):
-            seq, drafts = item.seq, proposal.token_ids
-            if len(drafts) < item.num_draft:  # the proposer came up short: give back the spare slots
-                self._trim(seq, seq.num_computed_tokens + 1 + len(drafts))
-            item.num_draft, item.num_tokens = len(drafts), 1 + len(drafts)
-            item.context_len = seq.num_computed_tokens + item.num_tokens
-            if drafts:
-                self.bus.emit("spec_propose", request_id=seq.request_id, seq_id=seq.seq_id, token_ids=drafts,
-                              q_probs=[proposal.q[j, t].item() for j, t in enumerate(drafts)],
-                              method=self.proposer.method, position=len(seq),
-                              draft_seq_id=self.proposer.shadows[seq.seq_id].seq_id
-                              if isinstance(self.proposer, DraftModelProposer) else None,
-                              token_texts=[self.token_text(t) for t in drafts])
-            seq.token_ids += drafts
-        return proposals
-
-    def _verify_and_append(self, item: ScheduledSeq, proposal: Proposal, logits: torch.Tensor, now: float) -> int:
-        """Judge the drafts against the target's k + 1 rows of logits; returns the tokens appended."""
-        req, seq, k = self.unfinished[item.seq.seq_id], item.seq, item.num_draft
-        start = len(seq) - k  # position of the first draft
-        drafts = seq.token_ids[start:]
-        prefixes = [seq.token_ids[:start + j] for j in range(k + 1)]  # what each row's penalties see
-        raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.eos_ids, prefixes,
-                                      [t[seq.num_prompt_tokens:] for t in prefixes])
-        verdict = verify(p, proposal.q, drafts, req.generators[seq.seq_id], req.params.greedy)
-        del seq.token_ids[start:]
-        seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts
-        expected = torch.minimum(p[:k], proposal.q).sum(-1).tolist() if k else []
-        self.spec_stats.record(k, verdict.num_accepted, expected)
-        self._emit_verify(seq, drafts, verdict, p, proposal.q, expected)
-        new = drafts[:verdict.num_accepted] + [verdict.token_id]
-        sources = ["draft_accepted"] * verdict.num_accepted + [verdict.source]
-        raw = raw_log.exp()
-        tops = self._top_tokens(raw[:len(new)], p[:len(new)], new) if self.bus.wants_dist else None
-        for j, (token, source) in enumerate(zip(new, sources, strict=True)):
-            logprob = raw_log[j, token].item()
-            self._emit_token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source)
-            if self._append(req, seq, token, logprob, now):
-                return j + 1
-        self._trim(seq, len(seq))
-        self.blocks.commit_computed(seq)
-        self.proposer.rollback(seq, seq.num_computed_tokens)
-        return len(new)
-
-    def _trim(self, seq: Sequence, num_slots: int) -> None:
-        """Give back blocks reserved past num_slots (paged only: contiguous keeps its reservation)."""
-        if self.config.kv_layout == "paged":
-            self.blocks.truncate(seq, num_slots)
-
-    def _emit_verify(self, seq: Sequence, drafts: list[int], verdict: Verdict, p: torch.Tensor, q: torch.Tensor,
-                     expected: list[float]) -> None:
-        results = [{"token_id": t, "text": self.token_text(t), "p": p[j, t].item(), "q": q[j, t].item(),
-                    "accepted": verdict.accepted[j]} for j, t in enumerate(drafts)]
-        fields = {}
-        if self.bus.wants_dist:
-            q_full = torch.cat((q, torch.zeros_like(p[:1])))  # the bonus position has no draft
-            n = self.config.dist_top_n
-            fields["dists"] = [[[t, self.token_text(t), p[j, t].item(), q_full[j, t].item()]
-                                for t in dict.fromkeys(p[j].topk(n).indices.tolist() + q_full[j].topk(n).indices.tolist())
-                                if p[j, t] > 0 or q_full[j, t] > 0] for j in range(len(drafts) + 1)]
-        resampled = verdict.source == "resampled"
-        self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
-                      results=results, num_accepted=verdict.num_accepted,
-                      resampled_token_id=verdict.token_id if resampled else None,
-                      bonus_token_id=None if resampled else verdict.token_id, expected_accept=expected, **fields)
-
-    def _end_seq(self, req: Request, seq: Sequence, reason: str) -> None:
-        """One sequence ends: its blocks go back; the request ends with its last sequence."""
-        seq.status = SeqStatus.FINISHED
-        self.scheduler.remove(seq)
-        if self.proposer:
-            self.proposer.release(seq)
-        self.unfinished.pop(seq.seq_id, None)
-        req.seq_finish[seq.seq_id] = reason
-        if req.beam is not None and reason != "pruned":
-            req.beam.finished.append(Hypothesis(seq.seq_id, seq.output_token_ids, req.cumulative_logprob[seq.seq_id],
-                                                reason))
-        if req.multi:
-            self.bus.emit("seq_end", request_id=req.request_id, seq_id=seq.seq_id, reason=reason)
-        if not self._live(req):
-            self._finish_request(req)
-
-    def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
-        """End the whole request (an abort): every live sequence with it."""
-        req.abort_reason = why
-        for seq in self._live(req):
-            self._end_seq(req, seq, reason)
-
-    def _finish_request(self, req: Request) -> None:
-        outputs = self._outputs(req)
-        best = outputs[0]
-        req.finish_reason, req.output_text = best["finish_reason"], best["output_text"]
-        req.times.finish = time.perf_counter()
-        t = req.times
-        self.bus.emit("request_finished", request_id=req.request_id, seq_id=best["seq_id"],
-                      finish_reason=req.finish_reason, reason=req.abort_reason,
-                      output_token_ids=best["output_token_ids"], output_text=req.output_text,
-                      ttft_s=t.ttft(), tpot_s=t.tpot(), e2e_s=t.e2e(),
-                      num_cached_prompt_tokens=req.seq.num_cached_prompt_tokens,
-                      **({"outputs": outputs} if req.multi else {}))
-
-    def _outputs(self, req: Request) -> list[dict]:
-        """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""
-        if req.beam is not None and req.beam.finished:
-            return [{"seq_id": h.seq_id, "output_token_ids": h.output_token_ids, "finish_reason": h.finish_reason,
-                     "output_text": self.tokenizer.decode([t for t in h.output_token_ids if t not in self.eos_ids]),
-                     "cumulative_logprob": h.cumulative_logprob, "score": h.score(req.beam.length_penalty)}
-                    for h in req.beam.ranked()[:req.params.n]]
-        return [{"seq_id": s.seq_id, "output_token_ids": s.output_token_ids, "finish_reason": req.seq_finish[s.seq_id],
-                 "output_text": req.output_text_of(s, self.tokenizer, self.eos_ids),
-                 "cumulative_logprob": req.cumulative_logprob[s.seq_id], "score": None}
-                for s in req.seqs if req.seq_finish.get(s.seq_id) != "pruned"]
 
     def _abort_impossible(self) -> None:
         """A sequence that has outgrown the whole cache can never run again: end it, let the rest go on."""
