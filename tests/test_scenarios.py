@@ -25,6 +25,7 @@ from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
 LESSONS = {"long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",
            "paged-vs-contiguous", "chunked-prefill", "attention-variants", "sampling-knobs", "poisson-load"}
 LESSONS |= {"quantization"}
+LESSONS |= {"speculative-draft", "speculative-ngram"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -367,3 +368,70 @@ def test_quantization_shrinks_weight_and_kv_bytes_and_int8_kv_fits_more_blocks()
 
     assert agreement(w8) >= 0.9
     assert agreement(w4) < 1.0, "int4 changing no greedy token at all would make the lesson's contrast moot"
+
+
+def _tokens_per_verify(trace: Trace) -> float:
+    """Tokens appended per verify, from the spec_verify events: the accepted drafts plus one."""
+    verifies = trace.of("spec_verify")
+    return sum(v["num_accepted"] + 1 for v in verifies) / len(verifies)
+
+
+def test_speculative_draft_appends_several_tokens_per_target_forward_with_unchanged_output():
+    if not has_weights("demo-draft"):
+        pytest.skip("demo-draft has no weights (being retrained?)")
+    k4 = run("speculative-draft")
+    k1 = run("speculative-draft", "engine.speculative.num_tokens=1")
+    k8 = run("speculative-draft", "engine.speculative.num_tokens=8")
+    plain = run("speculative-draft", "engine.speculative=null")
+
+    # The draft's blocks come from the same pool, under sequence ids that are no request's.
+    request_seqs = {e["seq_id"] for e in k4.of("request_arrived")}
+    draft_seqs = {e["draft_seq_id"] for e in k4.of("spec_propose")}
+    assert k4.header["draft_model"]["name"] == "demo-draft"
+    assert draft_seqs and not draft_seqs & request_seqs
+    assert draft_seqs <= {e["seq_id"] for e in k4.of("block_alloc")}
+    assert {"draft_accepted", "resampled", "bonus"} <= {e["source"] for e in k4.of("token")}
+
+    stats = {k: (trace.of("metrics")[-1], _tokens_per_verify(trace)) for k, trace in ((1, k1), (4, k4), (8, k8))}
+    for k, (metrics, per_verify) in stats.items():
+        assert metrics["spec_tokens_per_verify"] == pytest.approx(per_verify)
+        assert 1 < per_verify <= k + 1
+        # Accepting each draft with probability alpha, independently: (1 - alpha^(k+1)) / (1 - alpha).
+        alpha = metrics["spec_alpha"]
+        assert per_verify == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha), rel=0.2)
+    assert stats[4][1] > 2
+    assert stats[1][0]["spec_acceptance_rate"] > stats[4][0]["spec_acceptance_rate"] > \
+        stats[8][0]["spec_acceptance_rate"]
+    assert stats[1][1] < stats[4][1] < stats[8][1]
+
+    assert k4.outputs == k1.outputs == k8.outputs == plain.outputs  # greedy: exactly the target's text
+    assert not plain.of("spec_verify") and len(k4.iterations) < 0.6 * len(plain.iterations)
+
+
+def test_speculative_ngram_copies_earlier_text_with_one_hot_q():
+    trace = run("speculative-ngram")
+    plain = run("speculative-ngram", "engine.speculative=null")
+
+    assert "draft_model" not in trace.header
+    proposes = trace.of("spec_propose")
+    assert proposes and all(e["method"] == "ngram" and e["draft_seq_id"] is None for e in proposes)
+    assert all(q == 1.0 for e in proposes for q in e["q_probs"])
+    assert all(r["q"] == 1.0 for v in trace.of("spec_verify") for r in v["results"])
+    request_seqs = {e["seq_id"] for e in trace.of("request_arrived")}
+    assert {e["seq_id"] for e in trace.of("block_alloc")} <= request_seqs  # no draft blocks
+
+    # Every proposal is a copy: the drafted run already occurs in the text before it.
+    text = {e["request_id"]: list(e["prompt_token_ids"]) for e in trace.of("request_arrived")}
+    tokens = iter(trace.of("token"))
+    pending = next(tokens, None)
+    for e in proposes:
+        while pending is not None and pending["seq"] < e["seq"]:
+            text[pending["request_id"]].append(pending["token_id"])
+            pending = next(tokens, None)
+        before, drafts = text[e["request_id"]], e["token_ids"]
+        assert len(before) == e["position"]
+        assert any(before[i:i + len(drafts)] == drafts for i in range(len(before) - len(drafts) + 1)), e
+
+    assert _tokens_per_verify(trace) > 1.3
+    assert trace.of("metrics")[-1]["spec_tokens_per_verify"] == pytest.approx(_tokens_per_verify(trace))
+    assert trace.outputs == plain.outputs and len(trace.iterations) < 0.8 * len(plain.iterations)
