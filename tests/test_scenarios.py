@@ -22,7 +22,7 @@ from backend.run import ScenarioRun
 from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
 
 # The scenarios whose lesson a test below asserts; a new scenario file must join them.
-LESSONS = {"long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",
+LESSONS = {"parallel-sampling", "beam-search", "long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",
            "paged-vs-contiguous", "chunked-prefill", "attention-variants", "sampling-knobs", "poisson-load"}
 LESSONS |= {"quantization"}
 LESSONS |= {"speculative-draft", "speculative-ngram"}
@@ -435,3 +435,32 @@ def test_speculative_ngram_copies_earlier_text_with_one_hot_q():
     assert _tokens_per_verify(trace) > 1.3
     assert trace.of("metrics")[-1]["spec_tokens_per_verify"] == pytest.approx(_tokens_per_verify(trace))
     assert trace.outputs == plain.outputs and len(trace.iterations) < 0.8 * len(plain.iterations)
+
+
+def test_parallel_sampling_computes_the_prompt_once_and_shares_its_blocks():
+    trace = run("parallel-sampling")
+    prompt_len = trace.prompt_len("four-ways")
+    assert sum(b["num_query_tokens"] for b in trace.rows("four-ways", "prefill")) == prompt_len
+    forks = [e for e in trace.of("seq_fork") if e["request_id"] == "four-ways"]
+    assert len(forks) == 3 and all(e["position"] == prompt_len for e in forks)
+    shares = [e for e in trace.of("block_share") if e["reason"] == "fork"]
+    assert max(e["ref_count"] for e in shares) == 4
+    assert trace.of("block_copy"), "the shared partial block is copied on the first write"
+    assert max(e["kv_blocks_saved_by_sharing"] for e in trace.of("metrics")) >= 3 * (prompt_len // 8)
+    done = {e["request_id"]: e for e in trace.of("request_finished")}
+    siblings = done["four-ways"]["outputs"]
+    assert len(siblings) == 4 and len({tuple(o["output_token_ids"]) for o in siblings}) == 4
+    assert siblings[0]["output_token_ids"] == done["alone"]["output_token_ids"]
+
+
+def test_beam_search_forks_prunes_and_beats_greedy_likelihood():
+    trace = run("beam-search")
+    assert len([e for e in trace.of("seq_fork") if e["request_id"] == "beams"]) >= 3
+    pruned = {e["seq_id"] for e in trace.of("seq_end") if e["reason"] == "pruned"}
+    assert pruned and pruned <= {e["seq_id"] for e in trace.of("block_free")}
+    done = {e["request_id"]: e for e in trace.of("request_finished")}
+    beams = done["beams"]["outputs"]
+    assert len(beams) == 4 and beams == sorted(beams, key=lambda o: -o["score"])
+    greedy_logprob = sum(e["logprob"] for e in trace.tokens("greedy"))
+    assert beams[0]["cumulative_logprob"] > greedy_logprob + 1e-3
+    assert len(done["greedy"]["output_token_ids"]) == len(beams[0]["output_token_ids"]) == 16
