@@ -85,9 +85,11 @@ class RunColumn:
         self.prompt_row.set_visibility(self.feed.kind != "replay")
         scenario = state.scenario or {}
         title = f"{scenario.get('name') or self.feed.kind} · {self.feed.run_id}"
+        summary = engine_summary(state.config, state.cache)  # the header may come after the first refresh
+        if summary != self.engine.text:
+            self.engine.set_text(summary)
         if title != self.title.text:
             self.title.set_text(title)
-            self.engine.set_text(engine_summary(state.config, state.cache))
             description = md_escape(scenario.get("description") or "")
             lesson = md_escape(scenario.get("lesson") or "")
             self.lesson.set_content(f"{description} {('**Lesson:** ' + lesson) if lesson else ''}")

@@ -86,7 +86,7 @@ def _truncates(p: SamplingParams) -> bool:
     return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def _penalised(p: SamplingParams) -> bool:
+def penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -106,7 +106,7 @@ def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: l
     raw_log = torch.log_softmax(logits, dim=-1)
     histories = histories or [[] for _ in params]
     outputs = outputs or [[] for _ in params]
-    adjusted = apply_penalties(logits, params, histories, outputs) if any(_penalised(p) for p in params) else logits
+    adjusted = apply_penalties(logits, params, histories, outputs) if any(penalised(p) for p in params) else logits
     return raw_log, adjusted, final_distribution(adjusted, params, eos_ids)
 
 

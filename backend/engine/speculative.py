@@ -57,9 +57,10 @@ def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch
            greedy: bool) -> Verdict:
     """Modified rejection sampling. p [k+1, V] target, q [k, V] proposer, k = len(drafts)."""
     k = len(drafts)
+    p_x, q_x = p[range(k), drafts].tolist(), q[range(k), drafts].tolist()
     for j, x in enumerate(drafts):
         # Greedy: p and q are one-hot, so the ratio is 0 or 1 and no random number is needed.
-        ratio = (p[j, x] / q[j, x]).item() if q[j, x] > 0 else 0.0
+        ratio = p_x[j] / q_x[j] if q_x[j] > 0 else 0.0
         accept = ratio >= 1.0 if greedy else torch.rand((), generator=generator).item() < ratio
         if accept:
             continue

@@ -13,7 +13,7 @@ import torch
 from backend.engine.kv_cache import KVCache
 from backend.engine.request import RequestError
 from backend.engine.runner import ModelRunner
-from backend.engine.sampler import distributions
+from backend.engine.sampler import distributions, penalised
 from backend.engine.scheduler import ScheduledSeq
 from backend.engine.sequence import Sequence
 from backend.engine.speculative import (DraftModelProposer, NgramProposer, Proposal, SpecRequest, Verdict,
@@ -71,9 +71,9 @@ class SpeculativeSteps:
                 self._trim(seq, seq.num_computed_tokens + 1 + len(drafts))
             item.num_draft, item.num_tokens = len(drafts), 1 + len(drafts)
             item.context_len = seq.num_computed_tokens + item.num_tokens
-            if drafts:
+            if drafts and self.bus.wants("spec_propose"):
                 self.bus.emit("spec_propose", request_id=seq.request_id, seq_id=seq.seq_id, token_ids=drafts,
-                              q_probs=[proposal.q[j, t].item() for j, t in enumerate(drafts)],
+                              q_probs=proposal.q[range(len(drafts)), drafts].tolist(),
                               method=self.proposer.method, position=len(seq),
                               draft_seq_id=self.proposer.shadows[seq.seq_id].seq_id
                               if isinstance(self.proposer, DraftModelProposer) else None,
@@ -86,9 +86,10 @@ class SpeculativeSteps:
         req, seq, k = self.unfinished[item.seq.seq_id], item.seq, item.num_draft
         start = len(seq) - k  # position of the first draft
         drafts = seq.token_ids[start:]
-        prefixes = [seq.token_ids[:start + j] for j in range(k + 1)]  # what each row's penalties see
+        # What each row's penalties see: the tokens before it, accepted drafts included.
+        prefixes = [seq.token_ids[:start + j] for j in range(k + 1)] if penalised(req.params) else None
         raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.eos_ids, prefixes,
-                                      [t[seq.num_prompt_tokens:] for t in prefixes])
+                                      prefixes and [t[seq.num_prompt_tokens:] for t in prefixes])
         verdict = verify(p, proposal.q, drafts, req.generators[seq.seq_id], req.params.greedy)
         del seq.token_ids[start:]
         seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts
@@ -97,11 +98,12 @@ class SpeculativeSteps:
         self._emit_verify(seq, drafts, verdict, p, proposal.q, expected)
         new = drafts[:verdict.num_accepted] + [verdict.token_id]
         sources = ["draft_accepted"] * verdict.num_accepted + [verdict.source]
-        raw = raw_log.exp()
-        tops = self._top_tokens(raw[:len(new)], p[:len(new)], new) if self.bus.wants_dist else None
-        for j, (token, source) in enumerate(zip(new, sources, strict=True)):
-            logprob = raw_log[j, token].item()
-            self._emit_token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source)
+        logprobs = raw_log[range(len(new)), new].tolist()
+        raw = raw_log[:len(new)].exp() if self.bus.wants("token") else None  # only events read it
+        tops = self._top_tokens(raw, p[:len(new)], new) if self.bus.wants_dist else None
+        for j, (token, source, logprob) in enumerate(zip(new, sources, logprobs, strict=True)):
+            if raw is not None:
+                self._emit_token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source)
             if self._append(req, seq, token, logprob, now):
                 return j + 1
         self._trim(seq, len(seq))
@@ -116,15 +118,21 @@ class SpeculativeSteps:
 
     def _emit_verify(self, seq: Sequence, drafts: list[int], verdict: Verdict, p: torch.Tensor, q: torch.Tensor,
                      expected: list[float]) -> None:
-        results = [{"token_id": t, "text": self.token_text(t), "p": p[j, t].item(), "q": q[j, t].item(),
+        if not self.bus.wants("spec_verify"):
+            return
+        k = len(drafts)
+        p_x, q_x = p[range(k), drafts].tolist(), q[range(k), drafts].tolist()
+        results = [{"token_id": t, "text": self.token_text(t), "p": p_x[j], "q": q_x[j],
                     "accepted": verdict.accepted[j]} for j, t in enumerate(drafts)]
         fields = {}
         if self.bus.wants_dist:
-            q_full = torch.cat((q, torch.zeros_like(p[:1])))  # the bonus position has no draft
+            q_full = torch.cat((q, torch.zeros_like(p[:1])))  # [k + 1, V]: the bonus position has no draft
             n = self.config.dist_top_n
-            fields["dists"] = [[[t, self.token_text(t), p[j, t].item(), q_full[j, t].item()]
-                                for t in dict.fromkeys(p[j].topk(n).indices.tolist() + q_full[j].topk(n).indices.tolist())
-                                if p[j, t] > 0 or q_full[j, t] > 0] for j in range(len(drafts) + 1)]
+            ids = torch.cat((p.topk(n).indices, q_full.topk(n).indices), dim=1)  # [k + 1, 2N]
+            p_top, q_top = p.gather(1, ids).tolist(), q_full.gather(1, ids).tolist()
+            fields["dists"] = [[[t, self.token_text(t), p_top[j][i], q_top[j][i]]
+                                for i, t in enumerate(row) if row.index(t) == i and (p_top[j][i] > 0 or q_top[j][i] > 0)]
+                               for j, row in enumerate(ids.tolist())]
         resampled = verdict.source == "resampled"
         self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
                       results=results, num_accepted=verdict.num_accepted,
