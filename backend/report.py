@@ -40,7 +40,12 @@ def print_summary(s: dict, console: Console | None = None) -> None:
         ("KV waste (mean, reserved but empty)", f"{s['kv_waste_mean']:.1%}"),
         ("prefix cache hit rate", f"{s['prefix_hit_rate']:.1%}"),
         ("preemptions", str(s["num_preemptions"])),
+        ("KV blocks saved by sharing (peak)", str(s["peak_kv_blocks_saved_by_sharing"])),
     ]
+    if s.get("speculative"):
+        spec = s["speculative"]
+        rows += [("draft acceptance rate / alpha", f"{spec['spec_acceptance_rate']:.1%} / {spec['spec_alpha']:.3f}"),
+                 ("tokens per verify", f"{spec['spec_tokens_per_verify']:.2f}")]
     for name, value in rows:
         table.add_row(name, value)
     (console or Console()).print(table)

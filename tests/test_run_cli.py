@@ -34,6 +34,20 @@ def test_run_writes_trace_and_report_and_prints_the_table(tmp_path, capsys):
         len(e["output_token_ids"]) for e in events if e["type"] == "request_finished")
 
 
+def test_the_table_reports_sharing_and_speculation(tmp_path, capsys):
+    path = write_scenario(tmp_path, requests=[{"id": "a", "prompt": "ROMEO:\nWhat light", "max_tokens": 8,
+                                               "sampling": {"temperature": 1.0, "seed": 1, "n": 3}}],
+                          engine={"block_size": 4, "num_blocks": 64,
+                                  "speculative": {"method": "ngram", "num_tokens": 2}})
+    report = tmp_path / "r.json"
+    assert main(["run", str(path), "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "KV blocks saved by sharing (peak)" in out and "tokens per verify" in out
+    summary = json.loads(report.read_text())
+    assert summary["peak_kv_blocks_saved_by_sharing"] >= 2  # two siblings borrow at least the prompt's first block
+    assert summary["speculative"]["spec_tokens_per_verify"] >= 1
+
+
 @pytest.mark.parametrize("changes,needle", [
     ({"engine": {"block_sise": 4}}, "engine.block_sise: Extra inputs"),
     ({"engine": {"block_size": 0}}, "engine.block_size: Input should be greater than or equal to 1"),

@@ -312,6 +312,7 @@ class Engine(SpeculativeSteps, SequenceGroups):
                                                 self.config.block_size)
         # Blocks that sharing saves: what every table would hold unshared, less the distinct blocks.
         held = [b for s in live for b in s.block_table]
+        self.metrics.on_sharing(len(held) - len(set(held)))
         self.bus.emit("metrics", tokens_per_s=self.metrics.tokens_per_s(), kv_usage=usage, kv_waste=waste,
                       prefix_hit_rate=self.blocks.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
                       num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

@@ -53,6 +53,7 @@ class MetricsTracker:
         self._waste_sum = 0.0
         self._usage_sum = 0.0
         self._samples = 0
+        self.peak_blocks_saved_by_sharing = 0
 
     def on_iteration(self, now: float, num_prefill_tokens: int, num_output_tokens: int) -> None:
         self.start = now if self.start is None else self.start
@@ -79,6 +80,10 @@ class MetricsTracker:
         self._waste_sum += waste
         self._samples += 1
         return usage, waste
+
+    def on_sharing(self, blocks_saved: int) -> None:
+        """Blocks that sharing (forks, prefix hits) saves this iteration against every table holding its own."""
+        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, blocks_saved)
 
     def mean_kv(self) -> tuple[float, float]:
         """Mean (usage, waste) over the iterations seen."""
