@@ -175,3 +175,25 @@ def test_select_counts_an_eos_only_among_the_top_width():
     assert [(c.parent, c.token_id) for c in beams] == [(0, 1), (1, 2)]
     beams, finishing = select([0.0, 0.0], logprobs, 2, [0], allow_eos=False)
     assert not finishing and [(c.parent, c.token_id) for c in beams] == [(0, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "seed": 2, "n": 3}, {"beam_width": 3, "n": 2}])
+def test_aborting_a_multi_sequence_request_ends_every_sequence(demo, sampling):
+    events = []
+    engine = Engine(demo, CONFIG)
+    engine.bus.subscribe(events.append)
+    engine.add_request("m", demo.tokenizer.encode("BRUTUS:\nHe is gone, and"), 30, sampling)
+    engine.add_request("other", demo.tokenizer.encode("CASSIUS:\nWell,"), 6, {"temperature": 0})
+    for _ in range(4):
+        engine.step()
+    live = [s.seq_id for s in engine.requests["m"].seqs if s.seq_id in engine.unfinished]
+    assert len(live) > 1
+    engine.abort("m")
+    done = finished_events(events)["m"]
+    assert done["finish_reason"] == "abort" and done["reason"] == "aborted by the user" and done["outputs"]
+    assert {e["seq_id"] for e in events if e["type"] == "seq_end" and e["reason"] == "abort"} == set(live)
+    while engine.has_unfinished():
+        engine.step()
+    assert finished_events(events)["other"]["finish_reason"] in ("eos", "length")
+    assert all(not s.block_table for s in engine.requests["m"].seqs)
+    engine.blocks.check_invariants(engine.live_sequences())

@@ -168,7 +168,7 @@ class Engine(SpeculativeSteps, SequenceGroups):
     def abort(self, request_id: str, reason: str = "aborted by the user") -> None:
         req = self.requests.get(request_id)
         if req is not None and req.finish_reason is None:
-            self._finish(req, "abort", reason)
+            self._abort_request(req, reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.unfinished)
@@ -246,7 +246,7 @@ class Engine(SpeculativeSteps, SequenceGroups):
             seq = next(s for s in req.seqs if s.seq_id == seq_id)
             need = math.ceil((len(seq) + 1) / self.config.block_size)
             if need > self.cache.num_blocks and req.finish_reason is None:
-                self._finish(req, "abort", f"needs {need} KV blocks, the cache has {self.cache.num_blocks}")
+                self._abort_request(req, f"needs {need} KV blocks, the cache has {self.cache.num_blocks}")
 
     def _on_preempt(self, seq: Sequence, num_blocks: int) -> None:
         if self.proposer:

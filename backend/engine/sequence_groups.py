@@ -100,16 +100,18 @@ class SequenceGroups:
         if not self._live(req):
             self._finish_request(req)
 
-    def _finish(self, req: Request, reason: str, why: str | None = None) -> None:
-        """End the whole request (an abort): every live sequence with it."""
+    def _abort_request(self, req: Request, why: str) -> None:
+        """End the whole request: every live sequence with it."""
         req.abort_reason = why
         for seq in self._live(req):
-            self._end_seq(req, seq, reason)
+            self._end_seq(req, seq, "abort")
 
     def _finish_request(self, req: Request) -> None:
         outputs = self._outputs(req)
         best = outputs[0]
-        req.finish_reason, req.output_text = best["finish_reason"], best["output_text"]
+        # An aborted request says so, even if one of its beams had already found EOS.
+        req.finish_reason = "abort" if req.abort_reason is not None else best["finish_reason"]
+        req.output_text = best["output_text"]
         req.times.finish = time.perf_counter()
         t = req.times
         self.bus.emit("request_finished", request_id=req.request_id, seq_id=best["seq_id"],
