@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import random
-import shlex
 import sys
 import time
 from collections import deque
@@ -50,6 +49,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.events.bus import EventBus
 from backend.model.loader import LoadedModel, ModelLoadError, load_model, resolve_model_dir
 from backend.scenario import draw_prompt
+from bench.report import command_line, progress, table
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 BLOCK_SIZE = 16
@@ -372,12 +372,6 @@ def targets(runs: dict[str, EngineRun], hf: HFRun | None, sweep: list[dict]) -> 
 # ---- printing -------------------------------------------------------------------------------------
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def print_header(meta: dict) -> None:
     w = meta["workload"]
     print("## Engine benchmark\n")
@@ -452,16 +446,7 @@ def print_targets(rows: list[dict]) -> None:
     print()
 
 
-def progress(message: str) -> None:
-    print(f"... {message}", file=sys.stderr, flush=True)
-
-
 # ---- main -----------------------------------------------------------------------------------------
-
-
-def command_line(argv: list[str]) -> str:
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ)
-    return " ".join(filter(None, [env, "python -m bench.engine", shlex.join(argv)]))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -484,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workload = make_workload(loaded, spec)
     configs = engine_configs(spec)
-    meta = {"command": command_line(argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    meta = {"command": command_line("bench.engine", argv),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "model": args.model, "quick": args.quick,
             "repeat": args.repeat, "max_model_len": configs["continuous"].max_model_len,

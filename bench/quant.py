@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +43,7 @@ from backend.events.bus import EventBus
 from backend.model.loader import LoadedModel, ModelLoadError, load_model
 from backend.model.quality import batched_logits, validation_windows
 from backend.model.quant import quantize_model, weight_bytes
+from bench.report import command_line, progress, table
 
 TARGET_INT8_PCT = 1.0
 TARGET_INT4_G64_PCT = 5.0
@@ -204,12 +204,6 @@ def targets(rows: list[dict]) -> list[dict]:
     ]
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def print_report(meta: dict, rows: list[dict], verdicts: list[dict]) -> None:
     print("## Quantization benchmark\n")
     print(f"- command: `{meta['command']}`")
@@ -227,16 +221,7 @@ def print_report(meta: dict, rows: list[dict], verdicts: list[dict]) -> None:
     print()
 
 
-def progress(message: str) -> None:
-    print(f"... {message}", file=sys.stderr, flush=True)
-
-
 # ---- main -----------------------------------------------------------------------------------------
-
-
-def command_line(argv: list[str]) -> str:
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ)
-    return " ".join(filter(None, [env, "python -m bench.quant", shlex.join(argv)]))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -265,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     scores, sizes = score_all(loaded, rows, args.chunk)
     table_rows = results(scores, sizes)
     verdicts = targets(table_rows)
-    meta = {"command": command_line(argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    meta = {"command": command_line("bench.quant", argv),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "model": args.model,
             "dtype": DTYPE_NAMES[next(loaded.model.parameters()).dtype], "windows": len(rows),

@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -60,6 +59,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.events.bus import EventBus
 from backend.model.loader import LoadedModel, ModelLoadError, load_model
 from backend.scenario import draw_prompt
+from bench.report import command_line, progress, table
 
 TARGET_FRACTION = 0.9
 BLOCK_SIZE = 16
@@ -317,12 +317,6 @@ def verdict(rows: list[dict]) -> dict:
 # ---- printing -------------------------------------------------------------------------------------
 
 
-def table(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 SPEEDUP_HEADERS = ["k", "α", "acceptance rate", "drafts / verify", "tokens / verify", "c", "predicted", "measured",
                    "measured / predicted"]
 BREAKDOWN_HEADERS = ["run", "iterations", "ms / iteration", "draft forwards", "proposer other", "target forward",
@@ -365,16 +359,7 @@ def breakdown_row(name: str, b: dict | None, verify_ratio: float, implied: float
             f"{verify_ratio:.2f}", "-" if implied is None else f"{implied:.2f}x"]
 
 
-def progress(message: str) -> None:
-    print(f"... {message}", file=sys.stderr, flush=True)
-
-
 # ---- main -----------------------------------------------------------------------------------------
-
-
-def command_line(argv: list[str]) -> str:
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ)
-    return " ".join(filter(None, [env, "python -m bench.spec_decode", shlex.join(argv)]))
 
 
 def parse_ks(text: str) -> list[int]:
@@ -429,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     plains, specs = sweep(target, draft, args, requests)
     rows, plain = summarize(args, plains, specs)
     v = verdict(rows)
-    meta = {"command": command_line(argv), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    meta = {"command": command_line("bench.spec_decode", argv),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "model": args.model,
             "draft_model": args.draft_model if args.method == "draft" else None, "method": args.method,

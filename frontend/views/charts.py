@@ -19,3 +19,15 @@ def make_chart(options: dict[str, Any], height: str, marker: str) -> ui.echart:
     chart = ui.echart({**BASE_OPTIONS, **options}).style(f"width:100%;height:{height}").mark(marker) \
         .props(f"data-kv={marker}")  # for the browser test
     return chart
+
+
+def probability_bars(grid_top: int = 30, grid_bottom: int = 62) -> dict[str, Any]:
+    """Options of a bar chart of token probabilities (tokens on x, series filled in by the view)."""
+    return {
+        "legend": {"top": 0, "textStyle": {"fontSize": 11}},
+        "tooltip": {"trigger": "axis", "axisPointer": {"type": "shadow"}},
+        "grid": {"left": 48, "right": 12, "top": grid_top, "bottom": grid_bottom},
+        "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 40, "fontSize": 11}},
+        "yAxis": {"type": "value", "name": "probability", "max": 1},
+        "series": [],
+    }

@@ -11,7 +11,7 @@ from frontend.client import LogEntry, RunFeed
 from frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, knobs_of
 from frontend.selection import Selection
 from frontend.views.base import FeedView, view_card
-from frontend.views.charts import make_chart
+from frontend.views.charts import make_chart, probability_bars
 from frontend.views.live_text import LiveText
 
 EXPLANATION = """
@@ -67,20 +67,10 @@ class SamplingView(FeedView):
             self.caption = LiveText().classes("kv-caption").mark("sampling-caption")
             self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
-            self.chart = make_chart(self._options(), height, "sampling")
+            self.chart = make_chart(probability_bars(), height, "sampling")
             self._sliders()
         selection.on_change(self.invalidate)
         super().__init__(feed)
-
-    def _options(self) -> dict:
-        return {
-            "legend": {"top": 0, "textStyle": {"fontSize": 11}},
-            "tooltip": {"trigger": "axis", "axisPointer": {"type": "shadow"}},
-            "grid": {"left": 48, "right": 12, "top": 30, "bottom": 62},
-            "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 40, "fontSize": 11}},
-            "yAxis": {"type": "value", "name": "probability", "max": 1},
-            "series": [],
-        }
 
     def _sliders(self) -> None:
         self.knob_inputs: dict[str, ui.slider] = {}

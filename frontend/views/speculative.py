@@ -13,7 +13,7 @@ from backend.events.state import RunState
 from frontend.client import LogEntry, RunFeed
 from frontend.selection import Selection
 from frontend.views.base import FeedView, legend, view_card
-from frontend.views.charts import make_chart
+from frontend.views.charts import make_chart, probability_bars
 from frontend.views.live_text import LiveText
 from frontend.views.sampling import token_label
 
@@ -141,19 +141,9 @@ class SpeculativeView(FeedView):
                 self.rows.on("click", self._on_click, js_handler=CLICK_JS)
                 self.pq_caption = LiveText().classes("kv-caption").mark("spec-pq-caption") \
                     .props("data-kv=spec-pq-caption")  # for the browser test
-                self.chart = make_chart(self._options(), height, "spec-pq")
+                self.chart = make_chart(probability_bars(28, 56), height, "spec-pq")
         selection.on_change(self.invalidate)
         super().__init__(feed)
-
-    def _options(self) -> dict:
-        return {
-            "legend": {"top": 0, "textStyle": {"fontSize": 11}},
-            "tooltip": {"trigger": "axis", "axisPointer": {"type": "shadow"}},
-            "grid": {"left": 48, "right": 12, "top": 28, "bottom": 56},
-            "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 40, "fontSize": 11}},
-            "yAxis": {"type": "value", "name": "probability", "max": 1},
-            "series": [],
-        }
 
     def pick(self, verify_seq: int, index: int) -> None:
         """Show p vs q at position `index` of the verify whose event number is `verify_seq`."""
