@@ -299,11 +299,12 @@ class Engine(SpeculativeSteps, SequenceGroups):
         ids = torch.cat((raw_probs.topk(self.config.dist_top_n).indices, chosen_ids, eos), dim=1)  # [B, N+1+E]
         raw = raw_probs.gather(1, ids).tolist()
         final = final_probs.gather(1, ids).tolist()
-        rows = []
+        texts, rows = self._token_text, []
         for r, row_ids in enumerate(ids.tolist()):
-            seen: set[int] = set()
-            rows.append([[t, self.token_text(t), raw[r][i], final[r][i]]
-                         for i, t in enumerate(row_ids) if not (t in seen or seen.add(t))])
+            first: dict[int, int] = {}  # token -> its first column (the chosen token or EOS may repeat a top one)
+            for i, t in enumerate(row_ids):
+                first.setdefault(t, i)
+            rows.append([[t, texts.get(t) or self.token_text(t), raw[r][i], final[r][i]] for t, i in first.items()])
         return rows
 
     def _emit_metrics(self) -> None:
@@ -312,11 +313,12 @@ class Engine(SpeculativeSteps, SequenceGroups):
                                                 self.config.block_size)
         # Blocks that sharing saves: what every table would hold unshared, less the distinct blocks.
         held = [b for s in live for b in s.block_table]
-        self.metrics.on_sharing(len(held) - len(set(held)))
+        saved = len(held) - len(set(held))
+        self.metrics.on_sharing(saved)
         self.bus.emit("metrics", tokens_per_s=self.metrics.tokens_per_s(), kv_usage=usage, kv_waste=waste,
                       prefix_hit_rate=self.blocks.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
                       num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                      kv_blocks_saved_by_sharing=len(held) - len(set(held)),
+                      kv_blocks_saved_by_sharing=saved,
                       **(self.spec_stats.summary() if self.proposer else {}))
 
     def token_text(self, token: int) -> str:
