@@ -38,21 +38,33 @@ workloads = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SPECULATIVE = {"off": None, "ngram": {"method": "ngram", "num_tokens": 3},
+               "draft": {"method": "draft", "draft_model": "demo-draft", "num_tokens": 2}}
+SAMPLING = {"single": SamplingParams(temperature=0.0), "n": SamplingParams(temperature=1.0, seed=4, n=3),
+            "beam": SamplingParams(beam_width=2, n=2)}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(work=workloads, block_size=st.sampled_from([1, 2, 3, 4, 8]), spare=st.integers(0, 12),
-       budget=st.sampled_from([4, 9, 64]), prefix=st.booleans(), static=st.booleans())
-def test_random_workloads_keep_block_invariants_and_replay_exactly(tiny, work, block_size, spare, budget, prefix,
-                                                                   static):
-    # Tiny caches: just enough blocks for the longest request alone, plus a few spare.
+       budget=st.sampled_from([4, 9, 64]), prefix=st.booleans(), static=st.booleans(),
+       spec=st.sampled_from(list(SPECULATIVE)), kinds=st.lists(st.sampled_from(list(SAMPLING)), min_size=8, max_size=8))
+def test_random_workloads_keep_block_invariants_and_replay_exactly(tiny, draft, work, block_size, spare, budget,
+                                                                   prefix, static, spec, kinds):
+    # Tiny caches: just enough blocks for the longest request alone, plus a few spare. Forks
+    # (n > 1, beams), drafts and their rollbacks all draw on the same small pool.
     longest = max(p + m for _, p, m in work)
     num_blocks = math.ceil((longest + 1) / block_size) + spare
     shared = list(range(3, 3 + 12))
     requests = [(f"r{i}", arrival, (shared + list(range(100 + i, 100 + i + p)))[:p], m)
                 for i, (arrival, p, m) in enumerate(work)]
+    if spec != "off":  # beam search does not sample, so it cannot be speculated
+        kinds = [k if k != "beam" else "n" for k in kinds]
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                          prefix_caching=prefix, batching="static" if static else "continuous", max_model_len=256)
+                          prefix_caching=prefix, batching="static" if static else "continuous", max_model_len=256,
+                          speculative=SPECULATIVE[spec])
     state = RunState()
-    engine = run_engine(tiny, config, requests, replay=state)
+    engine = run_engine(tiny, config, requests, lambda rid: SAMPLING[kinds[int(rid[1:])]], replay=state,
+                        draft_model=draft)
     assert engine.blocks.num_used_blocks == 0
     assert state.ref_counts == {} and len(state.free_blocks) == num_blocks
 

@@ -75,6 +75,13 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if self._may_admit():
             self._admit_waiting(out, budget)
+        idle = [seq for seq in self.running if seq.num_uncomputed_tokens == 0]
+        if not out.scheduled and self.waiting and idle:
+            # Every running sequence is a beam waiting for a sibling that waits for blocks: make room.
+            # The preempted beam keeps its next-token log-probs (only its cache is recomputed later),
+            # so it queues behind the sibling that needs the blocks now.
+            self._preempt(max(idle, key=lambda s: s.seq_id), front=False)
+            self._admit_waiting(out, budget)
         return out
 
     # ---- running sequences ----------------------------------------------------------------------
@@ -98,10 +105,12 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
+        idle: list[Sequence] = []  # beams whose logits are in, waiting for their siblings
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num = min(self._tokens_to_compute(seq), budget)
-            if num == 0:  # a beam whose logits are in, waiting for its siblings
+            if num == 0:
+                idle.append(seq)
                 i += 1
                 continue
             if not self.config.kv_cache and num < len(seq):
@@ -112,9 +121,15 @@ class Scheduler:
             if copies is None:  # short of blocks for the drafts: a plain decode still may fit
                 num_draft, copies = 0, self.blocks.allocate_slots(seq, num)
             while copies is None:
-                # The most recently arrived of those not yet scheduled this iteration.
-                victim = max(self.running[i:], key=lambda s: s.seq_id)
-                self._preempt(victim)
+                # An idle beam first (it keeps its logits; only its cache is recomputed, later), else
+                # the most recently arrived of those not yet scheduled this iteration.
+                if idle:
+                    victim = idle.pop()
+                    i -= 1  # it stood before seq in self.running
+                    self._preempt(victim, front=False)
+                else:
+                    victim = max(self.running[i:], key=lambda s: s.seq_id)
+                    self._preempt(victim)
                 if victim is seq:
                     break
                 copies = self.blocks.allocate_slots(seq, num)
@@ -132,13 +147,16 @@ class Scheduler:
             return 0
         return max(0, min(self.lookahead(seq), budget - 1))
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, front: bool = True) -> None:
         num_blocks = len(seq.block_table)
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
         self.num_preemptions += 1
         self.on_preempt(seq, num_blocks)
 
