@@ -23,7 +23,11 @@ def pydantic_message(e: ValidationError, prefix: str = "") -> str:
 # ---- kvscope generate ---------------------------------------------------------------------------
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-                  "min_p": "--min-p", "seed": "--seed"}
+                  "min_p": "--min-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width",
+                  "length_penalty": "--length-penalty"}
+ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
+                "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
+                "engine.kv_cache_dtype": "--kv-cache-dtype", "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -35,21 +39,33 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, seed=args.seed)
+                                min_p=args.min_p, seed=args.seed, n=args.n, beam_width=args.beam_width,
+                                length_penalty=args.length_penalty)
     except ValidationError as e:
         field = e.errors()[0]["loc"][0]
         raise UserError(f"{SAMPLING_FLAGS.get(str(field), field)}: {e.errors()[0]['msg']}") from None
+    speculative = None if args.speculative == "off" else {"method": args.speculative, "num_tokens": args.num_draft_tokens}
     loaded = load_model(args.model)
     context = loaded.config.max_position_embeddings
-    engine = Engine(loaded, EngineConfig(max_model_len=context, num_blocks=None, events="off"))
     try:
+        config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
+                              weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype)
+        engine = Engine(loaded, config)
         req = engine.add_request("cli", args.prompt, args.max_tokens, params)
+    except ValidationError as e:
+        raise UserError(f"--num-draft-tokens: {e.errors()[0]['msg']}") from None
     except RequestError as e:
-        flag = {"prompt": "--prompt", "max_tokens": "--max-tokens"}.get(e.field, e.field)
+        flag = {"prompt": "--prompt", "max_tokens": "--max-tokens", **ENGINE_FLAGS}.get(e.field, e.field)
         raise UserError(f"{flag}: {e.reason}") from None
     while engine.has_unfinished():
         engine.step()
-    print(req.output_text)
+    if not req.multi:
+        print(req.output_text)
+        return
+    for i, out in enumerate(req.outputs):  # n samples in order, or the best beams first
+        score = f", score {out['score']:.3f}" if out["score"] is not None else ""
+        print(f"--- {i + 1} (log-prob {out['cumulative_logprob']:.2f}{score}, {out['finish_reason']})")
+        print(out["output_text"])
 
 
 # ---- kvscope serve / replay -----------------------------------------------------------------------
@@ -197,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--model", default="demo", help="a shipped model name or a model folder")
+    g.add_argument("--n", type=int, default=1, help="samples sharing the prompt's blocks")
+    g.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (0: sample)")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / len ** this")
+    g.add_argument("--speculative", choices=("off", "draft", "ngram"), default="off",
+                   help="speculative decoding with the demo-draft model or n-gram lookup")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
+    g.add_argument("--weight-quant", choices=("none", "int8", "int4"), default="none")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     g.set_defaults(func=cmd_generate)
 
     for name, helptext in (("serve", "start the backend (and the dashboard)"),

@@ -113,3 +113,29 @@ def test_installed_console_script_reports_errors_without_traceback(tmp_path):
 def test_module_entry_point_prints_help():
     proc = subprocess.run([sys.executable, "-m", "backend.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout
+
+
+def test_generate_with_n_beams_speculation_and_quantization(capsys, demo, draft):
+    code, out, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "8", "--n", "3",
+                           "--temperature", "1.0", "--seed", "3")
+    assert code == 0 and out.count("--- ") == 3
+    code, beams, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "8", "--beam-width", "3",
+                             "--n", "2")
+    assert code == 0 and beams.count("--- ") == 2 and "score" in beams
+    _, greedy, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0")
+    for method in ("draft", "ngram"):
+        code, spec, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0",
+                                "--speculative", method, "--num-draft-tokens", "3")
+        assert code == 0 and spec == greedy  # exact: speculation never changes greedy output
+    code, quant, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "4", "--temperature", "0",
+                             "--weight-quant", "int8", "--kv-cache-dtype", "int8")
+    assert code == 0 and quant.strip()
+
+
+def test_generate_refuses_bad_multi_sequence_and_speculative_flags(capsys):
+    code, _, err = run_cli(capsys, "generate", "--prompt", "x", "--beam-width", "2", "--n", "3")
+    assert_one_line_error(code, err, "--n", "beam_width=2")
+    code, _, err = run_cli(capsys, "generate", "--prompt", "x", "--beam-width", "2", "--speculative", "ngram")
+    assert_one_line_error(code, err, "--beam-width", "speculative")
+    code, _, err = run_cli(capsys, "generate", "--prompt", "x", "--speculative", "ngram", "--num-draft-tokens", "99")
+    assert_one_line_error(code, err, "--num-draft-tokens")

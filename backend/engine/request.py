@@ -43,6 +43,7 @@ class Request:
     finish_reason: str | None = None
     abort_reason: str | None = None
     output_text: str = ""
+    outputs: list[dict] = field(default_factory=list)  # set when it ends: every returned sequence, best first
     draft_generator: torch.Generator | None = None  # speculative drafts draw from their own stream
 
     def __post_init__(self) -> None:

@@ -107,7 +107,7 @@ class SequenceGroups:
             self._end_seq(req, seq, "abort")
 
     def _finish_request(self, req: Request) -> None:
-        outputs = self._outputs(req)
+        req.outputs = outputs = self._outputs(req)
         best = outputs[0]
         # An aborted request says so, even if one of its beams had already found EOS.
         req.finish_reason = "abort" if req.abort_reason is not None else best["finish_reason"]
