@@ -136,3 +136,35 @@ def test_body_size_limit_and_no_cors_by_default(tiny_dir):
         assert big.status_code == 413
         r = c.get("/api/health", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in r.headers
+
+
+def test_speculative_run_with_live_parallel_and_beam_requests(client, tiny_dir):
+    """A run started with speculative decoding takes n > 1 requests live; beam search is refused there
+    (it cannot be speculated) and works in a plain run; the trace shows forks, drafts and outputs."""
+    spec = {"speculative": {"method": "ngram", "num_tokens": 3}}
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir, **spec), "paused": True}).json()["run_id"]
+    multi = client.post(f"/api/runs/{run_id}/requests",
+                        json={"prompt": "KING:", "max_tokens": 5, "sampling": {"temperature": 1.0, "seed": 1, "n": 3}})
+    assert multi.status_code == 201
+    beams = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "KING:", "sampling": {"beam_width": 2}})
+    assert beams.status_code == 400 and beams.json()["field"] == "sampling.beam_width"
+    client.post(f"/api/runs/{run_id}/control", json={"action": "speed", "value": 0})
+    client.post(f"/api/runs/{run_id}/control", json={"action": "resume", "value": None})
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    events = [json.loads(line) for line in client.get(f"/api/runs/{run_id}/trace").text.splitlines()]
+    rid = multi.json()["request_id"]
+    assert len([e for e in events if e["type"] == "seq_fork" and e["request_id"] == rid]) == 2
+    done = next(e for e in events if e["type"] == "request_finished" and e["request_id"] == rid)
+    assert len(done["outputs"]) == 3
+    assert events[0]["config"]["speculative"]["method"] == "ngram"
+
+    plain = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    ok = client.post(f"/api/runs/{plain}/requests", json={"prompt": "KING:", "max_tokens": 4,
+                                                           "sampling": {"beam_width": 2, "n": 2}})
+    assert ok.status_code == 201
+    client.post(f"/api/runs/{plain}/control", json={"action": "speed", "value": 0})
+    client.post(f"/api/runs/{plain}/control", json={"action": "resume", "value": None})
+    wait_for(lambda: client.get(f"/api/runs/{plain}").json()["finished"])
+    events = [json.loads(line) for line in client.get(f"/api/runs/{plain}/trace").text.splitlines()]
+    done = next(e for e in events if e["type"] == "request_finished" and e["request_id"] == ok.json()["request_id"])
+    assert len(done["outputs"]) == 2 and done["outputs"][0]["score"] >= done["outputs"][1]["score"]
