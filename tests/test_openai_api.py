@@ -93,6 +93,17 @@ def test_n_with_a_seed_gives_n_reproducible_choices(client, model_name) -> None:
     assert sample() == first
 
 
+def test_n_choices_share_the_prompt_blocks_in_the_engine(client, url: str, model_name: str) -> None:
+    r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, n=3, temperature=1.0, seed=1,
+                                  stream=False)
+    trace = [json.loads(line) for line in httpx.get(f"{url}/api/runs/api/trace").text.splitlines()]
+    forks = [e for e in trace if e["type"] == "seq_fork" and e["request_id"] == r.id]
+    assert len(forks) == 2 and len(r.choices) == 3  # one prompt computed, two siblings forked from it
+    assert any(e["type"] == "block_share" and e["reason"] == "fork" and e["request_id"] == r.id for e in trace)
+    done = next(e for e in trace if e["type"] == "request_finished" and e["request_id"] == r.id)
+    assert r.usage.completion_tokens == sum(len(o["output_token_ids"]) for o in done["outputs"])
+
+
 def test_a_stop_string_cuts_the_text_before_it(client, model_name) -> None:
     full = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = full.split()[2]
@@ -135,7 +146,7 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(url: str, model_name
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         first = next(r.iter_lines())
-    rid = json.loads(first.removeprefix("data: "))["id"] + "-0"
+    rid = json.loads(first.removeprefix("data: "))["id"]
 
     deadline = time.monotonic() + 20
     while (view := httpx.get(f"{url}/api/runs/api").json()["requests"][rid])["finish_reason"] is None:
@@ -151,8 +162,8 @@ def test_the_dashboard_sees_api_requests_in_the_api_run(client, url: str, model_
     snapshot = httpx.get(f"{url}/api/runs/api").json()
 
     assert snapshot["kind"] == "api"
-    assert snapshot["requests"][text.id + "-0"]["output_text"] == text.choices[0].text
-    assert snapshot["requests"][chat.id + "-0"]["prompt_text"].startswith("ROMEO:\nGood morrow, fair lady.\n")
+    assert snapshot["requests"][text.id]["output_text"] == text.choices[0].text
+    assert snapshot["requests"][chat.id]["prompt_text"].startswith("ROMEO:\nGood morrow, fair lady.\n")
 
 
 def test_with_a_server_token_the_api_key_must_be_that_token(model_name: str) -> None:

@@ -1,5 +1,6 @@
-"""The bridge between an API call and the engine's worker thread: the n engine requests behind
-one OpenAI call, their events as they arrive, and text deltas that add up to the final text."""
+"""The bridge between an API call and the engine's worker thread: the engine request behind one
+OpenAI call (its n choices are the request's n sequences, sharing the prompt's blocks), their events
+as they arrive, and text deltas that add up to the final text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 from backend.server.runs import EngineRun
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
-WANTED_EVENTS = frozenset({"request_arrived", "token", "request_finished"})
+WANTED_EVENTS = frozenset({"request_arrived", "seq_fork", "token", "request_finished"})
 
 
 class TextStream:
@@ -51,7 +52,6 @@ class TextStream:
 @dataclass
 class Choice:
     index: int
-    request_id: str
     stream: TextStream
     tokens: list[dict] = field(default_factory=list)  # token events, EOS left out
     chars: int = 0  # length of the token texts so far: the next token's text_offset
@@ -62,7 +62,7 @@ class Choice:
 
 
 class Generation:
-    """The n engine requests behind one API call, and their events as they arrive."""
+    """The engine request behind one API call, and its events as they arrive."""
 
     def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str) -> None:
         self.run = run
@@ -70,27 +70,22 @@ class Generation:
         self.eos_ids = set(loaded.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
-        self.choices = [Choice(i, f"{self.id}-{i}", TextStream(loaded.tokenizer, stops)) for i in range(n)]
-        self.queue: asyncio.Queue[tuple[int, dict]] = asyncio.Queue()
-        self.submitted = 0
+        self.choices = [Choice(i, TextStream(loaded.tokenizer, stops)) for i in range(n)]
+        self.choice_of_seq: dict[int, Choice] = {}  # the first sequence is choice 0, forks follow in order
+        self.queue: asyncio.Queue[dict] = asyncio.Queue()
 
     async def submit(self, prompt: str | list[int], max_tokens: int, sampling: dict[str, Any]) -> None:
-        """Add the requests to the engine (RequestError if it refuses one: then none stays)."""
-        loop = asyncio.get_running_loop()
+        """Add the request to the engine (RequestError if it refuses it)."""
+        params = {**sampling, "n": len(self.choices)}  # each sibling draws from its own stream
         try:
-            for choice in self.choices:
-                params = dict(sampling)
-                if "seed" in params:  # n samples from one seed must still differ
-                    params["seed"] += choice.index
-                await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
-                                        self._listener(loop, choice), choice.request_id)
-                self.submitted += 1
+            await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
+                                    self._listener(asyncio.get_running_loop()), self.id)
         except BaseException:
             self.close()
             raise
 
-    def _listener(self, loop: asyncio.AbstractEventLoop, choice: Choice):
-        run, queue, rid = self.run, self.queue, choice.request_id
+    def _listener(self, loop: asyncio.AbstractEventLoop):
+        run, queue, rid = self.run, self.queue, self.id
 
         def deliver(event: dict) -> None:  # on the worker thread
             if event["type"] not in WANTED_EVENTS:
@@ -98,7 +93,7 @@ class Generation:
             if event["type"] == "request_finished":
                 run.forget_listener(rid)  # here, on the worker thread, no other thread races the dict
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (choice.index, event))
+                loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:
                 pass  # the event loop has closed: nobody is waiting for this request any more
 
@@ -107,30 +102,40 @@ class Generation:
     async def updates(self) -> AsyncIterator[tuple[Choice, str, dict | None]]:
         """(choice, new text, its token event) until every choice has finished; None: it finished."""
         while any(c.finish_reason is None for c in self.choices):
-            index, event = await self.queue.get()
-            choice = self.choices[index]
+            event = await self.queue.get()
             if event["type"] == "request_arrived":
-                choice.prompt_tokens = len(event["prompt_token_ids"])
+                self.choice_of_seq[event["seq_id"]] = self.choices[0]
+                for choice in self.choices:
+                    choice.prompt_tokens = len(event["prompt_token_ids"])
+            elif event["type"] == "seq_fork":
+                self.choice_of_seq[event["seq_id"]] = self.choices[len(self.choice_of_seq)]
             elif event["type"] == "token" and event["token_id"] not in self.eos_ids:
+                choice = self.choice_of_seq[event["seq_id"]]
                 choice.tokens.append(event)
                 choice.chars += len(event["text"])
                 yield choice, choice.stream.push(event["token_id"]), event
             elif event["type"] == "request_finished":
-                choice.text = event["output_text"]
-                choice.completion_tokens = len(event["output_token_ids"])
-                choice.finish_reason = FINISH_REASONS.get(event["finish_reason"], event["finish_reason"])
-                yield choice, choice.stream.finish(choice.text), None
+                for out in event.get("outputs") or [event]:
+                    choice = self.choice_of_seq.get(out["seq_id"], self.choices[0])  # aborted before a fork
+                    choice.text = out["output_text"]
+                    choice.completion_tokens = len(out["output_token_ids"])
+                    choice.finish_reason = FINISH_REASONS.get(out["finish_reason"], out["finish_reason"])
+                    yield choice, choice.stream.finish(choice.text), None
+                for choice in self.choices:  # aborted before it forked: the siblings never started
+                    if choice.finish_reason is None:
+                        choice.finish_reason = FINISH_REASONS.get(event["finish_reason"], event["finish_reason"])
+                        yield choice, "", None
 
     async def wait(self) -> None:
         async for _ in self.updates():
             pass
 
     def close(self) -> None:
-        """Abort what is still running (the client went away); does not wait for the worker."""
-        # +1: a submission cancelled half-way may still reach the engine, and its abort queues behind it.
-        unfinished = [c.request_id for c in self.choices[:self.submitted + 1] if c.finish_reason is None]
-        if unfinished:
-            asyncio.get_running_loop().run_in_executor(None, _abort_all, self.run, unfinished)
+        """Abort the request if it still runs (the client went away); does not wait for the worker.
+
+        A submission cancelled half-way may still reach the engine: the abort queues behind it."""
+        if any(c.finish_reason is None for c in self.choices):
+            asyncio.get_running_loop().run_in_executor(None, _abort, self.run, self.id)
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.completion_tokens for c in self.choices)
@@ -138,9 +143,8 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _abort_all(run: EngineRun, request_ids: list[str]) -> None:
-    for rid in request_ids:
-        try:
-            run.abort_request(rid)  # its request_finished event then drops the listener
-        except Exception:  # noqa: BLE001 - a stopped run: nothing left to abort
-            pass
+def _abort(run: EngineRun, request_id: str) -> None:
+    try:
+        run.abort_request(request_id)  # its request_finished event then drops the listener
+    except Exception:  # noqa: BLE001 - a stopped run: nothing left to abort
+        pass
