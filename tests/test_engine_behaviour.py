@@ -119,17 +119,18 @@ def test_a_sequence_that_outgrows_the_whole_cache_is_aborted_and_the_others_go_o
     assert engine.blocks.num_used_blocks == 0
 
 
-def test_stop_strings_end_the_request_and_stay_out_of_the_text(tiny):
+@pytest.mark.parametrize("max_tokens,where,length", [(12, 0.5, 2), (90, 0.8, 12), (90, 0.95, 30)])
+def test_stop_strings_end_the_request_and_stay_out_of_the_text(tiny, max_tokens, where, length):
     free = Engine(tiny, EngineConfig(block_size=4, num_blocks=64))
-    req = free.add_request("free", [10, 11, 12], 12, SamplingParams(temperature=0, ignore_eos=True))
+    req = free.add_request("free", [10, 11, 12], max_tokens, SamplingParams(temperature=0, ignore_eos=True))
     while free.has_unfinished():
         free.step()
     text = req.output_text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stop = text[int(len(text) * where):][:length]  # late and long: the check looks at a tail only
     stopped_engine = Engine(tiny, EngineConfig(block_size=4, num_blocks=64))
-    stopped = stopped_engine.add_request("s", [10, 11, 12], 12,
+    stopped = stopped_engine.add_request("s", [10, 11, 12], max_tokens,
                                          SamplingParams(temperature=0, ignore_eos=True, stop=[stop]))
-    by_id = stopped_engine.add_request("t", [10, 11, 12], 12, SamplingParams(
+    by_id = stopped_engine.add_request("t", [10, 11, 12], max_tokens, SamplingParams(
         temperature=0, ignore_eos=True, stop_token_ids=[req.seq.output_token_ids[2]]))
     while stopped_engine.has_unfinished():
         stopped_engine.step()

@@ -117,10 +117,16 @@ def finish_reason_after(req: Request, seq: Sequence, token: int, eos_ids: list[i
 
 
 def _cut_at_stop_string(req: Request, seq: Sequence, eos_ids: list[int], tokenizer: Tokenizer) -> bool:
-    """Whether a stop string has appeared; if so the text is cut before it (it is not returned)."""
-    text = tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
-    hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-    if not hits:
+    """Whether a stop string has appeared; if so the text is cut before it (it is not returned).
+
+    Checked after every token, so a new occurrence must end in the newest token: decoding a tail of
+    tokens that surely holds the longest stop string (a character is at most 4 bytes, a token at
+    least 1, plus a few for a character cut at the tail's start) keeps the check O(1) per token.
+    """
+    start = max(seq.num_prompt_tokens, len(seq) - 4 * max(map(len, req.params.stop)) - 4)
+    tail = tokenizer.decode([t for t in seq.token_ids[start:] if t not in eos_ids])
+    if not any(s in tail for s in req.params.stop):
         return False
-    req.stop_texts[seq.seq_id] = text[: min(hits)]
+    text = tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
+    req.stop_texts[seq.seq_id] = text[: min(i for i in (text.find(s) for s in req.params.stop) if i >= 0)]
     return True
