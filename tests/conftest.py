@@ -18,6 +18,25 @@ def draft() -> LoadedModel:
     return load_model("demo-draft")
 
 
+@pytest.fixture(scope="session")
+def workload(demo: LoadedModel) -> list:
+    """16 requests of different lengths and arrival steps on the demo model (tests/engine_helpers.py)."""
+    from tests.engine_helpers import mixed_workload
+
+    return mixed_workload(demo, count=16)
+
+
+@pytest.fixture(scope="session")
+def expected(demo: LoadedModel, workload: list) -> dict[str, list[int]]:
+    """The plain reference model's greedy output for each request of `workload`, computed alone."""
+    from backend.model.reference import reference_generate
+    from tests.engine_helpers import GREEDY
+
+    eos = demo.tokenizer.eos_token_ids
+    return {rid: reference_generate(demo.model, prompt, max_tokens, GREEDY, eos)
+            for rid, _, prompt, max_tokens in workload}
+
+
 def make_tiny_model(n_kv_heads: int = 2, seed: int = 0, mla: bool = False) -> LoadedModel:
     """A small random decoder with the shipped tokenizer: fast, and with peaked, varied logits."""
     from pathlib import Path

@@ -27,18 +27,6 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def workload(demo):
-    return mixed_workload(demo, count=16)
-
-
-@pytest.fixture(scope="module")
-def expected(demo, workload):
-    eos = demo.tokenizer.eos_token_ids
-    return {rid: reference_generate(demo.model, prompt, max_tokens, GREEDY, eos)
-            for rid, _, prompt, max_tokens in workload}
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 def test_engine_greedy_equals_reference(mode, demo, workload, expected):
     engine = run_engine(demo, EngineConfig(**MODES[mode]), workload)

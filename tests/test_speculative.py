@@ -18,8 +18,7 @@ from backend.engine.request import RequestError
 from backend.engine.speculative import Verdict, lookup, verify
 from backend.events.schema import parse_event
 from backend.events.state import RunState
-from backend.model.reference import reference_generate
-from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
+from tests.engine_helpers import GREEDY, outputs, run_engine
 
 DRAFT = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}
 NGRAM = {"method": "ngram", "num_tokens": 3}
@@ -36,18 +35,6 @@ MODES = {
     "ngram-k3": dict(speculative=NGRAM, block_size=4, num_blocks=400),
     "ngram-preemption": dict(speculative=NGRAM, block_size=4, num_blocks=30, max_num_batched_tokens=64),
 }
-
-
-@pytest.fixture(scope="module")
-def workload(demo):
-    return mixed_workload(demo, count=16)
-
-
-@pytest.fixture(scope="module")
-def expected(demo, workload):
-    eos = demo.tokenizer.eos_token_ids
-    return {rid: reference_generate(demo.model, prompt, max_tokens, GREEDY, eos)
-            for rid, _, prompt, max_tokens in workload}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
