@@ -15,10 +15,11 @@ import backend.engine.engine as engine_module
 import backend.engine.speculative_steps as speculative_steps
 from backend.config import EngineConfig
 from backend.engine.request import RequestError
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.speculative import Verdict, lookup, verify
 from backend.events.schema import parse_event
 from backend.events.state import RunState
-from tests.engine_helpers import GREEDY, outputs, run_engine
+from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 
 DRAFT = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}
 NGRAM = {"method": "ngram", "num_tokens": 3}
@@ -185,3 +186,16 @@ def test_the_distribution_test_catches_a_wrong_rule(demo, draft, direct_samples,
     monkeypatch.setattr(speculative_steps, "verify", always_accept)
     spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS["T1"])
     assert chi_square_pvalue(spec[0], direct_samples["T1"][0]) < 0.01
+
+
+@pytest.mark.parametrize("spec", [DRAFT, NGRAM])
+def test_seeded_speculative_sampling_is_the_same_alone_and_in_a_crowd(demo, draft, spec):
+    """Drafts draw from the request's own draft stream and verdicts from its own target stream."""
+    prompt = demo.tokenizer.encode("GLOUCESTER:\nNow is the winter of our discontent")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    config = EngineConfig(speculative=spec, block_size=4, num_blocks=600)
+    alone = run_engine(demo, config, [("x", 0, prompt, 24)], params, draft_model=draft)
+    crowd = run_engine(demo, config, [("x", 3, prompt, 24)] + mixed_workload(demo, count=8, seed=4),
+                       lambda rid: params if rid == "x" else SamplingParams(temperature=1.0, seed=int(rid[1:])),
+                       draft_model=draft)
+    assert alone.requests["x"].seq.output_token_ids == crowd.requests["x"].seq.output_token_ids
