@@ -2,8 +2,9 @@
 (matplotlib's Agg and SVG renderers, no browser), and the timeline as a Chrome/Perfetto trace.
 
 Shared by `kvscope export` and the dashboard's export button. The state (block tables, requests)
-comes from RunState, the one reducer; the history a view needs (which request ran in which phase
-at which iteration) comes from the iteration events it keeps. See docs/export.md.
+comes from RunState, the one reducer; the past a view needs (which request ran, waited or sat
+preempted at which iteration) from RunHistory, as in the live dashboard, so that an exported
+timeline shows what the page showed. See docs/export.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from backend.events.state import RunState
+from frontend.history import RunHistory
 
 Event = dict[str, Any]
 VIEWS = ("timeline", "blocks", "batch")
@@ -54,10 +56,10 @@ class Run:
 
     events: list[Event]
     state: RunState
+    history: RunHistory
     order: list[str]  # ids of the requests not rejected, in arrival order (their color index)
     batches: dict[int, dict[str, tuple[str, int]]]  # iteration -> request -> (phase, query tokens)
     ran: dict[str, list[int]]  # request -> the iterations it was in, ascending
-    preempted: dict[str, list[int]]  # request -> the iterations that preempted it
     starts: dict[int, float]  # iteration -> t when it started
     end_t: float  # t when the last iteration ended
     last: int  # the last iteration
@@ -125,35 +127,29 @@ def replay(events: list[Event], step: int | None = None) -> Run:
     if step is not None:
         events = [e for e in events if e["step"] <= step]
         iterations = [e for e in iterations if e["step"] <= step]
-    state = RunState(max_iterations=len(iterations))
+    state, history = RunState(max_iterations=len(iterations)), RunHistory()
     for event in events:
         state.apply(event)
-    batches = _batches(iterations)
+        history.apply(event, state)
+    batches = _batches(history)
+    ran: dict[str, list[int]] = {}
+    for step in sorted(batches):
+        for rid in batches[step]:
+            ran.setdefault(rid, []).append(step)
     order = [rid for rid, view in state.requests.items() if view.status != "rejected"]
-    return Run(events, state, order, batches, _by_request(sorted(batches.items())),
-               _by_request((e["step"], [e["request_id"]]) for e in events if e["type"] == "preempt"),
+    return Run(events, state, history, order, batches, ran,
                {it["step"]: it["t"] - it["duration_s"] for it in iterations}, iterations[-1]["t"],
                iterations[-1]["step"])
 
 
-def _by_request(steps) -> dict[str, list[int]]:
-    """[(step, request ids)] -> request -> its steps, in the order given."""
-    out: dict[str, list[int]] = {}
-    for step, rids in steps:
-        for rid in rids:
-            out.setdefault(rid, []).append(step)
-    return out
-
-
-def _batches(iterations: list[Event]) -> dict[int, dict[str, tuple[str, int]]]:
+def _batches(history: RunHistory) -> dict[int, dict[str, tuple[str, int]]]:
     """Per iteration, per request: its phase (prefill wins over its other sequences', then verify) and tokens."""
     out: dict[int, dict[str, tuple[str, int]]] = {}
-    for it in iterations:
-        per = out.setdefault(it["step"], {})
-        for entry in it["batch"]:
-            phase, tokens = per.get(entry["request_id"], (entry["phase"], 0))
-            phase = max(phase, entry["phase"], key=PHASE_RANK.__getitem__)
-            per[entry["request_id"]] = (phase, tokens + entry["num_query_tokens"])
+    for column in history.columns:
+        per = out.setdefault(column.step, {})
+        for cell in column.scheduled:
+            phase, tokens = per.get(cell.request_id, (cell.kind, 0))
+            per[cell.request_id] = (max(phase, cell.kind, key=PHASE_RANK.__getitem__), tokens + cell.tokens)
     return out
 
 
@@ -202,25 +198,22 @@ def engine_facts(run: Run) -> str:
 
 
 def segments(run: Run, rid: str) -> list[Segment]:
-    """One request's [start, end) iteration ranges: waiting, prefill chunks, decode runs, preempted gaps."""
-    view = run.state.requests[rid]
-    ran = run.ran.get(rid, [])
-    end = view.finish_step + 1 if view.finish_step is not None else run.last + 1
-    ready = view.arrival_step + 1
-    segs = [Segment("waiting", ready, ran[0] if ran else end)] if (ran[0] if ran else end) > ready else []
-    for p in run.preempted.get(rid, []):
-        start = p + 1 if p in ran else p
-        resumed = next((s for s in ran if s >= start), end)
-        if resumed > start:
-            segs.append(Segment("preempted", start, resumed))
-    for s in ran:
-        phase, tokens = run.batches[s][rid]
+    """One request's [start, end) iteration ranges: waiting, prefill chunks, decode runs, preempted gaps.
+
+    Read from RunHistory's columns (the live timeline's cells): each prefill chunk is its own
+    segment; consecutive waiting, preempted, decode or verify iterations merge into one."""
+    segs: list[Segment] = []
+    for column in run.history.columns:
+        kind, tokens = run.batches[column.step].get(rid) or next(
+            ((c.kind, 0) for c in column.cells if c.request_id == rid), (None, 0))
+        if kind is None:
+            continue
         last = segs[-1] if segs else None
-        if phase in ("decode", "verify") and last and last.kind == phase and last.end == s:
-            last.end, last.tokens = s + 1, last.tokens + tokens
+        if kind != "prefill" and last and last.kind == kind and last.end == column.step:
+            last.end, last.tokens = column.step + 1, last.tokens + tokens
         else:
-            segs.append(Segment(phase, s, s + 1, tokens))
-    return sorted(segs, key=lambda seg: seg.start)
+            segs.append(Segment(kind, column.step, column.step + 1, tokens))
+    return segs
 
 
 def draw_timeline(run: Run, seconds: bool = False) -> Figure:
