@@ -19,6 +19,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.speculative import Verdict, lookup, verify
 from backend.events.schema import parse_event
 from backend.events.state import RunState
+from backend.model.reference import reference_generate
 from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 
 DRAFT = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}
@@ -199,3 +200,18 @@ def test_seeded_speculative_sampling_is_the_same_alone_and_in_a_crowd(demo, draf
                        lambda rid: params if rid == "x" else SamplingParams(temperature=1.0, seed=int(rid[1:])),
                        draft_model=draft)
     assert alone.requests["x"].seq.output_token_ids == crowd.requests["x"].seq.output_token_ids
+
+
+@pytest.mark.parametrize("spec", [None, DRAFT, NGRAM])
+def test_penalties_see_the_output_so_far_with_and_without_speculation(demo, draft, spec):
+    """Greedy with repetition, presence and frequency penalties equals the reference, token for token:
+    each position (a verified draft's too) is penalised by exactly the output before it."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3,
+                            ignore_eos=True)
+    work = [(f"p{i}", i, demo.tokenizer.encode(text), 24) for i, text in
+            enumerate(["ROMEO:\nAnd I will", "JULIET:\nO Romeo, Romeo", "KING:\nWe will, we will"])]
+    engine = run_engine(demo, EngineConfig(speculative=spec, block_size=4, num_blocks=400), work, params,
+                        draft_model=draft)
+    for rid, _, prompt, max_tokens in work:
+        assert engine.requests[rid].seq.output_token_ids == reference_generate(
+            demo.model, prompt, max_tokens, params, demo.tokenizer.eos_token_ids)
