@@ -218,7 +218,7 @@ class Engine(SpeculativeSteps, SequenceGroups):
         reqs = [self.unfinished[seq.seq_id] for seq in seqs]
         result = sample(logits[[r for _, r in pairs]], [r.params for r in reqs],
                         [r.generators[seq.seq_id] for r, seq in zip(reqs, seqs, strict=True)], self.eos_ids,
-                        [seq.token_ids for seq in seqs], [seq.output_token_ids for seq in seqs])
+                        [seq.token_ids for seq in seqs], [seq.num_prompt_tokens for seq in seqs])
         tops = self._top_tokens(result.raw_probs, result.final_probs, result.token_ids) if self.bus.wants_dist else None
         for row, (req, seq) in enumerate(zip(reqs, seqs, strict=True)):
             token = result.token_ids[row]
@@ -242,9 +242,11 @@ class Engine(SpeculativeSteps, SequenceGroups):
 
     def _abort_impossible(self) -> None:
         """A sequence that has outgrown the whole cache can never run again: end it, let the rest go on."""
-        for seq_id, req in list(self.unfinished.items()):
-            seq = next(s for s in req.seqs if s.seq_id == seq_id)
+        for seq in self.live_sequences():
+            if seq.seq_id not in self.unfinished:
+                continue  # a draft model's shadow: it goes with its target sequence
             need = math.ceil((len(seq) + 1) / self.config.block_size)
+            req = self.requests[seq.request_id]
             if need > self.cache.num_blocks and req.finish_reason is None:
                 self._abort_request(req, f"needs {need} KV blocks, the cache has {self.cache.num_blocks}")
 

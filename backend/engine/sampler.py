@@ -99,22 +99,27 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 
 
 def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int],
-                  histories: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
+                  histories: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(raw log-probs at T=1, penalised logits, final distribution), each [B, V], for logits [B, V]."""
+    """(raw log-probs at T=1, penalised logits, final distribution), each [B, V], for logits [B, V].
+
+    histories: each row's tokens so far (prompt + output), prompt_lens where its output starts; they
+    are read (and the outputs cut from them) only when a row asks for a penalty."""
     logits = logits.float()
     raw_log = torch.log_softmax(logits, dim=-1)
-    histories = histories or [[] for _ in params]
-    outputs = outputs or [[] for _ in params]
-    adjusted = apply_penalties(logits, params, histories, outputs) if any(penalised(p) for p in params) else logits
+    adjusted = logits
+    if any(penalised(p) for p in params):
+        histories = histories or [[] for _ in params]
+        lens = prompt_lens or [len(h) for h in histories]
+        adjusted = apply_penalties(logits, params, histories, [h[n:] for h, n in zip(histories, lens, strict=True)])
     return raw_log, adjusted, final_distribution(adjusted, params, eos_ids)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            eos_ids: list[int], histories: list[list[int]] | None = None,
-           outputs: list[list[int]] | None = None) -> SamplerOutput:
-    """Pick one token per row of logits [B, V]."""
-    raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, outputs)
+           prompt_lens: list[int] | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V] (histories and prompt_lens as in `distributions`)."""
+    raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, prompt_lens)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
                                                                       draw(final, generators))

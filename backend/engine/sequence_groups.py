@@ -92,7 +92,9 @@ class SequenceGroups:
             self.proposer.release(seq)
         self.unfinished.pop(seq.seq_id, None)
         req.seq_finish[seq.seq_id] = reason
-        if req.beam is not None and reason != "pruned":
+        if reason == "pruned":
+            req.seqs.remove(seq)  # a pruned beam returns nothing: keeps _live short as beams fork every step
+        elif req.beam is not None:
             req.beam.finished.append(Hypothesis(seq.seq_id, seq.output_token_ids, req.cumulative_logprob[seq.seq_id],
                                                 reason))
         if req.multi:
@@ -131,5 +133,5 @@ class SequenceGroups:
         return [{"seq_id": s.seq_id, "output_token_ids": s.output_token_ids, "finish_reason": req.seq_finish[s.seq_id],
                  "output_text": req.output_text_of(s, self.tokenizer, self.eos_ids),
                  "cumulative_logprob": req.cumulative_logprob[s.seq_id], "score": None}
-                for s in req.seqs if req.seq_finish.get(s.seq_id) != "pruned"]
+                for s in req.seqs]
 

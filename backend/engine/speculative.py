@@ -184,7 +184,7 @@ class DraftModelProposer:
                 self.blocks.commit_computed(item.seq)
             reqs = [requests[i] for i, _ in pairs]
             out = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
-                         [item.seq.token_ids for item in batch], [item.seq.output_token_ids for item in batch])
+                         [item.seq.token_ids for item in batch], [item.seq.num_prompt_tokens for item in batch])
             for row, (i, item) in enumerate(pairs):
                 item.seq.token_ids.append(out.token_ids[row])
                 drafted[i].append(out.token_ids[row])

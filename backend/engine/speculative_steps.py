@@ -89,7 +89,7 @@ class SpeculativeSteps:
         # What each row's penalties see: the tokens before it, accepted drafts included.
         prefixes = [seq.token_ids[:start + j] for j in range(k + 1)] if penalised(req.params) else None
         raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.eos_ids, prefixes,
-                                      prefixes and [t[seq.num_prompt_tokens:] for t in prefixes])
+                                      [seq.num_prompt_tokens] * (k + 1))
         verdict = verify(p, proposal.q, drafts, req.generators[seq.seq_id], req.params.greedy)
         del seq.token_ids[start:]
         seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts

@@ -30,7 +30,7 @@ def reference_generate(model: CausalLM, prompt_ids: list[int], max_tokens: int,
     out: list[int] = []
     for _ in range(max_tokens):
         logits = next_token_logits(model, prompt_ids + out)[None]
-        token = sample(logits, [params], [gen], eos_ids or [], [prompt_ids + out], [out]).token_ids[0]
+        token = sample(logits, [params], [gen], eos_ids or [], [prompt_ids + out], [len(prompt_ids)]).token_ids[0]
         out.append(token)
         if token in stops:
             break
