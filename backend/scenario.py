@@ -10,6 +10,7 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,8 @@ from backend.config import EngineConfig
 from backend.engine.sampling_params import SamplingParams
 from backend.model.tokenizer import Tokenizer, read_corpus
 
-SCENARIOS_DIR = Path(__file__).resolve().parents[1] / "scenarios"
+# Package data of the `scenarios` package, so that an installed wheel finds them too.
+SCENARIOS_DIR = Path(str(resources.files("scenarios")))
 NAME_PATTERN = r"^[a-z0-9-]+$"
 
 

@@ -7,14 +7,15 @@ and an end-of-text token is placed between them, so that the models learn to sto
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOS_TEXT = "<|endoftext|>"
-# The project root sits beside shared/ (developers and CI alike).
-DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+# Package data (backend/data/README.md), so that a wheel or a bare clone carries it.
+CORPUS_NAME = "tinyshakespeare.txt"
 
 
 class Tokenizer:
@@ -51,9 +52,10 @@ class Tokenizer:
         self._tok.save(str(path))
 
 
-def read_corpus(path: Path = DEFAULT_CORPUS) -> tuple[str, str]:
-    """The corpus split by position: first 90% train, last 10% validation (its README's rule)."""
-    text = path.read_text(encoding="utf-8")
+def read_corpus(path: Path | None = None) -> tuple[str, str]:
+    """The corpus (default: the bundled Tiny Shakespeare) split by position: first 90% train, last 10% validation."""
+    source = path or resources.files("backend") / "data" / CORPUS_NAME
+    text = source.read_text(encoding="utf-8")
     cut = int(len(text) * 0.9)
     return text[:cut], text[cut:]
 

@@ -1,0 +1,1 @@
+"""The bundled scenarios: YAML files shipped as package data (read through importlib.resources)."""
