@@ -98,15 +98,6 @@ class ModelConfig(BaseModel):
         """The KV formula: 2·L·N_kv·D_h·bytes (MLA: L·(kv_lora_rank + qk_rope_head_dim)·bytes)."""
         return self.num_hidden_layers * self.kv_values_per_token_per_layer() * DTYPE_BYTES[dtype]
 
-    def num_parameters(self) -> int:
-        """Parameter count, counting tied embeddings once."""
-        import torch  # local: reading a config needs no torch
-
-        from backend.model.transformer import CausalLM
-
-        with torch.device("meta"):
-            return sum(p.numel() for p in CausalLM(self).parameters())
-
     # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------------
 
     @classmethod

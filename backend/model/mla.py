@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from backend.config import ModelConfig
 from backend.model.attention import AttentionBackend
-from backend.model.transformer import RMSNorm, apply_rope
+from backend.model.layers import RMSNorm, apply_rope
 
 
 class MLAttention(nn.Module):

@@ -22,7 +22,7 @@ from backend.model.attention import DenseCausalBackend
 from backend.model.loader import SHIPPED_MODELS_DIR, save_model
 from backend.model.quality import CONTEXT, bits_per_char, evaluate, validation_windows
 from backend.model.tokenizer import Tokenizer, encode_corpus, read_corpus, train_bpe
-from backend.model.transformer import CausalLM
+from backend.model.transformer import CausalLM, num_parameters
 
 VOCAB_SIZE = 2048
 TOKENIZER_PATH = SHIPPED_MODELS_DIR / "tokenizer.json"
@@ -159,7 +159,7 @@ def train_model(name: str, out_root: Path = SHIPPED_MODELS_DIR, steps: int | Non
     val_nats = evaluate(model, val_rows)
     metrics = {
         "name": name,
-        "parameters": config.num_parameters(),
+        "parameters": num_parameters(config),
         "steps": s.steps,
         "batch": f"{s.batch_size} x {CONTEXT} tokens",
         "train_seconds": round(state["elapsed_s"], 1),
