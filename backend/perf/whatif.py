@@ -16,7 +16,7 @@ from backend.perf.errors import PerfError
 from backend.perf.hardware import LINKS, HardwareProfile, get_hardware
 from backend.perf.shapes import ModelShape, get_shape
 
-DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "int8"}
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def deployment(model_shape: str | ModelShape, hardware: str | HardwareProfile, tp: int = 1,
