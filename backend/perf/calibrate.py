@@ -3,8 +3,8 @@
 Two numbers make a roofline: matmul FLOP/s and memory bandwidth. Both are measured on the device
 kvscope would run on (CUDA when present, else the CPU) with plain torch: a square fp32 matmul (and
 bf16 on CUDA, the tensor-core roof), and a copy of a tensor far larger than any cache, counting
-read plus write. The best repetition is kept, not the mean: a roof is what the machine can reach.
-The result is saved as JSON under $XDG_CACHE_HOME/kvscope (default ~/.cache/kvscope) and reused on
+read plus write (sizes per device in SIZES). The best repetition is kept, not the mean: a roof is
+what the machine can reach. The result is saved as JSON under $XDG_CACHE_HOME/kvscope (default ~/.cache/kvscope) and reused on
 the same host; `this_machine(recalibrate=True)` measures again.
 """
 
@@ -23,8 +23,10 @@ from backend.perf.hardware import THIS_MACHINE, HardwareProfile
 
 CACHE_VERSION = 1
 FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "memory_bytes", "measured_at")
-MATMUL_N = 1024
-COPY_NUMEL = 16 * 1024**2  # 64 MB of fp32: larger than any CPU cache, so the copy streams from DRAM
+# (matmul side, fp32 copy elements) per device type. CPU: 64 MB outgrows any cache, so the copy streams
+# from DRAM. CUDA: a 1024² matmul or a 64 MB copy takes microseconds, less than the synchronize that
+# times it, so a GPU gets work of milliseconds (a 1 GB copy, an 8192² matmul).
+SIZES = {"cpu": (1024, 16 * 1024**2), "cuda": (8192, 256 * 1024**2)}
 DEFAULT_SECONDS = 4.0  # total budget; the brief of this feature allows 5 s
 
 
@@ -71,13 +73,14 @@ def best_seconds(run, budget_s: float, sync) -> float:
 
 
 def measure_matmul_flops(dev: torch.device, dtype: torch.dtype, budget_s: float) -> float:
-    a, b = (torch.randn(MATMUL_N, MATMUL_N, device=dev, dtype=dtype) for _ in range(2))
+    n = SIZES[dev.type][0]
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
     out = torch.empty_like(a)
-    return 2 * MATMUL_N**3 / best_seconds(lambda: torch.mm(a, b, out=out), budget_s, synchronizer(dev))
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=out), budget_s, synchronizer(dev))
 
 
 def measure_copy_bandwidth(dev: torch.device, budget_s: float) -> float:
-    src = torch.ones(COPY_NUMEL, device=dev)
+    src = torch.ones(SIZES[dev.type][1], device=dev)
     dst = torch.empty_like(src)
     moved = 2 * src.numel() * src.element_size()  # read the source, write the destination
     return moved / best_seconds(lambda: dst.copy_(src), budget_s, synchronizer(dev))
