@@ -4,8 +4,8 @@ Two numbers make a roofline: matmul FLOP/s and memory bandwidth. Both are measur
 kvscope would run on (CUDA when present, else the CPU) with plain torch: a square fp32 matmul (and
 bf16 on CUDA, the tensor-core roof), and a copy of a tensor far larger than any cache, counting
 read plus write (sizes per device in SIZES). The best repetition is kept, not the mean: a roof is
-what the machine can reach. The result is saved as JSON under $XDG_CACHE_HOME/kvscope (default ~/.cache/kvscope) and reused on
-the same host; `this_machine(recalibrate=True)` measures again.
+what the machine can reach. The result is saved as JSON under $XDG_CACHE_HOME/kvscope (default
+~/.cache/kvscope) and reused on the same host; `this_machine(recalibrate=True)` measures again.
 """
 
 from __future__ import annotations
