@@ -18,8 +18,8 @@ What is counted (docs/perf_model.md has the formulas):
   backend/engine/kv_cache.py, int8 scales included);
 - MoE: the shared and routed experts a token uses for FLOPs; for bytes, the experts the batch
   touches, expected under uniform routing.
-Left out: norms, rotary, activations' traffic, the embedding lookup, sampling; kernels reaching
-their roofs (real kernels reach 60-90% of them).
+Left out: norms, rotary, activations' traffic, the embedding lookup, sampling. Assumed: kernels
+reach their roofs (real ones reach 60-90% of them), so times are lower bounds.
 """
 
 from __future__ import annotations
