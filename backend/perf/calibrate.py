@@ -1,0 +1,127 @@
+"""`this-machine`: a profile measured by a micro-benchmark of a few seconds, then kept in the cache dir.
+
+Two numbers make a roofline: matmul FLOP/s and memory bandwidth. Both are measured on the device
+kvscope would run on (CUDA when present, else the CPU) with plain torch: a square fp32 matmul (and
+bf16 on CUDA, the tensor-core roof), and a copy of a tensor far larger than any cache, counting
+read plus write (sizes per device in SIZES). The best repetition is kept, not the mean: a roof is
+what the machine can reach. The result is saved as JSON under $XDG_CACHE_HOME/kvscope (default
+~/.cache/kvscope) and reused on the same host; `this_machine(recalibrate=True)` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from backend.perf.hardware import THIS_MACHINE, HardwareProfile
+
+CACHE_VERSION = 1
+FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "memory_bytes", "measured_at")
+# (matmul side, fp32 copy elements) per device type. CPU: 64 MB outgrows any cache, so the copy streams
+# from DRAM. CUDA: a 1024² matmul or a 64 MB copy takes microseconds, less than the synchronize that
+# times it, so a GPU gets work of milliseconds (a 1 GB copy, an 8192² matmul).
+SIZES = {"cpu": (1024, 16 * 1024**2), "cuda": (8192, 256 * 1024**2)}
+DEFAULT_SECONDS = 4.0  # total budget; the brief of this feature allows 5 s
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvscope" / "this-machine.json"
+
+
+def this_machine(recalibrate: bool = False) -> HardwareProfile:
+    """The cached measurement of this host, or a fresh one (saved for next time)."""
+    cached = None if recalibrate else read_cache()
+    if cached is not None:
+        return profile_from(cached)
+    figures = calibrate()
+    try:
+        write_cache(figures)
+    except OSError:
+        pass  # the cache only saves seconds; a read-only home must not stop a what-if
+    return profile_from(figures)
+
+
+def calibrate(seconds: float = DEFAULT_SECONDS, device: str | None = None) -> dict:
+    """Measure matmul FLOP/s and copy bandwidth within about `seconds`; a JSON-ready dict."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fp32 = measure_matmul_flops(dev, torch.float32, seconds / 3)
+    # On a CPU, kvscope computes in fp32 (bf16 has no fast path on most CPUs): one roof for both.
+    bf16 = measure_matmul_flops(dev, torch.bfloat16, seconds / 3) if dev.type == "cuda" else fp32
+    return {"version": CACHE_VERSION, "host": platform.node(), "device": describe(dev),
+            "fp32_flops": fp32, "bf16_flops": bf16, "mem_bandwidth": measure_copy_bandwidth(dev, seconds / 3),
+            "memory_bytes": memory_bytes(dev), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def best_seconds(run, budget_s: float, sync) -> float:
+    """Fastest of as many repetitions of run() as fit in budget_s (at least three)."""
+    run()
+    sync()  # warm-up: allocation, thread pool, cuBLAS handle
+    best, deadline, reps = float("inf"), time.perf_counter() + budget_s, 0
+    while reps < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        run()
+        sync()
+        best, reps = min(best, time.perf_counter() - start), reps + 1
+    return best
+
+
+def measure_matmul_flops(dev: torch.device, dtype: torch.dtype, budget_s: float) -> float:
+    n = SIZES[dev.type][0]
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=out), budget_s, synchronizer(dev))
+
+
+def measure_copy_bandwidth(dev: torch.device, budget_s: float) -> float:
+    src = torch.ones(SIZES[dev.type][1], device=dev)
+    dst = torch.empty_like(src)
+    moved = 2 * src.numel() * src.element_size()  # read the source, write the destination
+    return moved / best_seconds(lambda: dst.copy_(src), budget_s, synchronizer(dev))
+
+
+def synchronizer(dev: torch.device):
+    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
+def describe(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def memory_bytes(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def read_cache() -> dict | None:
+    """The saved figures of this host, or None (missing, unreadable, older format or another host)."""
+    try:
+        figures = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(figures, dict) or any(key not in figures for key in FIGURES):
+        return None
+    if figures.get("version") != CACHE_VERSION or figures.get("host") != platform.node():
+        return None
+    return figures
+
+
+def write_cache(figures: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2))
+
+
+def profile_from(figures: dict) -> HardwareProfile:
+    return HardwareProfile(THIS_MACHINE, f"{figures['device']} (measured)", figures["bf16_flops"],
+                           figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
+                           figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}")

@@ -1,0 +1,91 @@
+"""Hardware profiles: peak FLOP/s, memory bandwidth and size, and the link between GPUs.
+
+Figures are the vendors' datasheet numbers, dense (no 2:4 sparsity), per GPU; docs/perf_model.md
+names the datasheet of each. Link bandwidths are per direction, the figure a ring all-reduce moves
+at. Two numbers are not from datasheets and say so: `iteration_overhead_s` (scheduling, sampling and
+launch gaps of one engine step) and a link's `latency_s` (one small all-reduce); both are the order
+of magnitude CUDA-graph decoding and NCCL show, used so that tiny batches do not cost zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from backend.perf.errors import PerfError, unknown_name
+
+TERA, GIGA = 1e12, 1e9
+DEFAULT_ITERATION_OVERHEAD_S = 50e-6  # assumed: one CUDA-graph replay plus sampling, not a datasheet figure
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    name: str
+    bandwidth: float  # bytes/s per direction
+    latency_s: float  # assumed per all-reduce, not a datasheet figure
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    label: str
+    bf16_flops: float  # dense tensor-core FLOP/s (fp16 is the same on every GPU here)
+    fp32_flops: float  # plain fp32 (CUDA cores), what an fp32 model gets without TF32
+    int8_ops: float  # dense tensor-core int8 OP/s; listed, not used: kvscope dequantizes to the activation dtype
+    mem_bandwidth: float  # bytes/s of HBM or GDDR
+    memory_bytes: float
+    link: LinkProfile | None  # None: one device, no tensor parallelism
+    source: str
+    iteration_overhead_s: float = DEFAULT_ITERATION_OVERHEAD_S
+
+    def peak_flops(self, dtype: str) -> float:
+        """The compute roof for matmuls in this activation dtype."""
+        return self.fp32_flops if dtype == "float32" else self.bf16_flops
+
+    def ridge(self, dtype: str) -> float:
+        """Arithmetic intensity (FLOP per byte) where the two roofs meet."""
+        return self.peak_flops(dtype) / self.mem_bandwidth
+
+
+NVLINK4 = LinkProfile("nvlink4", 450 * GIGA, 8e-6)  # H100/H200 SXM: 900 GB/s total, 450 each way
+NVLINK3 = LinkProfile("nvlink3", 300 * GIGA, 8e-6)  # A100 SXM: 600 GB/s total
+PCIE5 = LinkProfile("pcie5", 64 * GIGA, 20e-6)  # PCIe Gen5 x16: 128 GB/s total
+PCIE4 = LinkProfile("pcie4", 32 * GIGA, 20e-6)  # PCIe Gen4 x16: 64 GB/s total
+LINKS = {link.name: link for link in (NVLINK4, NVLINK3, PCIE5, PCIE4)}
+
+DATASHEET: dict[str, HardwareProfile] = {h.name: h for h in (
+    HardwareProfile("h100", "NVIDIA H100 SXM5 80GB", 989.4 * TERA, 66.9 * TERA, 1978.9 * TERA, 3.35e12, 80e9,
+                    NVLINK4, "NVIDIA H100 Tensor Core GPU datasheet (SXM column)"),
+    HardwareProfile("h200", "NVIDIA H200 SXM 141GB", 989.4 * TERA, 66.9 * TERA, 1978.9 * TERA, 4.8e12, 141e9,
+                    NVLINK4, "NVIDIA H200 Tensor Core GPU datasheet (SXM column)"),
+    HardwareProfile("a100-80gb", "NVIDIA A100 SXM4 80GB", 312 * TERA, 19.5 * TERA, 624 * TERA, 2.039e12, 80e9,
+                    NVLINK3, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column)"),
+    HardwareProfile("l4", "NVIDIA L4 24GB", 121 * TERA, 30.3 * TERA, 242.5 * TERA, 300e9, 24e9,
+                    PCIE4, "NVIDIA L4 Tensor Core GPU datasheet"),
+    HardwareProfile("rtx-4090", "NVIDIA GeForce RTX 4090 24GB", 165.2 * TERA, 82.6 * TERA, 660.6 * TERA, 1008e9,
+                    24e9, PCIE4, "NVIDIA Ada Lovelace architecture whitepaper, appendix table (GeForce "
+                                     "RTX 4090; bf16 with fp32 accumulate)"),
+)}
+THIS_MACHINE = "this-machine"
+HARDWARE_NAMES = [*DATASHEET, THIS_MACHINE]
+
+
+def get_hardware(name: str, link: str | None = None) -> HardwareProfile:
+    """A named profile (`this-machine`: calibrated once, then read from the cache); link overrides its link."""
+    if name == THIS_MACHINE:
+        from backend.perf.calibrate import this_machine  # calibrate imports this module; torch only when asked
+
+        profile = this_machine()
+    elif name in DATASHEET:
+        profile = DATASHEET[name]
+    else:
+        raise unknown_name("hardware", name, HARDWARE_NAMES)
+    return profile if link is None else with_link(profile, link)
+
+
+def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:
+    """The same GPU joined by another link (e.g. H100 PCIe cards: pcie5)."""
+    if link not in LINKS:
+        raise unknown_name("link", link, list(LINKS))
+    if profile.link is None:
+        raise PerfError("link", f"{profile.name} is a single device; it has no link to replace")
+    return replace(profile, link=LINKS[link])

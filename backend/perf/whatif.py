@@ -1,0 +1,141 @@
+"""`kvscope whatif`: one iteration of a model shape on a GPU type, costed op group by op group.
+
+A decode step of B sequences at context T, or (--prefill) B prompts of T tokens each, through the
+roofline model of cost_model.py. Output: a table, or with --json one object whose `flops`, `bytes`,
+`time_s` and `bound` describe the iteration on one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
+                                     iteration_cost, resident_bytes)
+from backend.perf.errors import PerfError
+from backend.perf.hardware import LINKS, HardwareProfile, get_hardware
+from backend.perf.shapes import ModelShape, get_shape
+
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def deployment(model_shape: str | ModelShape, hardware: str | HardwareProfile, tp: int = 1,
+               kv_cache_dtype: str = "auto", weight_quant: str = "none", quant_group_size: int = 64,
+               link: str | None = None) -> Deployment:
+    """Resolve names (unknown ones raise a PerfError listing the valid names) into a Deployment."""
+    shape = get_shape(model_shape) if isinstance(model_shape, str) else model_shape
+    hw = get_hardware(hardware, link) if isinstance(hardware, str) else hardware
+    return Deployment(shape, hw, tp, kv_cache_dtype, weight_quant, quant_group_size)
+
+
+def step_batch(batch: int, context: int, prefill: bool = False) -> list[BatchItem]:
+    """B decode rows at context T, or B whole prompts of T tokens (each samples its last token)."""
+    if batch < 1:
+        raise PerfError("batch", f"must be >= 1, got {batch}")
+    if context < 1:
+        raise PerfError("context", f"must be >= 1, got {context}")
+    row = BatchItem("prefill", context, context) if prefill else BatchItem("decode", 1, context)
+    return [row] * batch
+
+
+def whatif(model_shape: str | ModelShape, hardware: str | HardwareProfile, batch: int, context: int,
+           prefill: bool = False, tp: int = 1, kv_cache_dtype: str = "auto", weight_quant: str = "none",
+           quant_group_size: int = 64, link: str | None = None) -> dict:
+    """One iteration's FLOPs, bytes, intensity, bound and time, in total and by op group (per GPU)."""
+    dep = deployment(model_shape, hardware, tp, kv_cache_dtype, weight_quant, quant_group_size, link)
+    cost = iteration_cost(dep, step_batch(batch, context, prefill))
+    return describe(dep, cost, batch, context, prefill)
+
+
+def describe(dep: Deployment, cost: IterationCost, batch: int, context: int, prefill: bool) -> dict:
+    """The JSON form of a what-if."""
+    weights, kv = resident_bytes(dep), batch * context * dep.kv_bytes_per_token
+    return {
+        "model_shape": dep.shape.name, "hardware": dep.hardware.name, "hardware_label": dep.hardware.label,
+        "link": dep.hardware.link.name if dep.hardware.link else None,
+        "tp": dep.tp, "phase": "prefill" if prefill else "decode", "batch": batch, "context": context,
+        "dtype": dep.dtype, "weight_quant": dep.weight_quant, "kv_cache_dtype": dep.kv_cache_dtype,
+        "flops": cost.flops, "bytes": cost.bytes, "time_s": cost.time_s, "intensity": cost.intensity,
+        "ridge": cost.ridge, "bound": cost.bound, "overhead_s": cost.overhead_s,
+        "tokens": cost.num_tokens, "tokens_per_s": cost.num_tokens / cost.time_s,
+        "ops": [{"group": op.group, "flops": op.flops, "bytes": op.bytes, "link_bytes": op.link_bytes,
+                 "intensity": op.intensity if op.bytes else None, "bound": op.bound, "time_s": op.time_s}
+                for op in cost.ops],
+        "memory": {"weights_bytes": weights, "kv_bytes": kv, "capacity_bytes": dep.hardware.memory_bytes,
+                   "fits": weights + kv <= dep.hardware.memory_bytes},
+        "per_gpu": True,
+    }
+
+
+def decode_knee(dep: Deployment, context: int, max_batch: int = 1024) -> int | None:
+    """Smallest decode batch (up to max_batch) whose iteration is compute-bound, or None.
+
+    Intensity grows with the batch (weights are shared, per-row work is not), so the bound flips
+    at most once and a bisection finds it.
+    """
+    def compute_bound(b: int) -> bool:
+        return iteration_cost(dep, step_batch(b, context)).bound == "compute"
+
+    if not compute_bound(max_batch):
+        return None
+    lo, hi = 1, max_batch  # invariant: hi is compute-bound
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid + 1, hi)
+    return hi
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+def format_table(result: dict) -> str:
+    """The what-if as a plain-text table: one line per op group, then the iteration."""
+    r = result
+    rows = "prompt" if r["phase"] == "prefill" else "sequence"
+    what = (f"prefill of {r['batch']:,} {rows}{'s' * (r['batch'] != 1)} of {r['context']:,} tokens"
+            if r["phase"] == "prefill" else
+            f"decode step of {r['batch']:,} {rows}{'s' * (r['batch'] != 1)} at context {r['context']:,}")
+    weights = r["weight_quant"] if r["weight_quant"] != "none" else DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    kv = "int8" if r["kv_cache_dtype"] == "int8" else DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    tp = f", tp {r['tp']} over {r['link']}" if r["tp"] > 1 else ""
+    lines = [f"{r['model_shape']} on {r['hardware_label']}{tp}: {what} ({weights} weights, {kv} KV)",
+             f"{'op group':<12}{'GFLOP':>12}{'MB':>12}{'FLOP/B':>10}  {'bound':<8}{'ms':>10}"]
+    for op in r["ops"]:
+        moved = op["bytes"] or op["link_bytes"]
+        intensity = f"{op['intensity']:,.1f}" if op["intensity"] is not None else "-"
+        lines.append(f"{op['group']:<12}{op['flops'] / 1e9:>12,.2f}{moved / 1e6:>12,.1f}{intensity:>10}  "
+                     f"{op['bound']:<8}{op['time_s'] * 1e3:>10.3f}")
+    lines.append(f"{'overhead':<12}{'':>44}{r['overhead_s'] * 1e3:>10.3f}")
+    lines.append(f"{'iteration':<12}{r['flops'] / 1e9:>12,.2f}{r['bytes'] / 1e6:>12,.1f}{r['intensity']:>10,.1f}  "
+                 f"{r['bound']:<8}{r['time_s'] * 1e3:>10.3f}")
+    m = r["memory"]
+    lines.append(f"ridge {r['ridge']:,.0f} FLOP/B; {r['tokens_per_s']:,.0f} tokens/s; per GPU: weights "
+                 f"{m['weights_bytes'] / 1e9:,.1f} GB + KV {m['kv_bytes'] / 1e9:,.1f} GB of "
+                 f"{m['capacity_bytes'] / 1e9:,.1f} GB{'' if m['fits'] else ' (does not fit)'}")
+    return "\n".join(lines)
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+def add_whatif_parser(subparsers) -> argparse.ArgumentParser:
+    """`kvscope whatif ...`: names are checked by whatif() (one line listing the valid ones), not argparse."""
+    w = subparsers.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")
+    w.add_argument("--model-shape", required=True, help="e.g. llama-3-8b, deepseek-v2-lite, smollm2-135m")
+    w.add_argument("--hardware", required=True, help="h100, h200, a100-80gb, l4, rtx-4090 or this-machine")
+    w.add_argument("--batch", type=int, required=True, help="sequences in the step (prompts with --prefill)")
+    w.add_argument("--context", type=int, required=True, help="tokens of context (prompt length with --prefill)")
+    w.add_argument("--prefill", action="store_true", help="cost the prompts' prefill instead of a decode step")
+    w.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: 1, 2, 4 or 8")
+    w.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    w.add_argument("--weight-quant", choices=WEIGHT_QUANTS, default="none")
+    w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
+    w.add_argument("--link", choices=tuple(LINKS), default=None, help="override the GPU's link (e.g. pcie5)")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=cmd_whatif)
+    return w
+
+
+def cmd_whatif(args: argparse.Namespace) -> None:
+    result = whatif(args.model_shape, args.hardware, args.batch, args.context, prefill=args.prefill, tp=args.tp,
+                    kv_cache_dtype=args.kv_cache_dtype, weight_quant=args.weight_quant,
+                    quant_group_size=args.quant_group_size, link=args.link)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
