@@ -1,7 +1,8 @@
 """The dashboard page: header controls, the new-run drawer, and one or two columns of views.
 
-`/` shows the run picker; `/?run=ID` one run; `/?run=A&compare=B` two runs side by side, driven by
-the same controls, with their timelines and batch charts zoomed together. The NiceGUI process
+`/` shows the recent runs; `/?run=ID` one run; `/?run=A&compare=B` two runs side by side, driven by
+the same controls, with their timelines and batch charts zoomed together; a run the server does
+not know (a wrong id, or it restarted) gives "No such run". The NiceGUI process
 talks to the backend only through `frontend/client.py` (HTTP + the run's websocket).
 """
 
@@ -31,6 +32,18 @@ def page_url(run_id: str | None, compare: str | None = None) -> str:
     return "/?" + urlencode(query) if query else "/"
 
 
+def run_state(run: dict) -> str:
+    """running, paused or finished, from one entry of `GET /api/runs`."""
+    return "finished" if run["finished"] else ("paused" if run["paused"] else "running")
+
+
+def run_label(run: dict) -> str:
+    """A run in the list: its scenario, what kind of run unless a plain one, its state and step."""
+    name = run.get("scenario") or run["kind"]
+    kind = [run["kind"]] if run["kind"] not in ("scenario", name) else []
+    return " · ".join([name, *kind, run_state(run), f"step {max(run['step'], 0)}"])
+
+
 def head_html() -> str:
     """Palette, the ECharts helpers and the styles, once per page."""
     script = (STATIC / "kvscope.js").read_text(encoding="utf-8")
@@ -51,20 +64,28 @@ class Dashboard:
         self.controls: RunControls | None = None
         self.panel: NewRunPanel | None = None
         self.exports: list[ExportMenu] = []
+        self.gone_check: ui.timer | None = None
 
     async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
         ui.add_head_html(head_html())
         ui.page_title("kvscope")
+        runs, runs_error = await self._load_runs()
         run_ids = [r for r in (run_id, compare) if r]
-        feeds = [self.hub.watch(r) for r in run_ids]
+        # An unreachable backend is no proof of absence: watch anyway, the feed reconnects.
+        missing = [r for r in run_ids if runs is not None and r not in runs and not self.hub.watching(r)]
+        if missing:
+            run_ids = []
+        feeds = [self.hub.watch(r, (runs or {}).get(r, {}).get("kind")) for r in run_ids]
         client = ui.context.client
         client.on_delete(lambda: [self.hub.release(f) for f in feeds])
-        with ui.left_drawer(value=not run_ids).classes("kv-drawer").props("width=340 bordered") as drawer:
+        with ui.left_drawer(value=not feeds).classes("kv-drawer").props("width=340 bordered") as drawer:
             self.panel = NewRunPanel(self.backend, self.open, self.default_model)
         self._header(drawer, feeds, show_lag)
         with ui.column().classes("w-full kv-main gap-3"):
-            if not feeds:
-                await self._welcome()
+            if missing:
+                self._no_such_run(missing, runs or {})
+            elif not feeds:
+                self._welcome(runs, runs_error)
             elif len(feeds) == 1:
                 self.columns.append(RunColumn(self.backend, feeds[0], compact=False))
             else:
@@ -74,9 +95,18 @@ class Dashboard:
                             self.columns.append(RunColumn(self.backend, feed, compact=True))
                 for name in ("timeline", "batch"):
                     sync_zoom([c.views[name].chart for c in self.columns])
+        if feeds:
+            self.gone_check = ui.timer(0.5, lambda: self._reload_if_gone(feeds))
         await self.panel.load()
-        if self.controls:
-            await self.controls.load()
+        if self.controls and runs:
+            self.controls.load(runs)
+
+    async def _load_runs(self) -> tuple[dict[str, dict] | None, str | None]:
+        """The server's runs by id, oldest first; or None and why the backend could not say."""
+        try:
+            return {r["run_id"]: r for r in await self.backend.runs()}, None
+        except BackendError as e:
+            return None, str(e)
 
     def _header(self, drawer: ui.left_drawer, feeds: list[RunFeed], show_lag: bool) -> None:
         with ui.header().classes("kv-header items-center gap-2 no-wrap"):
@@ -91,7 +121,7 @@ class Dashboard:
             for feed in feeds:
                 self.exports.append(ExportMenu(self.backend, feed.run_id))
 
-    async def _welcome(self) -> None:
+    def _welcome(self, runs: dict[str, dict] | None, runs_error: str | None) -> None:
         with ui.card().classes("kv-card w-full").props("flat bordered"):
             ui.label("Watch an LLM inference engine think").classes("kv-welcome-title")
             ui.markdown(
@@ -100,14 +130,35 @@ class Dashboard:
                 "engine if you like, and press **Start run**. Or open a recorded trace, or one of the runs "
                 "below. Every view has a **?** that explains what it shows."
             )
-            try:
-                runs = await self.backend.runs()
-            except BackendError as e:
-                ui.label(f"The backend is not reachable: {e}").classes("text-negative")
-                return
-            for r in runs[::-1][:20]:  # newest first
-                label = f"{r['run_id']} · {r['kind']} · step {r['step']}" + (" · finished" if r["finished"] else "")
-                ui.link(label, page_url(r["run_id"])).classes("kv-run-link").mark("run-link")
+            if runs is None:
+                ui.label(f"The backend is not reachable: {runs_error}").classes("text-negative")
+            else:
+                self._run_list(runs)
+
+    def _no_such_run(self, missing: list[str], runs: dict[str, dict]) -> None:
+        with ui.card().classes("kv-card w-full").props("flat bordered").mark("no-such-run"):
+            ui.label(f"No such run: {', '.join(missing)}").classes("kv-welcome-title")
+            ui.label("The server does not know this run: a mistyped link, or the server restarted "
+                     "(runs live in its memory).").classes("kv-muted")
+            ui.link("← all runs", "/").mark("home-link")
+            self._run_list(runs)
+
+    @staticmethod
+    def _run_list(runs: dict[str, dict]) -> None:
+        if not runs:
+            ui.label("No runs yet.").classes("kv-muted")
+            return
+        ui.label("Recent runs").classes("kv-card-title")
+        for r in list(runs.values())[::-1][:20]:  # newest first
+            with ui.row().classes("items-baseline gap-2 no-wrap"):
+                ui.link(run_label(r), page_url(r["run_id"])).classes("kv-run-link").mark("run-link")
+                ui.label(r["run_id"]).classes("kv-muted")
+
+    def _reload_if_gone(self, feeds: list[RunFeed]) -> None:
+        """A run the server no longer knows (it restarted): reloading shows "no such run"."""
+        if any(f.missing for f in feeds):
+            self.gone_check.deactivate()  # once
+            ui.navigate.reload()
 
     def open(self, run_id: str, compare: str | None = None) -> None:
         ui.navigate.to(page_url(run_id, compare))

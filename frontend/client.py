@@ -121,6 +121,7 @@ class RunFeed:
         self.last_recv_ms = 0.0
         self.kind = "run"
         self.status = "connecting"
+        self.missing = False  # the server does not know this run (a wrong id, or the server restarted)
         self.watchers = 0
         self.task: asyncio.Task | None = None
         self._release_handle: asyncio.TimerHandle | None = None
@@ -133,7 +134,8 @@ class RunFeed:
         kind = message.get("type")
         if kind == "snapshot":
             self._resync(message)
-        elif kind == "error":
+        elif kind == "error":  # the socket's only error: no such run
+            self.missing = True
             self.status = f"error: {message.get('error')}"
         elif self.state is not None:
             self.state.apply(message)
@@ -171,10 +173,11 @@ class RunFeed:
                 # No per-message deflate: on loopback it only costs CPU, on both ends of the socket.
                 async with connect(url, max_size=None, open_timeout=10, compression=None) as ws:
                     await self._read(ws)
-                if self.status.startswith("error"):
-                    return  # the server said the run does not exist
             except (OSError, WebSocketException, asyncio.TimeoutError) as e:
-                self.status = f"reconnecting ({e.__class__.__name__})"
+                if not self.missing:  # the server closes with code 4404 after "no run": not worth a retry
+                    self.status = f"reconnecting ({e.__class__.__name__})"
+            if self.missing:
+                return
         self.status = "disconnected: the backend stopped answering"
 
     async def _read(self, ws) -> None:
@@ -193,10 +196,12 @@ class FeedHub:
         self.backend = backend
         self.feeds: dict[str, RunFeed] = {}
 
-    def watch(self, run_id: str) -> RunFeed:
+    def watch(self, run_id: str, kind: str | None = None) -> RunFeed:
+        """The run's feed; `kind` (from the run list) is known before the first snapshot."""
         feed = self.feeds.get(run_id)
         if feed is None or (feed.task is not None and feed.task.done()):
             feed = self.feeds[run_id] = RunFeed(self.backend, run_id)
+        feed.kind = kind or feed.kind
         feed.watchers += 1
         if feed._release_handle is not None:
             feed._release_handle.cancel()
@@ -204,6 +209,11 @@ class FeedHub:
         if feed.task is None:
             feed.task = asyncio.get_running_loop().create_task(feed.run(), name=f"feed-{run_id}")
         return feed
+
+    def watching(self, run_id: str) -> bool:
+        """Whether this process follows the run live (it may outlast the server's list, which forgets old runs)."""
+        feed = self.feeds.get(run_id)
+        return feed is not None and not feed.missing and feed.task is not None and not feed.task.done()
 
     def release(self, feed: RunFeed) -> None:
         feed.watchers -= 1

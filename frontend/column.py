@@ -37,6 +37,7 @@ class RunColumn:
             self._compact()
         else:
             self._full()
+        self._refresh_requests()
         ui.timer(0.5, self._refresh_requests)
 
     def _request_bar(self, backend: Backend) -> None:
@@ -76,13 +77,13 @@ class RunColumn:
         self.selection.select_request(self.picker.value or None)
 
     def _refresh_requests(self) -> None:
+        self.prompt_row.set_visibility(self.feed.kind != "replay")
         state = self.feed.state
         if state is None:
             return
         if len(self.picker.options) != len(state.requests) + 1:
             self.picker.set_options({FOLLOW: "follow running", **{r: r for r in state.requests}},
                                     value=self.picker.value if self.picker.value in state.requests else FOLLOW)
-        self.prompt_row.set_visibility(self.feed.kind != "replay")
         scenario = state.scenario or {}
         title = f"{scenario.get('name') or self.feed.kind} · {self.feed.run_id}"
         summary = engine_summary(state.config, state.cache)  # the header may come after the first refresh

@@ -36,12 +36,8 @@ class RunControls:
     def run_ids(self) -> list[str]:
         return [f.run_id for f in self.feeds]
 
-    async def load(self) -> None:
-        """Pick up speed and pause state, and the length of a replay (for the seek slider)."""
-        try:
-            runs = {r["run_id"]: r for r in await self.backend.runs()}
-        except BackendError:
-            return
+    def load(self, runs: dict[str, dict]) -> None:
+        """Pick up the speed, and the length of a replay (for the seek slider), from the run list."""
         first = runs.get(self.run_ids[0]) if self.run_ids else None
         if first:
             self.speed = first.get("speed", 4.0)

@@ -255,3 +255,12 @@ def pct(values: list[float], q: float) -> float:
 def record_benchmark(result: dict) -> None:
     """Printed (pytest -s) for docs/benchmarks.md's Dashboard section."""
     print("dashboard latency:", json.dumps(result))
+
+
+def test_an_unknown_run_says_no_such_run_and_links_home(page, dashboard_url):
+    page.goto(f"{dashboard_url}/?run=nope")
+    page.get_by_text("No such run: nope").wait_for()
+    assert page.locator("[data-kv=run-status]").count() == 0  # no views waiting on "reconnecting"
+    page.get_by_text("← all runs").click()
+    page.get_by_text("Watch an LLM inference engine think").wait_for()
+    assert page.url.rstrip("/") == dashboard_url

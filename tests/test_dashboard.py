@@ -12,18 +12,19 @@ import logging
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from nicegui import app, ui
+from nicegui import ElementFilter, app, ui
 from nicegui.storage import Storage
 from nicegui.testing.user import User
 from nicegui.testing.user_simulation import user_simulation
 
 from backend.server.app import create_app
 from backend.server.manager import RunManager
-from backend.server.serve import serve_in_thread
+from backend.server.serve import free_port, serve_in_thread
 from frontend.app import Dashboard, make_root
 from frontend.client import Backend, FeedHub, RunFeed
 
@@ -66,15 +67,22 @@ class Dash:
         return self.last
 
 
-@pytest.fixture
-async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
+@asynccontextmanager
+async def simulated(backend_url: str, model: str) -> AsyncIterator[Dash]:
+    """The page function under NiceGUI's simulated user, talking to the backend at `backend_url`."""
     backend = Backend(backend_url)
     hub = FeedHub(backend)
     built: list[Dashboard] = []
-    async with user_simulation(make_root(backend, hub, default_model=tiny_dir, on_build=built.append)) as user:
+    async with user_simulation(make_root(backend, hub, default_model=model, on_build=built.append)) as user:
         yield Dash(user, backend, hub, built)
         hub.close_all()
         await asyncio.sleep(0)
+
+
+@pytest.fixture
+async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
+    async with simulated(backend_url, tiny_dir) as dash:
+        yield dash
     errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
     assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
 
@@ -113,6 +121,65 @@ async def test_welcome_page_lists_scenarios_with_their_lesson(dash: Dash) -> Non
     await until(lambda: page.panel.base.get("block_size") == 16)
     await dash.user.should_see("prefix", marker="scenario-about")
     assert page.panel.form["model"] != "demo"  # the session's model (here the tiny one) stays chosen
+
+
+async def test_welcome_page_lists_recent_runs_by_scenario_and_state_each_a_link(dash: Dash, tiny_dir: str) -> None:
+    done = await dash.backend.start_run(small_scenario(tiny_dir, name="first-done", count=1), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    replay = await dash.backend.start_replay(await dash.backend.trace(done), paused=True)
+    waiting = await dash.backend.start_run(small_scenario(tiny_dir, name="then-paused", count=1), paused=True)
+    page = await dash.open("/")
+    with dash.user.client:
+        labels = [link.text for link in ElementFilter(kind=ui.link, marker="run-link", local_scope=False)]  # page order
+    for label in ("then-paused · paused · step 0", "first-done · replay · paused · step 0"):
+        assert label in labels
+    assert any(label.startswith("first-done · finished · step ") for label in labels)
+    assert labels.index("then-paused · paused · step 0") < labels.index("first-done · replay · paused · step 0")
+    dash.user.find(marker="run-link", content="then-paused").click()  # newest first, each opens its run
+    await until(lambda: len(dash.built) == 2 and dash.last is not page)
+    assert dash.last.columns[0].feed.run_id == waiting
+    for run_id in (waiting, replay):
+        await dash.backend.control(run_id, "speed", 0)
+        await dash.backend.control(run_id, "resume")  # done: the module's backend holds only so many runs
+
+
+async def until_run(backend: Backend, run_id: str, condition: Callable[[dict], bool]) -> None:
+    """Wait until the server's description of the run meets the condition."""
+    for _ in range(int(STEP_TIMEOUT_S / 0.05)):
+        if any(r["run_id"] == run_id and condition(r) for r in await backend.runs()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run_id} never got there")
+
+
+async def test_an_unknown_run_says_no_such_run_with_a_link_home(dash: Dash) -> None:
+    page = await dash.open("/?run=nope")
+    await dash.user.should_see("No such run: nope")
+    assert page.columns == [] and page.controls is None  # no views spinning on "reconnecting"
+    dash.user.find(marker="home-link").click()
+    await until(lambda: len(dash.built) == 2)
+    await dash.user.should_see("Watch an LLM inference engine think")
+
+
+async def test_a_feed_of_an_unknown_run_stops_at_once(dash: Dash) -> None:
+    feed = RunFeed(dash.backend, "nope")
+    await asyncio.wait_for(feed.run(), 5)  # the server closes with 4404: no reconnecting
+    assert feed.missing and feed.state is None
+
+
+async def test_a_run_lost_to_a_server_restart_ends_on_no_such_run(tiny_dir: str) -> None:
+    port = free_port()
+    with ExitStack() as first, ExitStack() as second:
+        url = first.enter_context(serve_in_thread(create_app(RunManager()), port=port))
+        async with simulated(url, tiny_dir) as dash:
+            run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=1), paused=True)
+            page = await dash.open(f"/?run={run_id}")
+            await until(lambda: page.columns[0].feed.state is not None)
+            await asyncio.to_thread(first.close)  # the server stops, and comes back without its runs
+            await asyncio.to_thread(second.enter_context, serve_in_thread(create_app(RunManager()), port=port))
+            await until(lambda: len(dash.built) == 2)
+            await dash.user.should_see(f"No such run: {run_id}")
+            assert dash.last.columns == []
 
 
 async def test_engine_form_becomes_overrides(dash: Dash, tiny_dir: str) -> None:
@@ -356,10 +423,11 @@ async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> N
     await upload.handle_uploads([ui.upload.SmallFileUpload("run.jsonl", "application/x-ndjson", trace.encode())])
     await until(lambda: len(dash.built) == 2)
     replay = dash.last
+    assert not replay.columns[0].prompt_row.visible  # a replay takes no new requests: hidden from the start
     feed = replay.columns[0].feed
     await until(lambda: feed.state is not None and feed.kind == "replay")
     assert replay.controls.seek.visible and replay.controls.num_steps > 3
-    await until(lambda: not replay.columns[0].prompt_row.visible)  # a replay takes no new requests
+    await dash.user.should_not_see(marker="prompt")
     replay.controls.seek.set_value(3)
     await replay.controls._on_seek()
     await until(lambda: feed.state.step == 2)  # the state just before iteration 3
@@ -367,6 +435,19 @@ async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> N
     await until(lambda: replay.controls.speed == 0.0)
     dash.user.find(marker="play").click()
     await finished(feed)
+
+
+async def test_a_replay_page_has_no_prompt_box_even_before_its_snapshot(dash: Dash, tiny_dir: str) -> None:
+    done = await dash.backend.start_run(small_scenario(tiny_dir, count=1), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    replay = await dash.backend.start_replay(await dash.backend.trace(done), speed=0)
+    feed = dash.hub.feeds[replay] = RunFeed(dash.backend, replay)  # a feed still waiting for its snapshot
+    feed.task = asyncio.get_running_loop().create_task(asyncio.Event().wait())
+    page = await dash.open(f"/?run={replay}")
+    await asyncio.sleep(0.6)  # a refresh of the column
+    assert page.columns[0].feed is feed and feed.state is None
+    assert not page.columns[0].prompt_row.visible  # the run list said "replay"
+    feed.task.cancel()
 
 
 async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:

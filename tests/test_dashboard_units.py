@@ -16,6 +16,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.events.bus import EventBus
 from backend.run import ScenarioRun
 from backend.scenario import validate
+from frontend.app import run_label
 from frontend.client import RunFeed
 from frontend.new_run import overrides_of
 from frontend.sampling_math import Knobs, compute_stages
@@ -156,6 +157,14 @@ def test_history_records_waiting_preempted_and_masks(recorded):
 
 
 # ---- what the views send ------------------------------------------------------------------------------
+
+
+def test_the_first_screen_names_a_run_by_scenario_kind_and_state():
+    run = {"run_id": "a1", "kind": "scenario", "scenario": "shared-prefix", "paused": False, "finished": False, "step": 7}
+    assert run_label(run) == "shared-prefix · running · step 7"
+    assert run_label({**run, "kind": "replay", "paused": True, "step": -1}) == "shared-prefix · replay · paused · step 0"
+    assert run_label({**run, "kind": "api", "scenario": "api", "finished": True}) == "api · finished · step 7"
+    assert run_label({**run, "kind": "replay", "scenario": None}) == "replay · running · step 7"
 
 
 def test_js_leaves_functions_unquoted():

@@ -235,8 +235,8 @@ class Run:
         """Recorded as an event so that a replay shows when the class paused."""
 
     def describe(self) -> dict:
-        return {"run_id": self.run_id, "kind": self.kind, "paused": self.paused, "speed": self.speed,
-                "finished": self.finished, "step": self.state.step}
+        return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
+                "paused": self.paused, "speed": self.speed, "finished": self.finished, "step": self.state.step}
 
 
 class EngineRun(Run):
