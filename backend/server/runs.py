@@ -263,7 +263,7 @@ class EngineRun(Run):
         self.sim.step()
         if self.sim.done and not self.open_ended and not self.finished:
             self.finished = True
-            self.bus.emit("run_finished", num_steps=self.sim.engine.step_no, reason="completed")
+            self.sim.finish()
 
     def _emit_control(self, action: str, value: Any) -> None:
         self.call(lambda: self.bus.emit("control", action=action, value=value))
