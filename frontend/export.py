@@ -25,7 +25,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from backend.events.state import RunState
-from frontend.history import RunHistory
+from backend.events.history import RunHistory
 
 Event = dict[str, Any]
 VIEWS = ("timeline", "blocks", "batch")

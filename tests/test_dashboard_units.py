@@ -173,7 +173,7 @@ def test_timeline_merges_runs_of_one_phase():
 
 
 def test_batch_segments_stack_and_many_decodes_share_one():
-    from frontend.history import Cell, Column, RunHistory
+    from backend.events.history import Cell, Column, RunHistory
 
     history = RunHistory(rows={"a": 0, "b": 1})
     col = Column(7, 1.0, 0.1, [Cell("a", "prefill", 16), Cell("b", "decode", 1), Cell("c", "waiting")], 17, 64, 4)
@@ -401,7 +401,7 @@ def test_block_pool_marks_shared_and_draft_blocks():
 
 
 def test_timeline_draws_one_row_per_request_and_its_branches():
-    from frontend.history import Cell
+    from backend.events.history import Cell
     from frontend.views.timeline import branch_items, request_cells
 
     cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])
