@@ -19,7 +19,7 @@ from nicegui import app, ui
 from frontend.client import Backend, BackendError, FeedHub, RunFeed
 from frontend.column import RunColumn, sync_zoom
 from frontend.controls import RunControls
-from frontend.exports import ExportMenu
+from frontend.export_menu import ExportMenu
 from frontend.new_run import NewRunPanel
 from frontend.palette import for_js
 

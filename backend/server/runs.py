@@ -57,8 +57,8 @@ class Watcher:
         self.wake()
 
 
-class Run:
-    """Shared machinery: the reducer, the watchers, the trace so far, pacing and controls."""
+class ServedRun:
+    """A run the server hosts (an engine or a replay): the reducer, watchers, trace so far, pacing, controls."""
 
     kind = "run"
 
@@ -170,7 +170,7 @@ class Run:
             self.wakeup.notify_all()
         return future.result(timeout=timeout)
 
-    def start(self) -> "Run":
+    def start(self) -> "ServedRun":
         self.thread.start()
         return self
 
@@ -239,7 +239,7 @@ class Run:
                 "finished": self.finished, "step": self.state.step}
 
 
-class EngineRun(Run):
+class EngineRun(ServedRun):
     """A scenario (or the API's open-ended run) on a real engine."""
 
     kind = "scenario"
