@@ -102,9 +102,9 @@
       const row = api.value(0), off = api.value(1), start = api.value(2), q = api.value(3), klen = api.value(4);
       const y0 = row - 0.5, y1 = row + 0.5;
       const kids = [];
-      if (klen > q + 1) kids.push(rect(api, off + q + 1, y0, off + klen, y1, { fill: "#eceff3" }));
-      if (start > 0) kids.push(rect(api, off, y0, off + start, y1, { fill: "#4e79a7" }));
-      kids.push(rect(api, off + start, y0, off + q + 1, y1, { fill: "#f28e2b" }));
+      if (klen > q + 1) kids.push(rect(api, off + q + 1, y0, off + klen, y1, { fill: colors.mask.masked }));
+      if (start > 0) kids.push(rect(api, off, y0, off + start, y1, { fill: colors.mask.cached }));
+      kids.push(rect(api, off + start, y0, off + q + 1, y1, { fill: colors.mask.computed }));
       return { type: "group", children: kids };
     },
     maskTip(p) {

@@ -48,6 +48,12 @@ PHASE_LEGEND = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "d
                 "verify": "verify (speculative)", "preempted": "preempted"}
 
 
+def legend_items() -> list[tuple[str, str]]:
+    """(colour, label) of the timeline's legend: the phases, then the marks."""
+    phases = [(PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items()]
+    return [*phases, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
+
+
 def request_cells(cells: list[Cell]) -> list[Cell]:
     """One cell per request: its sequences (n > 1, beams) share the request's row."""
     out: dict[str, Cell] = {}
@@ -142,8 +148,7 @@ class TimelineView(FeedView):
         self.step_t: dict[int, float] = {}
         with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
             with ui.row().classes("items-center gap-3"):
-                legend([*((PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items()),
-                        ("#111", "◆ first token · ─ sequences (n > 1, beams)")])
+                legend(legend_items())
                 ui.space()
                 ui.toggle({False: "iterations", True: "seconds"}, value=False,
                           on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \
