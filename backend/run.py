@@ -59,9 +59,12 @@ class ScenarioRun:
             self.step()
             if on_step:
                 on_step(self)
-        self.bus.emit("run_finished", num_steps=self.engine.step_no,
-                      reason="completed" if self.done else "step_limit")
+        self.finish()
         return self.summary()
+
+    def finish(self) -> None:
+        """Emit the run's one run_finished event (headless runs and served runs both end here)."""
+        self.bus.emit("run_finished", num_steps=self.engine.step_no, reason="completed" if self.done else "step_limit")
 
     @property
     def num_finished(self) -> int:

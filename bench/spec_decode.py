@@ -138,7 +138,7 @@ def draft_kind(batch) -> str:
     return "step" if all(item.num_tokens <= 2 for item in batch) else "catch_up"
 
 
-def median_at(runs: list["Run"], records: Callable[["Run"], list], kind: str, rows: int) -> float:
+def median_at(runs: list["TimedRun"], records: Callable[["TimedRun"], list], kind: str, rows: int) -> float:
     """Median seconds of the calls of this kind on a batch of `rows` (any batch size when none had it),
     pooled over the runs: a median, because a stall of this shared machine lands in single calls."""
     calls = [c for r in runs for c in records(r) if c[0] == kind]
@@ -150,7 +150,9 @@ def median_at(runs: list["Run"], records: Callable[["Run"], list], kind: str, ro
 
 
 @dataclass
-class Run:
+class TimedRun:
+    """One engine run of the benchmark, timed: its wall time, steps, outputs and per-step probe."""
+
     seconds: float
     steps: int
     output_tokens: int
@@ -179,7 +181,7 @@ def engine_config(spec: dict | None, requests: list[BenchRequest], max_tokens: i
 
 
 def run_once(target: LoadedModel, draft: LoadedModel | None, config: EngineConfig, requests: list[BenchRequest],
-             max_tokens: int) -> Run:
+             max_tokens: int) -> TimedRun:
     engine = Engine(target, config, EventBus(level=config.events), draft=draft)
     probe = Probe()
     probe.attach(engine)
@@ -192,8 +194,8 @@ def run_once(target: LoadedModel, draft: LoadedModel | None, config: EngineConfi
     outputs = {rid: req.seq.output_token_ids for rid, req in engine.requests.items()}
     stats = engine.spec_stats
     spec = stats.summary() | {"drafts_per_verify": stats.num_proposed / max(1, stats.num_verifies)}
-    return Run(seconds, engine.step_no, sum(map(len, outputs.values())), spec if engine.proposer else {}, probe,
-               outputs)
+    return TimedRun(seconds, engine.step_no, sum(map(len, outputs.values())), spec if engine.proposer else {}, probe,
+                    outputs)
 
 
 # ---- the sweep ------------------------------------------------------------------------------------
@@ -212,15 +214,15 @@ def spec_config(method: str, draft_model: str, k: int) -> dict:
 
 
 def sweep(target: LoadedModel, draft: LoadedModel | None, args: argparse.Namespace,
-          requests: list[BenchRequest]) -> tuple[list[Run], dict[int, list[Run]]]:
+          requests: list[BenchRequest]) -> tuple[list[TimedRun], dict[int, list[TimedRun]]]:
     """Plain, k1, plain, k2, ..., plain; `repeat` rounds after one untimed warm-up round."""
     plain_config = engine_config(None, requests, args.max_tokens, args.events)
     spec_configs = {k: engine_config(spec_config(args.method, args.draft_model, k), requests, args.max_tokens,
                                      args.events) for k in args.ks}
     for config in [plain_config, *spec_configs.values()]:
         run_once(target, draft, config, requests, args.max_tokens)
-    plains: list[Run] = []
-    specs: dict[int, list[Run]] = {k: [] for k in args.ks}
+    plains: list[TimedRun] = []
+    specs: dict[int, list[TimedRun]] = {k: [] for k in args.ks}
     for round_ in range(args.repeat):
         progress(f"round {round_ + 1}/{args.repeat}")
         plains.append(run_once(target, draft, plain_config, requests, args.max_tokens))
@@ -235,7 +237,7 @@ def sweep(target: LoadedModel, draft: LoadedModel | None, args: argparse.Namespa
     return plains, specs
 
 
-def speedups(plains: list[Run], runs: list[Run], index: int, num_ks: int) -> list[float]:
+def speedups(plains: list[TimedRun], runs: list[TimedRun], index: int, num_ks: int) -> list[float]:
     """Each round's plain-over-speculative ratio, the plain time being the runs just before and after."""
     out = []
     for round_, run in enumerate(runs):
@@ -251,7 +253,7 @@ def predicted(alpha: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-def cost_ratio(method: str, runs: list[Run], plain_decode_s: float, rows: int) -> float:
+def cost_ratio(method: str, runs: list[TimedRun], plain_decode_s: float, rows: int) -> float:
     """c: one draft step over one plain target decode forward (see the module docstring)."""
     if method == "draft":
         draft_step = median_at(runs, lambda r: r.probe.draft, "step", rows)
@@ -262,7 +264,8 @@ def cost_ratio(method: str, runs: list[Run], plain_decode_s: float, rows: int) -
     return draft_step / plain_decode_s
 
 
-def summarize(args: argparse.Namespace, plains: list[Run], specs: dict[int, list[Run]]) -> tuple[list[dict], dict]:
+def summarize(args: argparse.Namespace, plains: list[TimedRun],
+              specs: dict[int, list[TimedRun]]) -> tuple[list[dict], dict]:
     rows_per_batch = args.requests
     plain_decode_s = median_at(plains, lambda r: r.probe.target, "decode", rows_per_batch)
     reference = plains[0].outputs
@@ -300,7 +303,7 @@ def from_iterations(row: dict, plain: dict) -> float | None:
     return row["tokens_per_verify"] * plain["breakdown"]["step_ms"] / row["breakdown"]["step_ms"]
 
 
-def median_breakdown(runs: list[Run], kind: str) -> dict[str, float] | None:
+def median_breakdown(runs: list[TimedRun], kind: str) -> dict[str, float] | None:
     parts = [b for r in runs if (b := r.step_breakdown(kind))]
     if not parts:
         return None

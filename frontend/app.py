@@ -20,9 +20,9 @@ from nicegui import app, ui
 from frontend.client import Backend, BackendError, FeedHub, RunFeed
 from frontend.column import RunColumn, sync_zoom
 from frontend.controls import RunControls
-from frontend.exports import ExportMenu
+from frontend.export_menu import ExportMenu
 from frontend.new_run import NewRunPanel
-from frontend.views.base import KIND_COLORS, PALETTE
+from frontend.palette import for_js
 
 STATIC = Path(__file__).parent / "static"
 
@@ -48,8 +48,7 @@ def head_html() -> str:
     """Palette, the ECharts helpers and the styles, once per page."""
     script = (STATIC / "kvscope.js").read_text(encoding="utf-8")
     css = (STATIC / "kvscope.css").read_text(encoding="utf-8")
-    return (f"<script>window.KVSCOPE_PALETTE={json.dumps(PALETTE)};"
-            f"window.KVSCOPE_KIND_COLORS={json.dumps(KIND_COLORS)};</script>"
+    return (f"<script>window.KVSCOPE_COLORS={json.dumps(for_js())};</script>"
             f"<script>{script}</script><style>{css}</style>")
 
 

@@ -2,9 +2,9 @@
 
 `FeedHub` keeps one `RunFeed` per run in the NiceGUI process, shared by every browser tab: it
 reads `WS /ws/runs/{id}` (a `type: snapshot` message, then events; a snapshot may come again at any
-time when the server resyncs us), keeps a `RunState` with the one reducer, a `RunHistory` of the
-past and a short log of recent events stamped with their receive time. Views read these on their
-own timers; they never see the websocket.
+time when the server resyncs us), keeps a `RunRecord` (the reducer's `RunState` and the
+`RunHistory` of the past, fed by one apply) and a short log of recent events stamped with their
+receive time. Views read these on their own timers; they never see the websocket.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import orjson  # a NiceGUI dependency
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
+from backend.events.history import RunHistory
+from backend.events.record import RunRecord
 from backend.events.state import RunState
-from frontend.history import RunHistory
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call on the console
 
@@ -113,8 +114,7 @@ class RunFeed:
     def __init__(self, backend: Backend | None, run_id: str, log_size: int = LOG_SIZE) -> None:
         self.backend = backend
         self.run_id = run_id
-        self.state: RunState | None = None  # None until the first snapshot
-        self.history = RunHistory()
+        self.record: RunRecord | None = None  # None until the first snapshot
         self.version = 0  # +1 per event applied
         self.epoch = 0  # +1 per snapshot: views redraw fully
         self.log: deque[LogEntry] = deque(maxlen=log_size)
@@ -137,20 +137,26 @@ class RunFeed:
         elif kind == "error":  # the socket's only error: no such run
             self.missing = True
             self.status = f"error: {message.get('error')}"
-        elif self.state is not None:
-            self.state.apply(message)
-            self.history.apply(message, self.state)
+        elif self.record is not None:
+            self.record.apply(message)
             self.version += 1
             self.log.append(LogEntry(self.version, recv_ms, message))
 
     def _resync(self, snapshot: dict) -> None:
-        self.state = RunState.from_snapshot(snapshot)
-        self.history = RunHistory.from_snapshot(snapshot, self.state)
+        self.record = RunRecord.from_snapshot(snapshot)
         self.kind = snapshot.get("kind", "run")
         self.log.clear()
         self.epoch += 1
         self.version += 1
         self.status = "live"
+
+    @property
+    def state(self) -> RunState | None:
+        return self.record.state if self.record is not None else None
+
+    @property
+    def history(self) -> RunHistory:
+        return self.record.history if self.record is not None else RunHistory()  # no past before a snapshot
 
     def since(self, version: int) -> list[LogEntry] | None:
         """Events applied after `version`, oldest first; None when the log no longer reaches back."""

@@ -182,7 +182,7 @@ def test_timeline_merges_runs_of_one_phase():
 
 
 def test_batch_segments_stack_and_many_decodes_share_one():
-    from frontend.history import Cell, Column, RunHistory
+    from backend.events.history import Cell, Column, RunHistory
 
     history = RunHistory(rows={"a": 0, "b": 1})
     col = Column(7, 1.0, 0.1, [Cell("a", "prefill", 16), Cell("b", "decode", 1), Cell("c", "waiting")], 17, 64, 4)
@@ -278,14 +278,14 @@ def spec_story() -> list[dict]:
                                                   "bytes_per_value": 1, "text": "2 x L x N_kv x D_h x bytes"}},
              weights={"quant": "int8", "group_size": 64, "bytes": 1_310_720, "bytes_unquantized": 5_242_880},
              draft_model={"name": "demo-draft", "n_layers": 2, "kv_bytes_per_token": 144, "bytes_per_block": 576})
-    for rid, seq_ids, n in (("r0", [0], 1), ("r1", [1], 2)):
-        bus.emit("request_arrived", request_id=rid, prompt_token_ids=[5, 6, 7, 8], prompt_text="abcd",
-                 sampling={"temperature": 1.0, "n": n}, max_tokens=8, seq_ids=seq_ids)
+    for rid, seq_id, n in (("r0", 0, 1), ("r1", 1, 2)):
+        bus.emit("request_arrived", request_id=rid, seq_id=seq_id, prompt_token_ids=[5, 6, 7, 8], prompt_text="abcd",
+                 sampling={"temperature": 1.0, "n": n}, max_tokens=8)
 
     def iteration(*batch):
         bus.emit("iteration", batch=[dict(zip(("request_id", "seq_id", "phase", "num_query_tokens", "context_len"), b))
                                      for b in batch], num_batched_tokens=sum(b[3] for b in batch), token_budget=64,
-                 num_running=2, num_waiting=0, kv_blocks_used=4, duration_s=0.1)
+                 num_running=2, num_waiting=0, kv_blocks_used=4, duration_s=0.1, max_num_seqs=4)
 
     def token(rid, seq, position, token_id, source="target"):
         bus.emit("token", request_id=rid, seq_id=seq, position=position, token_id=token_id, text=f"t{token_id}",
@@ -369,7 +369,7 @@ def test_reducer_keeps_sequences_drafts_and_speculation_totals():
     assert (forked.parent_seq_id, forked.position, forked.start_step, forked.end_step, forked.end_reason) == \
         (1, 4, 0, 2, "pruned")
     assert state.sequences[1].parent_seq_id is None and state.sequences[1].end_reason == "length"
-    assert state.requests["r1"].outputs[0]["score"] == -0.5 and state.requests["r1"].seq_ids == [1]
+    assert state.requests["r1"].outputs[0]["score"] == -0.5 and state.requests["r1"].seq_ids == [1, 2]
     assert state.weights["quant"] == "int8" and state.draft_model["name"] == "demo-draft"
     # blocks still come from block events alone: the fork's shared block is back to one owner, then cached
     assert state.block_tables == {0: [0, 3, 4], 100: [2]} and state.cached_blocks == {1}
@@ -410,7 +410,7 @@ def test_block_pool_marks_shared_and_draft_blocks():
 
 
 def test_timeline_draws_one_row_per_request_and_its_branches():
-    from frontend.history import Cell
+    from backend.events.history import Cell
     from frontend.views.timeline import branch_items, request_cells
 
     cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])

@@ -23,6 +23,7 @@ MODEL = {
     "vocab_size": 96,
     "dtype": "float32",
     "kv_bytes_per_token": 512,
+    "eos_token_ids": [0],
 }
 
 
@@ -37,9 +38,13 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
             "num_blocks": num_blocks,
             "block_size": block_size,
             "bytes_per_block": 512 * block_size,
+            "dtype": "float32",
             "formula": {"kv_bytes_per_token": "2 * n_layers * n_kv_heads * head_dim * 4"},
         },
         "weights": {"quant": "int4", "group_size": 64, "bytes": 1024, "bytes_unquantized": 4096},
+        "attention_backend": "torch",
+        "device": "cpu",
+        "draft_model": {"name": "demo-draft", "n_layers": 1, "kv_bytes_per_token": 128, "bytes_per_block": 512},
     }
 
 
@@ -48,6 +53,7 @@ EXAMPLES: dict[str, dict] = {
     "header": header_fields(),
     "request_arrived": {
         "request_id": "r0",
+        "seq_id": 0,
         "prompt_token_ids": [5, 6, 7],
         "prompt_text": "abc",
         "sampling": {"temperature": 0.8, "top_p": 0.9},
@@ -56,7 +62,8 @@ EXAMPLES: dict[str, dict] = {
     "request_rejected": {"request_id": "r9", "field": "max_tokens", "reason": "must be > 0"},
     "iteration": {
         "batch": [
-            {"request_id": "r0", "seq_id": 0, "phase": "prefill", "num_query_tokens": 3, "context_len": 3}
+            {"request_id": "r0", "seq_id": 0, "phase": "verify", "num_query_tokens": 3, "context_len": 9,
+             "num_draft_tokens": 2}
         ],
         "num_batched_tokens": 3,
         "token_budget": 256,
@@ -64,7 +71,7 @@ EXAMPLES: dict[str, dict] = {
         "num_waiting": 0,
         "kv_blocks_used": 1,
         "duration_s": 0.01,
-        "phase_counts": {"prefill": 1},
+        "max_num_seqs": 4,
     },
     "block_alloc": {"block_id": 0, "seq_id": 0, "request_id": "r0", "logical_index": 0},
     "block_free": {"block_id": 0, "seq_id": 0, "request_id": "r0", "cached": True},
@@ -100,7 +107,7 @@ EXAMPLES: dict[str, dict] = {
             "top_p": 0.9,
             "min_p": 0.0,
         },
-        "finish_reason": None,
+        "top_logprobs": [[42, "x", -0.69], [7, "y", -1.2]],
     },
     "spec_propose": {"request_id": "r0", "seq_id": 0, "token_ids": [1, 2], "q_probs": [0.9, 0.5], "method": "draft",
                      "draft_seq_id": 7, "position": 12, "token_texts": ["a", "b"]},
@@ -120,6 +127,7 @@ EXAMPLES: dict[str, dict] = {
     "preempt": {"request_id": "r0", "seq_id": 0, "num_blocks_freed": 2, "mode": "recompute"},
     "request_finished": {
         "request_id": "r0",
+        "seq_id": 0,
         "finish_reason": "abort",
         "output_token_ids": [42],
         "output_text": "x",
@@ -129,6 +137,7 @@ EXAMPLES: dict[str, dict] = {
         "reason": "client disconnected",
         "outputs": [{"seq_id": 0, "output_token_ids": [42], "output_text": "x", "finish_reason": "abort",
                      "cumulative_logprob": -1.5, "score": None}],
+        "num_cached_prompt_tokens": 0,
     },
     "metrics": {
         "tokens_per_s": 120.5,
@@ -136,6 +145,8 @@ EXAMPLES: dict[str, dict] = {
         "kv_waste": 0.1,
         "prefix_hit_rate": 0.25,
         "num_preemptions": 0,
+        "num_running": 1,
+        "num_waiting": 2,
         "kv_blocks_saved_by_sharing": 3,
         "spec_acceptance_rate": 0.5,
         "spec_alpha": 0.6,
@@ -170,14 +181,24 @@ def test_each_event_type_round_trips(type_):
     assert parse_event(json.loads(parsed.model_dump_json())).model_dump(mode="json") == event
 
 
-def test_extra_fields_are_kept():
-    event = {**example("block_alloc"), "prefix_hash": "ab12"}
-    assert parse_event(event).model_dump(mode="json")["prefix_hash"] == "ab12"
+@pytest.mark.parametrize("type_", EVENT_TYPES)
+def test_a_field_the_schema_does_not_declare_is_rejected(type_):
+    with pytest.raises(ValidationError) as info:
+        parse_event({**example(type_), "prefix_hash": "ab12"})
+    assert describe_error(info.value) == f"{type_} event: field 'prefix_hash': Extra inputs are not permitted"
+
+
+def test_an_undeclared_field_inside_an_event_is_rejected_too():
+    event = example("iteration")
+    event["batch"] = [{**event["batch"][0], "phase_counts": 1}]
+    with pytest.raises(ValidationError) as info:
+        parse_event(event)
+    assert "batch.0.phase_counts" in describe_error(info.value)
 
 
 def test_token_without_dist_is_valid_for_summary_traces():
     event = example("token")
-    del event["dist"], event["finish_reason"]
+    del event["dist"], event["top_logprobs"]
     assert parse_event(event).dist is None
 
 

@@ -15,7 +15,8 @@ from backend.events.bus import EventBus
 from backend.events.trace import TraceWriter, read_trace
 from backend.run import ScenarioRun
 from backend.scenario import Scenario
-from frontend.export import VIEWS, render, replay, segments
+from frontend.export import VIEWS, render
+from frontend.export.replayed import replay, segments
 
 BURST = {"count": 8, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 16, "max": 40},
          "max_tokens": {"min": 12, "max": 30}, "shared_prefix": {"tokens": 16, "fraction": 0.5},
@@ -160,7 +161,8 @@ def test_verify_phase_and_forked_sequences_export(tmp_path):
     """Speculative verifies get their own colour; n > 1 sequences share their request's row."""
     from matplotlib.colors import to_rgb
 
-    from frontend.export import PHASE_COLORS, perfetto_trace
+    from frontend.export.perfetto import perfetto_trace
+    from frontend.palette import PHASE_COLORS
     from tests.test_dashboard_units import spec_story
 
     events = spec_story()

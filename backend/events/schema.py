@@ -1,7 +1,8 @@
 """The event schema (CONTRACT.md §4): one pydantic model per event type and their tagged union.
 
 Producers build plain dicts on the hot path (see bus.py); these models are for the edges: reading
-traces, tests, `kvscope schema events`. Events allow extra fields so producers may add detail.
+traces, tests, `kvscope schema events`. Every model forbids fields it does not declare, so an event
+is exactly what this file says: a producer that adds a field declares it here first.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 SCHEMA_VERSION = 1
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Exact(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-class ModelInfo(_Open):
+class ModelInfo(_Exact):
     name: str
     n_layers: int
     n_heads: int
@@ -27,24 +28,34 @@ class ModelInfo(_Open):
     vocab_size: int
     dtype: str
     kv_bytes_per_token: int
+    eos_token_ids: list[int] | None = None
 
 
-class CacheInfo(_Open):
+class DraftModelInfo(_Exact):
+    name: str
+    n_layers: int
+    kv_bytes_per_token: int
+    bytes_per_block: int
+
+
+class CacheInfo(_Exact):
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    dtype: str | None = None  # the KV cache's storage dtype (int8 when quantized)
     formula: dict[str, Any] | None = None  # how bytes_per_block was computed, for the UI to show
 
 
-class BatchEntry(_Open):
+class BatchEntry(_Exact):
     request_id: str
     seq_id: int
     phase: Literal["prefill", "decode", "verify"]
     num_query_tokens: int
     context_len: int
+    num_draft_tokens: int | None = None  # verify only: drafted tokens checked in this pass
 
 
-class TokenDist(_Open):
+class TokenDist(_Exact):
     top: list[tuple[int, str, float, float]]  # [token_id, text, raw_prob, final_prob]
     temperature: float
     top_k: int
@@ -52,7 +63,7 @@ class TokenDist(_Open):
     min_p: float
 
 
-class SpecResult(_Open):
+class SpecResult(_Exact):
     token_id: int
     p: float  # target's final probability of the drafted token
     q: float  # the proposer's probability of it (1 for n-gram lookup)
@@ -60,7 +71,7 @@ class SpecResult(_Open):
     text: str | None = None
 
 
-class SeqOutput(_Open):
+class SeqOutput(_Exact):
     """One sequence's result when a request has several (n > 1, beam search)."""
 
     seq_id: int
@@ -71,7 +82,7 @@ class SeqOutput(_Open):
     score: float | None = None  # beam search: cumulative logprob / length ** length_penalty
 
 
-class _Event(_Open):
+class _Event(_Exact):
     seq: int
     step: int
     t: float
@@ -86,11 +97,15 @@ class HeaderEvent(_Event):
     model: ModelInfo
     cache: CacheInfo
     weights: dict[str, Any] | None = None  # {quant, group_size, bytes, bytes_unquantized} (docs/quantization.md)
+    attention_backend: str | None = None  # which attention implementation ran (torch, triton, ...)
+    device: str | None = None
+    draft_model: DraftModelInfo | None = None  # speculative decoding with a draft model
 
 
 class RequestArrivedEvent(_Event):
     type: Literal["request_arrived"]
     request_id: str
+    seq_id: int  # its first sequence; more come as seq_fork events (n > 1, beam search)
     prompt_token_ids: list[int]
     prompt_text: str
     sampling: dict[str, Any]
@@ -115,7 +130,7 @@ class IterationEvent(_Event):
     num_waiting: int
     kv_blocks_used: int
     duration_s: float
-    phase_counts: dict[str, int] | None = None
+    max_num_seqs: int  # the batch's slot count, for the idle-slot view
 
 
 class BlockAllocEvent(_Event):
@@ -175,7 +190,7 @@ class TokenEvent(_Event):
     logprob: float
     source: Literal["target", "draft_accepted", "resampled", "bonus"]
     dist: TokenDist | None = None  # dropped at events level "summary"
-    finish_reason: str | None = None
+    top_logprobs: list[tuple[int, str, float]] | None = None  # [token_id, text, logprob]; sampling.logprobs > 0
 
 
 class SpecProposeEvent(_Event):
@@ -235,6 +250,7 @@ class PreemptEvent(_Event):
 class RequestFinishedEvent(_Event):
     type: Literal["request_finished"]
     request_id: str
+    seq_id: int | None = None  # the returned (best) sequence
     finish_reason: Literal["eos", "stop", "length", "abort"]
     output_token_ids: list[int]
     output_text: str
@@ -243,6 +259,7 @@ class RequestFinishedEvent(_Event):
     e2e_s: float
     reason: str | None = None  # why it was aborted
     outputs: list[SeqOutput] | None = None  # n > 1 or beam search: every returned sequence, best first
+    num_cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache
 
 
 class MetricsEvent(_Event):
@@ -252,6 +269,8 @@ class MetricsEvent(_Event):
     kv_waste: float  # reserved-but-unused slots / total slots
     prefix_hit_rate: float
     num_preemptions: int
+    num_running: int | None = None
+    num_waiting: int | None = None
     kv_blocks_saved_by_sharing: int | None = None  # table entries minus distinct blocks (forks, prefix hits)
     spec_acceptance_rate: float | None = None  # accepted / proposed draft tokens, speculative runs only
     spec_alpha: float | None = None  # mean sum_x min(p, q) over drafted positions

@@ -42,7 +42,7 @@ class RequestView:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
-    seq_ids: list[int] = field(default_factory=list)  # n > 1 / beam search: the sequences it arrived with
+    seq_ids: list[int] = field(default_factory=list)  # its sequences: the first, then each fork (n > 1, beams)
     outputs: list[dict[str, Any]] | None = None  # every returned sequence, best first (n > 1, beams)
 
 
@@ -180,12 +180,10 @@ class RunState:
             max_tokens=e["max_tokens"],
             sampling=e["sampling"],
             arrival_step=e["step"],
-            seq_ids=list(e.get("seq_ids") or []),
+            seq_ids=[e["seq_id"]],
         )
+        self.seq_request[e["seq_id"]] = rid
         self.waiting.append(rid)
-        if len(e.get("seq_ids") or []) > 1:
-            for seq in e["seq_ids"]:
-                self._sequence(seq, rid)
 
     def _on_request_rejected(self, e: Event) -> None:
         rid = e["request_id"]
@@ -264,6 +262,9 @@ class RunState:
         child = self._sequence(e["seq_id"], rid)
         child.parent_seq_id, child.position, child.start_step = e["parent_seq_id"], e["position"], e["step"]
         self.seq_request[e["seq_id"]] = rid
+        request = self.requests.get(rid)
+        if request is not None and e["seq_id"] not in request.seq_ids:
+            request.seq_ids.append(e["seq_id"])
 
     def _on_seq_end(self, e: Event) -> None:
         view = self._sequence(e["seq_id"], e["request_id"])

@@ -25,7 +25,7 @@ from backend.events.trace import TraceError, parse_trace
 from backend.model.loader import ModelLoadError
 from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
 from backend.server.manager import RunManager
-from backend.server.runs import EngineRun, Run, RunError
+from backend.server.runs import EngineRun, RunError, ServedRun
 
 
 # ---- bodies -----------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def http_error(_: Request, exc: HTTPException) -> Response:
     return _error(exc.status_code, message, field)
 
 
-def run_or_404(request: Request, run_id: str) -> Run:
+def run_or_404(request: Request, run_id: str) -> ServedRun:
     run = request.app.state.manager.get(run_id)
     if run is None:
         raise NotFoundException(f"no run {run_id!r}")

@@ -9,7 +9,7 @@ from typing import Any
 from backend.config import EngineConfig
 from backend.scenario import Scenario, load_scenario, set_dotted, validate
 from backend.server.replay import ReplayRun
-from backend.server.runs import DEFAULT_SPEED, EngineRun, Run, RunError
+from backend.server.runs import DEFAULT_SPEED, EngineRun, RunError, ServedRun
 
 MAX_RUNS = 16  # finished runs beyond this are forgotten, oldest first
 API_RUN_ID = "api"
@@ -19,17 +19,17 @@ class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None) -> None:
         self.default_model = default_model
         self.watcher_queue_limit = watcher_queue_limit
-        self.runs: dict[str, Run] = {}
+        self.runs: dict[str, ServedRun] = {}
         self._lock = threading.Lock()
 
-    def get(self, run_id: str) -> Run | None:
+    def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
-                       speed: float = DEFAULT_SPEED, paused: bool = False) -> Run:
+                       speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
         return self._add(EngineRun(self.resolve(scenario, overrides), speed, paused))
 
-    def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> Run:
+    def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
         return self._add(ReplayRun(events, speed, paused))
 
     def api_run(self) -> EngineRun:
@@ -58,7 +58,7 @@ class RunManager:
             set_dotted(base, f"{key}={_yaml_literal(value)}")
         return validate(base, source)
 
-    def _add(self, run: Run) -> Run:
+    def _add(self, run: ServedRun) -> ServedRun:
         with self._lock:
             finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
             while len(self.runs) >= MAX_RUNS and finished:

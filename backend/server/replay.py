@@ -6,10 +6,10 @@ import uuid
 from collections import defaultdict
 
 from backend.events.state import RunState
-from backend.server.runs import DEFAULT_SPEED, Run
+from backend.server.runs import DEFAULT_SPEED, ServedRun
 
 
-class ReplayRun(Run):
+class ReplayRun(ServedRun):
     kind = "replay"
 
     def __init__(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,

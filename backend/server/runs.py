@@ -57,8 +57,8 @@ class Watcher:
         self.wake()
 
 
-class Run:
-    """Shared machinery: the reducer, the watchers, the trace so far, pacing and controls."""
+class ServedRun:
+    """A run the server hosts (an engine or a replay): the reducer, watchers, trace so far, pacing, controls."""
 
     kind = "run"
 
@@ -170,7 +170,7 @@ class Run:
             self.wakeup.notify_all()
         return future.result(timeout=timeout)
 
-    def start(self) -> "Run":
+    def start(self) -> "ServedRun":
         self.thread.start()
         return self
 
@@ -239,7 +239,7 @@ class Run:
                 "paused": self.paused, "speed": self.speed, "finished": self.finished, "step": self.state.step}
 
 
-class EngineRun(Run):
+class EngineRun(ServedRun):
     """A scenario (or the API's open-ended run) on a real engine."""
 
     kind = "scenario"
@@ -263,7 +263,7 @@ class EngineRun(Run):
         self.sim.step()
         if self.sim.done and not self.open_ended and not self.finished:
             self.finished = True
-            self.bus.emit("run_finished", num_steps=self.sim.engine.step_no, reason="completed")
+            self.sim.finish()
 
     def _emit_control(self, action: str, value: Any) -> None:
         self.call(lambda: self.bus.emit("control", action=action, value=value))

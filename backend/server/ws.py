@@ -13,12 +13,12 @@ from litestar import WebSocket, websocket
 from litestar.params import FromPath
 from litestar.exceptions import WebSocketDisconnect
 
-from backend.server.runs import Run
+from backend.server.runs import ServedRun
 
 
 @websocket("/ws/runs/{run_id:str}")
 async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
-    run: Run | None = socket.app.state.manager.get(run_id)
+    run: ServedRun | None = socket.app.state.manager.get(run_id)
     await socket.accept()
     if run is None:
         await socket.send_json({"type": "error", "error": f"no run {run_id!r}"})

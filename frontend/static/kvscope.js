@@ -1,8 +1,9 @@
 // kvscope dashboard helpers: ECharts renderItem functions, tooltip formatters, latency probe.
 // Loaded once per page; every chart option refers to these by name (":renderItem": "kvscope.x").
 (function () {
-  const palette = window.KVSCOPE_PALETTE || ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f"];
-  const KIND_COLORS = window.KVSCOPE_KIND_COLORS || ["#d6dae1", "#f28e2b", "#4e79a7", "#e15759", "#b07aa1"];
+  const colors = window.KVSCOPE_COLORS; // frontend/palette.py's for_js(), set by the page head
+  const palette = colors.requests;
+  const KIND_COLORS = colors.kinds;
   const KIND_NAMES = ["waiting", "prefill", "decode", "preempted (waits to recompute)", "verify"];
   const esc = (s) => String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" }[c]));
 
@@ -69,7 +70,7 @@
       const prefill = api.value(5) === 1;
       const h = Math.max(b[1] - a[1], 3); // a 1-token decode stays visible next to a 2,048-token prefill
       return { type: "rect", shape: { x: a[0] - half, y: b[1] - h, width: b[0] - a[0] + 2 * half, height: h },
-               style: { fill: api.value(4) >= 900 ? "#9aa5b1" : palette[api.value(4) % palette.length],
+               style: { fill: api.value(4) >= 900 ? colors.many : palette[api.value(4) % palette.length],
                         opacity: prefill ? 1 : 0.5,
                         stroke: prefill ? "#222" : null, lineWidth: prefill ? 0.6 : 0 } };
     },
@@ -91,8 +92,8 @@
         children.push({ type: "rect", shape: { x: a[0] - half, y: a[1], width: b[0] - a[0] + 2 * half,
                                                height: Math.max(b[1] - a[1], 0) }, style });
       };
-      r(0, used, { fill: "#6b7280" });
-      if (max > used) r(used, max, { fill: "#fde2e2", stroke: "#e15759", lineWidth: 0.6 });
+      r(0, used, { fill: colors.slots.used });
+      if (max > used) r(used, max, { fill: colors.slots.idle, stroke: colors.slots.idle_edge, lineWidth: 0.6 });
       return { type: "group", children };
     },
     // [row, offset, start, q, key_len, color]: query at absolute position q sees keys 0..q;
@@ -101,9 +102,9 @@
       const row = api.value(0), off = api.value(1), start = api.value(2), q = api.value(3), klen = api.value(4);
       const y0 = row - 0.5, y1 = row + 0.5;
       const kids = [];
-      if (klen > q + 1) kids.push(rect(api, off + q + 1, y0, off + klen, y1, { fill: "#eceff3" }));
-      if (start > 0) kids.push(rect(api, off, y0, off + start, y1, { fill: "#4e79a7" }));
-      kids.push(rect(api, off + start, y0, off + q + 1, y1, { fill: "#f28e2b" }));
+      if (klen > q + 1) kids.push(rect(api, off + q + 1, y0, off + klen, y1, { fill: colors.mask.masked }));
+      if (start > 0) kids.push(rect(api, off, y0, off + start, y1, { fill: colors.mask.cached }));
+      kids.push(rect(api, off + start, y0, off + q + 1, y1, { fill: colors.mask.computed }));
       return { type: "group", children: kids };
     },
     maskTip(p) {

@@ -7,6 +7,7 @@ from typing import Any
 from nicegui import ui
 
 from frontend.client import LogEntry, RunFeed
+from frontend.palette import MASK_COLORS
 from frontend.selection import Selection
 from frontend.views.base import FeedView, Js, legend, view_card
 from frontend.views.charts import make_chart
@@ -83,8 +84,9 @@ class AttentionView(FeedView):
                 ui.button("latest", on_click=lambda: self.selection.select_mask_step(None)) \
                     .props("flat dense size=sm").mark("mask-latest")
             self.caption = LiveText().classes("kv-caption").mark("mask-caption")
-            legend([("#4e79a7", "key from the KV cache"), ("#f28e2b", "key computed now (causal)"),
-                    ("#eceff3", "masked: future"), ("#ffffff", "other sequence: never computed")])
+            legend([(MASK_COLORS["cached"], "key from the KV cache"),
+                    (MASK_COLORS["computed"], "key computed now (causal)"),
+                    (MASK_COLORS["masked"], "masked: future"), ("#ffffff", "other sequence: never computed")])
             self.chart = make_chart(self._options(), height, "attention")
         selection.on_change(self.invalidate)
         super().__init__(feed)

@@ -1,4 +1,4 @@
-"""What every view shares: colours, the card with its "?" explanation, the timer that pushes deltas.
+"""What every view shares: the card with its "?" explanation, the timer that pushes deltas.
 
 A view never receives events. Its `ui.timer` (at most 20 Hz) looks at the feed's version: if the
 feed resynced (a new snapshot) it redraws everything, otherwise it reads the events it has not
@@ -19,23 +19,11 @@ from nicegui import ui
 
 from frontend.client import LogEntry, RunFeed
 
-# Tableau 20: distinct on a projector, and the same request keeps its colour in every view.
-PALETTE = [
-    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-    "#bab0ac", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
-]  # fmt: skip
-# waiting, prefill, decode, preempted, verify (history.KINDS order)
-KIND_COLORS = ["#d6dae1", "#f28e2b", "#4e79a7", "#e15759", "#b07aa1"]
 INTEGER_LABELS = {":formatter": "(v) => Number.isInteger(v) ? String(v) : ''"}  # iterations, not -0.5
 TICK_S = 0.05  # 20 Hz: smooth to the eye, and a bound on redraws however fast events come
 # A view sends its next update only after the browser painted the previous one (or after this long:
 # a lost acknowledgement, or no browser at all under NiceGUI's simulated user).
 PAINT_TIMEOUT_S = 0.5
-
-
-def request_color(row: int) -> str:
-    return PALETTE[row % len(PALETTE)]
 
 
 class Js(str):

@@ -7,9 +7,10 @@ from typing import Any
 from nicegui.events import EChartPointClickEventArguments
 
 from frontend.client import LogEntry, RunFeed
-from frontend.history import Column, RunHistory
+from backend.events.history import Column, RunHistory
 from frontend.selection import Selection
-from frontend.views.base import INTEGER_LABELS, PALETTE, FeedView, Js, legend, view_card
+from frontend.palette import BUDGET_COLOR, SLOT_COLORS, request_color
+from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
 from frontend.views.live_text import LiveText
@@ -95,8 +96,9 @@ class BatchView(FeedView):
         self.tallest = 0  # most tokens in one iteration so far: the y scale, so decodes stay visible
         with view_card("Batch composition per iteration", EXPLANATION, "w-full"):
             self.caption = LiveText().classes("kv-caption").mark("batch-caption")
-            legend([(PALETTE[1], "prefill tokens (solid)"), (PALETTE[1] + "80", "decode tokens (pale)"),
-                    ("#e15759", "--- token budget"), ("#6b7280", "slot used"), ("#fde2e2", "slot idle")])
+            legend([(request_color(0), "prefill tokens (solid)"), (request_color(0) + "80", "decode tokens (pale)"),
+                    (BUDGET_COLOR, "--- token budget"), (SLOT_COLORS["used"], "slot used"),
+                    (SLOT_COLORS["idle"], "slot idle")])
             self.chart = make_chart(self._options(), height, "batch")
         self.chart.on_point_click(self._on_click)
         super().__init__(feed)
@@ -177,7 +179,7 @@ class BatchView(FeedView):
         data = [[self.first_step - 0.5, self.budget], [self.last_step + 0.5, self.budget]] if fits else []
         return {"id": "budget", "type": "line", "name": "token budget", "data": data, "symbol": "none",
                 "xAxisIndex": 0, "yAxisIndex": 0, "silent": True,
-                "lineStyle": {"type": "dashed", "color": "#e15759", "width": 1.5}}
+                "lineStyle": {"type": "dashed", "color": BUDGET_COLOR, "width": 1.5}}
 
     def _on_click(self, e: EChartPointClickEventArguments) -> None:
         value = e.value if isinstance(e.value, list) else []

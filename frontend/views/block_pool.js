@@ -1,9 +1,6 @@
 // The block pool as one canvas: thousands of cells stay smooth, and only changed cells travel.
 // Python calls reset(full) once per resync and apply(changes) per tick; hover and click go back
 // as events ("hover" asks Python for the tooltip text, which it sends with tip()).
-const FREE = "#eef1f5";
-const CACHED = "#bfe3d4";
-const FLASH = { alloc: "#16a34a", free: "#475569", share: "#9333ea", copy: "#f59e0b", evict: "#dc2626" };
 const FLASH_MS = 900;
 const SHARED = 1, DRAFT = 2; // bits of a cell's marks (block_pool.py)
 
@@ -12,7 +9,7 @@ export default {
       <canvas ref="canvas" style="width:100%;height:100%;display:block;cursor:pointer"></canvas>
       <div ref="tip" class="kv-tip" style="position:absolute;display:none;pointer-events:none;z-index:10"></div>
     </div>`,
-  props: { palette: Array },
+  props: { palette: Array, colors: Object }, // both from frontend/palette.py
   mounted() {
     this.n = 0;
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
@@ -58,7 +55,7 @@ export default {
         this.cells.state[b] = state;
         this.cells.color[b] = color;
         this.cells.marks[b] = marks;
-        if (flash) this.flashes.set(b, [FLASH[flash] || "#000", now]);
+        if (flash) this.flashes.set(b, [this.colors.flash[flash] || "#000", now]);
         this.dirty.add(b);
       }
       this.schedule();
@@ -110,12 +107,12 @@ export default {
     drawCell(ctx, b, now) {
       if (b < 0 || b >= this.n) return;
       const { cell, cols } = this.geom;
-      const pal = this.palette || ["#4e79a7"];
+      const pal = this.palette;
       const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
       const gap = cell >= 8 ? 1 : 0.5;
       const state = this.cells.state[b];
       ctx.clearRect(x, y, cell, cell);
-      ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? CACHED : FREE;
+      ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? this.colors.cached : this.colors.free;
       ctx.fillRect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
       const marks = this.cells.marks[b];
       if (marks & DRAFT) { // white stripes: the draft model's own KV
@@ -134,7 +131,7 @@ export default {
         ctx.restore();
       }
       if (marks & SHARED) { // a dark corner: more than one sequence reads this block
-        ctx.fillStyle = "#111827";
+        ctx.fillStyle = this.colors.shared;
         ctx.beginPath();
         ctx.moveTo(x + cell - gap, y + gap);
         ctx.lineTo(x + cell - gap, y + gap + cell * 0.45);

@@ -9,9 +9,10 @@ from nicegui.events import GenericEventArguments
 
 from backend.events.state import RunState
 from frontend.client import LogEntry, RunFeed
-from frontend.history import RunHistory
+from backend.events.history import RunHistory
 from frontend.selection import Selection
-from frontend.views.base import PALETTE, FeedView, legend, view_card
+from frontend.palette import BLOCK_COLORS, FLASH_COLORS, REQUEST_COLORS, request_color
+from frontend.views.base import FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
 FREE, USED, CACHED = 0, 1, 2
@@ -42,7 +43,8 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
 
     def __init__(self) -> None:
         super().__init__()
-        self._props["palette"] = PALETTE
+        self._props["palette"] = list(REQUEST_COLORS)
+        self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS}
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
@@ -87,9 +89,10 @@ class BlockPoolView(FeedView):
             self.caption = LiveText().classes("kv-caption")
             self.canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark("block-pool") \
                 .props("data-kv=block-pool")
-            legend([("#eef1f5", "free"), (PALETTE[0], "in use (colour = request)"),
-                    ("#bfe3d4", "free, cached prefix"), ("#111827", "corner: shared (ref > 1)"),
-                    ("repeating-linear-gradient(45deg,#4e79a7 0 3px,#fff 3px 5px)", "stripes: draft model")])
+            stripes = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5px)"
+            legend([(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = request)"),
+                    (BLOCK_COLORS["cached"], "free, cached prefix"),
+                    (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"), (stripes, "stripes: draft model")])
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
         super().__init__(feed)

@@ -7,9 +7,10 @@ import html
 
 from backend.events.state import RunState
 from frontend.client import RunFeed
-from frontend.history import RunHistory
+from backend.events.history import RunHistory
 from frontend.selection import Selection
-from frontend.views.base import FeedView, request_color, view_card
+from frontend.palette import request_color
+from frontend.views.base import FeedView, view_card
 from frontend.views.live_text import LiveText
 
 EXPLANATION = """

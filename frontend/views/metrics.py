@@ -6,7 +6,7 @@ import statistics
 
 
 from frontend.client import LogEntry, RunFeed
-from frontend.history import Finish, MetricPoint
+from backend.events.history import Finish, MetricPoint
 from frontend.views.base import FeedView, view_card
 from frontend.views.charts import make_chart
 from frontend.views.live_text import LiveText

@@ -9,9 +9,10 @@ from nicegui.events import EChartPointClickEventArguments
 
 from backend.events.state import RunState, SeqView
 from frontend.client import LogEntry, RunFeed
-from frontend.history import KINDS, Cell, Column, RunHistory
+from backend.events.history import KINDS, Cell, Column, RunHistory
 from frontend.selection import Selection
-from frontend.views.base import INTEGER_LABELS, KIND_COLORS, FeedView, Js, legend, view_card
+from frontend.palette import PHASE_COLORS
+from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
 
@@ -42,6 +43,15 @@ BRANCH_SERIES = {
 # Which phase a request's row shows when its sequences are in different ones in one iteration.
 KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "verify": 3, "prefill": 4}
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
+# The legend's phases, in reading order (the export's timeline legend uses the same colours).
+PHASE_LEGEND = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "decode",
+                "verify": "verify (speculative)", "preempted": "preempted"}
+
+
+def legend_items() -> list[tuple[str, str]]:
+    """(colour, label) of the timeline's legend: the phases, then the marks."""
+    phases = [(PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items()]
+    return [*phases, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
 
 
 def request_cells(cells: list[Cell]) -> list[Cell]:
@@ -138,9 +148,7 @@ class TimelineView(FeedView):
         self.step_t: dict[int, float] = {}
         with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
             with ui.row().classes("items-center gap-3"):
-                legend([(KIND_COLORS[0], "waiting"), (KIND_COLORS[1], "prefill (chunk)"),
-                        (KIND_COLORS[2], "decode"), (KIND_COLORS[4], "verify (speculative)"),
-                        (KIND_COLORS[3], "preempted"), ("#111", "◆ first token · ─ sequences (n > 1, beams)")])
+                legend(legend_items())
                 ui.space()
                 ui.toggle({False: "iterations", True: "seconds"}, value=False,
                           on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \

@@ -1,5 +1,5 @@
-"""Export buttons: PNG / SVG of a view and a Perfetto trace (rendered server-side by
-`frontend/export.py` from the run's trace), and the trace itself as JSONL."""
+"""The export menu: PNG / SVG of a view and a Perfetto trace (rendered server-side by the
+`frontend.export` package from the run's trace), and the trace itself as JSONL."""
 
 from __future__ import annotations
 

@@ -1,0 +1,16 @@
+"""Pictures of a run from its events alone: the timeline, block pool and batch views as PNG or SVG
+(matplotlib's Agg and SVG renderers, no browser), and the timeline as a Chrome/Perfetto trace.
+
+Shared by `kvscope export` and the dashboard's export menu. The events are replayed into a
+RunRecord, as the live dashboard does: the state (block tables, requests) comes from RunState, the
+past (who ran, waited or sat preempted at each iteration) from RunHistory, and the colours from
+frontend/palette.py, so that an exported picture shows what the page showed. See docs/export.md.
+
+One module per output (timeline, blocks, batch, perfetto), with what they share in options
+(what can be asked), replayed (the events replayed) and figure (the frame of every picture).
+"""
+
+from frontend.export.options import FORMATS, VIEWS, X_UNITS, ExportError, check_options
+from frontend.export.write import render
+
+__all__ = ["FORMATS", "VIEWS", "X_UNITS", "ExportError", "check_options", "render"]

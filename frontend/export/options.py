@@ -1,0 +1,31 @@
+"""What an export may ask for: a view, an output format, an x unit; ExportError names what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VIEWS = ("timeline", "blocks", "batch")
+FORMATS = (".png", ".svg", ".json")
+X_UNITS = ("steps", "seconds")
+
+
+class ExportError(ValueError):
+    """Bad export input; `field` names what to fix: view, out, x, step or trace."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+def check_options(view: str, out_path: Path, x: str = "steps") -> None:
+    """Raise ExportError for an unknown view, format or x unit, or a missing output folder."""
+    if view not in VIEWS:
+        raise ExportError("view", f"not a view (use {', '.join(VIEWS)})")
+    if out_path.suffix.lower() not in FORMATS:
+        raise ExportError("out", f"unknown format {out_path.suffix or '(none)'!r} (use .png, .svg or .json)")
+    if out_path.suffix.lower() == ".json" and view != "timeline":
+        raise ExportError("view", "a .json export is the timeline as a Perfetto trace; use .png or .svg")
+    if x not in X_UNITS:
+        raise ExportError("x", f"not an x unit (use {' or '.join(X_UNITS)})")
+    if not out_path.parent.is_dir():
+        raise ExportError("out", f"the folder {str(out_path.parent)!r} does not exist")

@@ -1,0 +1,32 @@
+"""render(): one view of a run, written as PNG, SVG or (the timeline) Perfetto JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+from frontend.export.batch import draw_batch
+from frontend.export.blocks import draw_blocks
+from frontend.export.figure import DPI
+from frontend.export.options import check_options
+from frontend.export.perfetto import perfetto_trace
+from frontend.export.replayed import Event, replay
+from frontend.export.timeline import draw_timeline
+
+DRAW = {"timeline": draw_timeline, "blocks": draw_blocks, "batch": draw_batch}
+
+
+def render(events: list[Event], view: str, out_path: str | Path, *, x: str = "steps", step: int | None = None) -> Path:
+    """Write `view` of the run in `events` to out_path; the suffix picks png, svg or json."""
+    out_path = Path(out_path)
+    check_options(view, out_path, x)
+    run = replay(events, step)
+    if out_path.suffix.lower() == ".json":
+        out_path.write_text(json.dumps(perfetto_trace(run)), encoding="utf-8")
+        return out_path
+    fig = DRAW[view](run, seconds=x == "seconds")
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: searchable, smaller
+        fig.savefig(out_path, dpi=DPI, metadata={"Title": fig.get_suptitle()})
+    return out_path

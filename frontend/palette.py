@@ -1,0 +1,60 @@
+"""Every colour that means something, in one place: phases, requests, block states, block events.
+
+Plain data (hex strings) read by the live views (which hand it to their JavaScript) and by the
+exports (matplotlib), so a picture and the page it came from say the same thing in the same colour.
+Phase colours are reserved: the request palette avoids their hues, so a request's colour never
+reads as a phase and a phase never reads as a request.
+"""
+
+from __future__ import annotations
+
+from backend.events.history import KINDS
+
+# What a request is doing in an iteration (the timeline's cells, the batch chart's legend).
+PHASE_COLORS = {
+    "waiting": "#d6dae1",  # grey: queued
+    "prefill": "#f28e2b",  # orange
+    "decode": "#4e79a7",  # blue
+    "verify": "#b07aa1",  # purple: speculative decoding's k + 1 tokens
+    "preempted": "#e15759",  # red: blocks taken back, waits to recompute
+}
+RECOMPUTE_COLOR = "#8f2d2d"  # the hatch over a preempted stretch: its prefix will be computed again
+BUDGET_COLOR = "#111827"  # the token budget line (max_num_batched_tokens)
+
+# Requests, by arrival order: greens, teals, yellows, browns and a magenta, each far (CIELAB
+# distance >= 25) from every phase and block-state colour, so none reads as one of them.
+# Adjacent entries differ in hue and lightness.
+REQUEST_COLORS = (
+    "#59a14f", "#17becf", "#edc948", "#9c755f", "#e377c2", "#499894", "#bcbd22", "#8cd17d",
+    "#b6992d", "#637939", "#2ca02c", "#8c6d31", "#dbdb8d", "#f1ce63",
+)  # fmt: skip
+MANY_REQUESTS_COLOR = "#9aa5b1"  # one batch segment standing for many decoding requests
+
+# The block pool: a block is free, free but still holding a cached prefix, or a request's colour.
+BLOCK_COLORS = {"free": "#eef1f5", "cached": "#bfe3d4", "shared": "#111827"}
+# What no request may look like.
+RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, *BLOCK_COLORS.values()})
+# Rings that flash on a block when an event touches it.
+FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626"}
+# The attention mask: a key read from the KV cache (what decode does), one computed in this pass
+# (what prefill does), one masked as the future.
+MASK_COLORS = {"cached": PHASE_COLORS["decode"], "computed": PHASE_COLORS["prefill"], "masked": "#eceff3"}
+# Batch slots (max_num_seqs): holding a sequence, or idle.
+SLOT_COLORS = {"used": "#6b7280", "idle": "#fde2e2", "idle_edge": "#e8a0a0"}
+
+
+def request_color(index: int) -> str:
+    """The colour of the request that arrived index-th (the palette repeats after its length)."""
+    return REQUEST_COLORS[index % len(REQUEST_COLORS)]
+
+
+def kind_colors() -> list[str]:
+    """Phase colours in RunHistory's KINDS order: the index a timeline cell carries to the browser."""
+    return [PHASE_COLORS[kind] for kind in KINDS]
+
+
+def for_js() -> dict:
+    """What the page's JavaScript draws with (window.KVSCOPE_COLORS)."""
+    return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
+            "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
+            "mask": MASK_COLORS}

@@ -1,0 +1,73 @@
+"""Every event a real run emits is exactly what the schema declares: no missing field, no extra one.
+
+The schema forbids undeclared fields, so a field a producer adds without declaring it (or a field
+the schema declares that the engine spells differently) fails here, for each kind of run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.events.bus import EventBus
+from backend.events.schema import parse_event
+from backend.events.state import RunState
+from backend.run import ScenarioRun
+from backend.scenario import Scenario
+
+PROMPT = "KING HENRY:\nOnce more unto the breach, dear friends,"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# name -> (engine settings, requests): each small, each exercising the events of one kind of run
+RUNS = {
+    "plain": ({"block_size": 4, "num_blocks": 64, "prefix_caching": True},
+              [{"id": "a", "prompt": PROMPT, "max_tokens": 4, "sampling": {**GREEDY, "logprobs": 2}},
+               {"id": "b", "prompt": PROMPT, "max_tokens": 3, "arrival_step": 2, "sampling": GREEDY}]),
+    "speculative": ({"block_size": 4, "num_blocks": 64,
+                     "speculative": {"method": "draft", "draft_model": "demo-draft", "num_tokens": 2}},
+                    [{"id": "a", "prompt": PROMPT, "max_tokens": 5, "sampling": GREEDY}]),
+    "ngram": ({"block_size": 4, "num_blocks": 64, "speculative": {"method": "ngram", "num_tokens": 2}},
+              [{"id": "a", "prompt": PROMPT, "max_tokens": 5, "sampling": GREEDY}]),
+    "beams-and-n": ({"block_size": 4, "num_blocks": 96},
+                    [{"id": "beams", "prompt": PROMPT, "max_tokens": 4,
+                      "sampling": {"beam_width": 2, "n": 2, "ignore_eos": True}},
+                     {"id": "n", "prompt": PROMPT, "max_tokens": 4, "sampling": {"temperature": 1.0, "seed": 1, "n": 2}}]),
+    "preemption": ({"block_size": 4, "num_blocks": 12, "max_num_seqs": 4, "prefix_caching": False},
+                   [{"id": f"r{i}", "prompt": PROMPT[: 12 + i], "max_tokens": 14, "sampling": GREEDY}
+                    for i in range(3)]),
+    "kv-cache-off": ({"block_size": 4, "num_blocks": 64, "kv_cache": False},
+                     [{"id": "a", "prompt": PROMPT, "max_tokens": 3, "sampling": GREEDY}]),
+}
+
+
+def events_of(name: str) -> list[dict]:
+    engine, requests = RUNS[name]
+    scenario = Scenario.model_validate({"name": f"strict-{name}", "model": "demo", "seed": 0,
+                                        "engine": {**engine, "events": "full"}, "requests": requests})
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(scenario, bus=bus).run()
+    return events
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_every_emitted_event_validates_strictly(name):
+    events = events_of(name)
+    for event in events:
+        parse_event(event)  # raises on a missing, mistyped or undeclared field
+    kinds = {e["type"] for e in events}
+    assert {"header", "request_arrived", "iteration", "token", "request_finished", "run_finished"} <= kinds
+    assert sum(e["type"] == "run_finished" for e in events) == 1
+    expected = {"speculative": "spec_verify", "ngram": "spec_verify", "beams-and-n": "seq_fork",
+                "preemption": "preempt", "plain": "block_share"}.get(name)
+    assert expected is None or expected in kinds, f"the {name} run did not exercise {expected}"
+
+
+def test_the_reducer_knows_every_sequence_of_a_request_from_the_events():
+    state = RunState()
+    events = events_of("beams-and-n")
+    for event in events:
+        state.apply(event)
+    for rid in ("beams", "n"):
+        forks = [e["seq_id"] for e in events if e["type"] == "seq_fork" and e["request_id"] == rid]
+        first = next(e["seq_id"] for e in events if e["type"] == "request_arrived" and e["request_id"] == rid)
+        assert forks and state.requests[rid].seq_ids == [first, *forks]
