@@ -70,54 +70,89 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 # ---- kvscope serve / replay -----------------------------------------------------------------------
 
+def port_number(text: str) -> int:
+    """argparse type of --port and --ui-port: 1..65535 (port 0 would listen on a random port)."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return int(text)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """The API on --port and, unless --no-ui, the dashboard on --ui-port (replay: opened on the trace)."""
     from backend.events.trace import read_trace
     from backend.server.app import create_app, new_token
-    from backend.server.manager import RunManager
     from backend.server.serve import is_loopback, serve_forever
 
-    manager = RunManager(default_model=args.model)
-    run_id = None
-    if getattr(args, "trace", None):
-        events = read_trace(args.trace)
-        run_id = manager.start_replay(events, paused=True).run_id
-        print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
-    token = None if is_loopback(args.host) else new_token()
-    app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None)
-    print(f"kvscope API on http://{args.host}:{args.port} (OpenAPI at /schema/openapi.json)")
+    events = read_trace(args.trace) if getattr(args, "trace", None) else None
+    if not args.no_ui and args.ui_port == args.port:
+        raise UserError(f"--ui-port {args.ui_port}: the same port as --port; the dashboard needs its own")
+    with _listen(args.host, args.port, "--port") as api_socket:
+        if not args.no_ui:
+            _listen(args.host, args.ui_port, "--ui-port").close()  # NiceGUI binds it itself; fail before starting
+        manager, run_id = _start_manager(args, events)
+        token = None if is_loopback(args.host) else new_token()
+        app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes,
+                         cors_origins=args.cors_origin or None)
+        if args.no_ui:
+            _print_api(args, token)  # the socket listens already: clients that connect now are served
+            serve_forever(app, api_socket)
+            return
+        _serve_with_dashboard(app, api_socket, args, token, run_id)
+
+
+def _start_manager(args: argparse.Namespace, events: list[dict] | None):
+    """The server's runs: the --model loaded (serve, or replay given --model), the replay run opened."""
+    from backend.run import cached_model
+    from backend.server.manager import RunManager
+
+    model = args.model or "demo"
+    if args.command == "serve" or args.model:
+        cached_model(model)  # a model that cannot load fails now, in one line, not as a 503 on the first request
+    manager = RunManager(default_model=model)
+    if events is None:
+        return manager, None
+    run_id = manager.start_replay(events, paused=True).run_id
+    print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
+    return manager, run_id
+
+
+def _listen(host: str, port: int, flag: str):
+    """A socket listening on host:port, or a UserError naming the flag that chose it."""
+    import errno
+
+    from backend.server.serve import listen
+
+    try:
+        return listen(host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"{flag} {port}: in use (another program listens on {host}:{port}); "
+                            f"pick another port") from None
+        if e.errno == errno.EACCES:
+            raise UserError(f"{flag} {port}: permission denied (ports below 1024 need privileges); "
+                            f"pick another port") from None
+        raise UserError(f"--host {host}: cannot listen there ({e.strerror or e})") from None
+
+
+def _print_api(args: argparse.Namespace, token: str | None) -> None:
+    print(f"kvscope API on http://{args.host}:{args.port} (OpenAPI at /schema/openapi.json)", flush=True)
     if token:
-        print(f"changing runs needs the header  Authorization: Bearer {token}")
-    if args.no_ui:
-        serve_forever(app, args.host, args.port)
-        return
-    _serve_with_dashboard(app, args, token, run_id)
+        print(f"changing runs needs the header  Authorization: Bearer {token}", flush=True)
 
 
-def _serve_with_dashboard(app, args: argparse.Namespace, token: str | None, run_id: str | None) -> None:
+def _serve_with_dashboard(app, api_socket, args: argparse.Namespace, token: str | None, run_id: str | None) -> None:
     """The API on a thread, the dashboard (NiceGUI, which wants the main thread) in the foreground."""
-    import contextlib
-    import socket
-
-    from backend.server.serve import serve_in_thread
-
-    with socket.socket() as probe:  # fail with a clear line before starting anything
-        try:
-            probe.bind((args.host, args.ui_port))
-        except OSError as e:
-            raise UserError(f"--ui-port {args.ui_port}: cannot listen there ({e.strerror}); pick another port") from None
+    from backend.server.serve import announce_when_listening, serve_in_thread
     from frontend.app import page_url, run_dashboard
 
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(serve_in_thread(app, args.host, args.port))
-        except RuntimeError:
-            raise UserError(f"--port {args.port}: the API could not start there (port in use?)") from None
-        print(f"kvscope dashboard on http://{local}:{args.ui_port}{page_url(run_id)}", flush=True)
+    with serve_in_thread(app, api_socket):
+        _print_api(args, token)
+        lines = [f"kvscope dashboard on http://{local}:{args.ui_port}{page_url(run_id)}"]
         if token:
-            print("  (anyone who can open the dashboard can start and control runs through it)")
-        model = args.model if args.model != "demo" else None
+            lines.append("  (anyone who can open the dashboard can start and control runs through it)")
+        announce_when_listening(local, args.ui_port, lines)
+        model = args.model if args.model not in (None, "demo") else None
         run_dashboard(f"http://{local}:{args.port}", args.host, args.ui_port, token=token, default_model=model)
 
 
@@ -144,14 +179,15 @@ def cmd_run(args: argparse.Namespace) -> None:
     from backend.run import ScenarioRun
     from backend.scenario import load_scenario
     from backend.report import print_summary, progress_bar
+    from backend.server.runs import build_run
 
     scenario = load_scenario(args.scenario, args.set or [])
     bus = EventBus(level=scenario.engine.events)
     writer = TraceWriter(args.trace) if args.trace else None
     if writer:
         bus.subscribe(writer)  # before the run exists: its header is the trace's first line
-    run = ScenarioRun(scenario, bus)
     try:
+        run = build_run(lambda: ScenarioRun(scenario, bus))
         with progress_bar(run.total) as advance:
             summary = run.run(on_step=lambda r: advance(r.num_finished))
     finally:
@@ -174,14 +210,25 @@ def cmd_export(args: argparse.Namespace) -> None:
     out = Path(args.out)
     try:
         check_options(args.view, out, args.x)  # before reading what may be a long trace
-        if not Path(args.trace).is_file():
-            raise ExportError("trace", "no such trace file")
         render(read_trace(args.trace), args.view, out, x=args.x, step=args.step)
     except ExportError as e:
         where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
                  "x": f"--x {args.x}", "step": f"--step {args.step}"}[e.field]
         raise UserError(f"{where}: {e.reason}") from None
     print(f"wrote {out} ({args.view if out.suffix.lower() != '.json' else 'Perfetto trace of the timeline'})")
+
+
+def cmd_scenarios(args: argparse.Namespace) -> None:
+    """Each bundled scenario's name and the first sentence of its description."""
+    import re
+
+    from backend.scenario import list_scenarios
+
+    scenarios = list_scenarios()
+    width = max(len(s.name) for s in scenarios)
+    for s in scenarios:
+        first = re.split(r"(?<=[.!?])\s", " ".join(s.description.split()), maxsplit=1)[0]
+        print(f"{s.name:<{width}}  {first}")
 
 
 def cmd_schema(args: argparse.Namespace) -> None:
@@ -229,10 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "replay":
             v.add_argument("trace", help="a trace .jsonl file")
         v.add_argument("--host", default="127.0.0.1", help="non-loopback hosts require a bearer token")
-        v.add_argument("--port", type=int, default=8000)
-        v.add_argument("--ui-port", type=int, default=8080)
+        v.add_argument("--port", type=port_number, default=8000, help="the API's port (1-65535)")
+        v.add_argument("--ui-port", type=port_number, default=8080, help="the dashboard's port (1-65535)")
         v.add_argument("--no-ui", action="store_true", help="the API only, no dashboard")
-        v.add_argument("--model", default="demo", help="model of the OpenAI-compatible API")
+        v.add_argument("--model", default=None if name == "replay" else "demo",
+                       help="model of the OpenAI-compatible API (loaded at start; replay: demo, loaded on first use)")
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
         v.set_defaults(func=cmd_serve)
@@ -244,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
     r.set_defaults(func=cmd_run)
+
+    ls = sub.add_parser("scenarios", help="list the bundled scenarios (run one with `kvscope run NAME`)")
+    ls.set_defaults(func=cmd_scenarios)
 
     e = sub.add_parser("export", help="draw a view of a trace as PNG/SVG, or the timeline as a Perfetto trace")
     e.add_argument("trace", help="a trace .jsonl file")
@@ -271,11 +322,16 @@ def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Names
     from backend.events.trace import TraceError
     from backend.model.loader import ModelLoadError
     from backend.scenario import ScenarioError
+    from backend.server.runs import RunError
 
     try:
         func(args)
-    except (UserError, ModelLoadError, ScenarioError, RequestError, TraceError, OSError) as e:
+    except (UserError, ModelLoadError, ScenarioError, RequestError, TraceError, RunError) as e:
         print(f"kvscope {args.command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. --trace or --report in a folder that does not exist
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"kvscope {args.command}: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -6,13 +6,14 @@ project's own prompt pool: the validation split of Tiny Shakespeare, tokenized b
 
 from __future__ import annotations
 
+import difflib
 import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -124,48 +125,119 @@ def resolve_path(name_or_path: str) -> Path:
         raise ScenarioError(f"{name_or_path!r}: not a scenario name (use [a-z0-9-]+) or a .yaml file")
     path = SCENARIOS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise ScenarioError(f"{name_or_path}: no such scenario (see `kvscope run --list` or scenarios/)")
+        raise ScenarioError(f"{name_or_path}: no such scenario (`kvscope scenarios` lists them)")
     return path
 
 
-def set_dotted(data: dict[str, Any], assignment: str) -> None:
-    """Apply one `--set a.b.c=VALUE` (VALUE parsed as YAML) to a raw scenario dict."""
+def parse_assignment(assignment: str) -> tuple[str, Any]:
+    """One `--set a.b.c=VALUE` as (dotted key, VALUE parsed as YAML)."""
     key, sep, raw = assignment.partition("=")
-    if not sep or not key:
-        raise ScenarioError(f"--set {assignment!r}: expected KEY=VALUE")
+    if not sep:
+        raise ScenarioError(f"--set {assignment!r}: expected KEY=VALUE, e.g. engine.block_size=8")
     try:
-        value = yaml.safe_load(raw)
+        return key, yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ScenarioError(f"--set {key}: value is not valid YAML ({e.problem})") from None
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ScenarioError(f"--set {key}: {part} is not a section")
-    node[leaf] = value
+        raise ScenarioError(f"--set {assignment}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
 
 
-def validate(data: Any, source: str) -> Scenario:
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{source}: a scenario is a YAML mapping")
+def apply_overrides(data: dict[str, Any], overrides: list[tuple[str, Any, str]]) -> dict[str, str]:
+    """Set each (dotted key, value, label) in a raw scenario dict; returns key -> label, for validate."""
+    for key, value, label in overrides:
+        if "" in key.split("."):
+            raise ScenarioError(f"{label}: {key!r} is not a dotted field path, e.g. engine.block_size")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ScenarioError(f"{label}: {part} is not a section")
+        node[leaf] = value
+    return {key: label for key, _, label in overrides}
+
+
+def validate(data: Any, source: str, blame: dict[str, str] | None = None) -> Scenario:
+    """The scenario, or a ScenarioError naming the override (blame: dotted key -> label) or the source."""
+    _require_mapping(data, source)
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "scenario"
-        raise ScenarioError(f"{source}: {loc}: {err['msg']}") from None
+        raise ScenarioError(_describe(e.errors()[0], source, blame or {})) from None
+
+
+def _require_mapping(data: Any, source: str) -> None:
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{source}: a scenario is a YAML mapping")
+
+
+def _describe(err: Any, source: str, blame: dict[str, str]) -> str:
+    """One validation error as 'where: reason', where = the override that caused it, else source: field."""
+    loc = tuple(str(p) for p in err["loc"])
+    reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else err["msg"]
+    for key, label in reversed(blame.items()):
+        parts = tuple(key.split("."))
+        if loc[: len(parts)] == parts:  # inside the value the override set
+            rest = ".".join(loc[len(parts):])
+            return f"{label}: {rest}: {reason}" if rest else f"{label}: {reason}"
+        if loc and parts[: len(loc)] == loc:  # a check of the section the override changed
+            return f"{label}: {reason}"
+    return f"{source}: {'.'.join(loc) or 'scenario'}: {reason}"
+
+
+def _unknown_field(loc: tuple[str, ...]) -> str:
+    """'unknown field', with the closest valid field of the same section when one is close."""
+    model = _model_at(loc[:-1])
+    if model is None:
+        return "unknown field"
+    fields = list(model.model_fields)
+    close = difflib.get_close_matches(loc[-1], fields, n=1)
+    if close:
+        return f"unknown field; did you mean {'.'.join((*loc[:-1], close[0]))}?"
+    return f"unknown field (expected one of: {', '.join(fields)})"
+
+
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the section at loc (list indices skipped), or None."""
+    model: type[BaseModel] | None = Scenario
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field else None
+        if model is None:
+            return None
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model in `M`, `M | None` or `list[M]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's data; a syntax error is one line, `file:line:col: problem`."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ScenarioError(f"{where}: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ScenarioError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except UnicodeDecodeError:
+        raise ScenarioError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def load_scenario(name_or_path: str, overrides: list[str] = ()) -> Scenario:
+    """A scenario file (or bundled name) with `--set KEY=VALUE` overrides applied, validated."""
     path = resolve_path(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"{path}: not valid YAML ({e})") from None
-    for assignment in overrides:
-        set_dotted(data, assignment)
-    return validate(data, str(path))
+    data = read_yaml(path)
+    _require_mapping(data, str(path))
+    blame = apply_overrides(data, [(*parse_assignment(a), f"--set {a}") for a in overrides])
+    return validate(data, str(path), blame)
 
 
 def list_scenarios() -> list[Scenario]:

@@ -1,37 +1,65 @@
-"""`kvscope serve --no-ui`: the real command line starts the API on 127.0.0.1 and stops on a signal."""
+"""`kvscope serve`: the real command line prints each address once it listens, and stops on a signal."""
 
-import shutil
+import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
-import pytest
 
 from backend.server.serve import free_port, is_loopback
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_serve_no_ui_answers_and_stops_cleanly():
-    exe = shutil.which("kvscope") or pytest.skip("kvscope is not installed as a script")
-    port = free_port()
-    proc = subprocess.Popen([exe, "serve", "--no-ui", "--port", str(port)], stdout=subprocess.PIPE,
+
+def start(*argv: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "NICEGUI"))}
+    return subprocess.Popen([sys.executable, "-m", "backend.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 90) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while not any(needle in line for line in lines):
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, f"no line with {needle!r}: {lines}"
+        lines.append(line)
+    return lines
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode in (0, 130), out
+    return out
+
+
+def test_serve_no_ui_answers_as_soon_as_it_prints_its_address_and_stops_cleanly():
+    port = free_port()
+    proc = start("serve", "--no-ui", "--port", str(port))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=1).json() == {"status": "ok"}
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.2)
+        lines = read_until(proc, "API on")
+        # No retry: the address is printed only once the socket listens.
+        assert httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=10).json() == {"status": "ok"}
         assert httpx.get(f"http://127.0.0.1:{port}/schema/openapi.json").status_code == 200
         assert any(s["name"] == "long-prompt" for s in httpx.get(f"http://127.0.0.1:{port}/api/scenarios").json())
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert f"http://127.0.0.1:{port}" in out
+        out = stop(proc)
+    assert f"http://127.0.0.1:{port}" in "".join(lines)
     assert "Bearer" not in out  # loopback: no token needed
+
+
+def test_serve_prints_the_dashboard_address_once_the_dashboard_answers():
+    api_port, ui_port = free_port(), free_port()
+    proc = start("serve", "--port", str(api_port), "--ui-port", str(ui_port))
+    try:
+        lines = read_until(proc, "dashboard on")
+        assert any(f"API on http://127.0.0.1:{api_port}" in line for line in lines)
+        assert httpx.get(f"http://127.0.0.1:{ui_port}/", timeout=30).status_code == 200  # no retry either
+    finally:
+        stop(proc)
 
 
 def test_only_loopback_hosts_skip_the_token():

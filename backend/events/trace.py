@@ -15,7 +15,7 @@ TIME_FIELDS = frozenset({"t", "duration_s", "ttft_s", "tpot_s", "e2e_s", "tokens
 
 
 class TraceError(ValueError):
-    """A bad trace line; the message starts with `path:line_no:`."""
+    """A missing or bad trace; the message starts with `path:` (a bad line: `path:line_no:`)."""
 
 
 class TraceWriter:
@@ -49,8 +49,17 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
-    """Every event of a trace file, each validated; raises TraceError naming the bad line."""
-    return parse_trace(Path(path).read_text(encoding="utf-8"), str(path))
+    """Every event of a trace file, each validated; raises TraceError naming the file or the bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"{path}: no such trace file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a trace (not UTF-8 text)") from None
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror})") from None
+    return parse_trace(text, str(path))
 
 
 def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:

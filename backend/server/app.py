@@ -7,6 +7,7 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from typing import Any, Literal
@@ -25,7 +26,9 @@ from backend.events.trace import TraceError, parse_trace
 from backend.model.loader import ModelLoadError
 from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
 from backend.server.manager import RunManager
-from backend.server.runs import EngineRun, RunError, ServedRun
+from backend.server.runs import USER_ERRORS, EngineRun, RunError, ServedRun
+
+log = logging.getLogger(__name__)
 
 
 # ---- bodies -----------------------------------------------------------------------------------------
@@ -119,14 +122,20 @@ async def list_runs(request: Request) -> list[dict]:
 
 @post("/api/runs", guards=[require_token], sync_to_thread=True, status_code=201)
 def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
-    manager: RunManager = request.app.state.manager
-    if data.trace is not None:
-        run = manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
-    elif data.scenario is not None:
-        run = manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
-    else:
-        raise RunError("scenario: give a scenario (name or object) or a trace")
+    try:
+        run = _start(request.app.state.manager, data)
+    except USER_ERRORS as e:  # a 400 for the client, and a line in the server's log for whoever runs it
+        log.warning("POST /api/runs refused: %s", e, exc_info=e.__cause__)
+        raise
     return {"run_id": run.run_id, "kind": run.kind}
+
+
+def _start(manager: RunManager, data: StartRun) -> ServedRun:
+    if data.trace is not None:
+        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
+    if data.scenario is not None:
+        return manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
+    raise RunError("scenario: give a scenario (name or object) or a trace")
 
 
 @get("/api/runs/{run_id:str}", sync_to_thread=True)

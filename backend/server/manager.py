@@ -7,9 +7,9 @@ import threading
 from typing import Any
 
 from backend.config import EngineConfig
-from backend.scenario import Scenario, load_scenario, set_dotted, validate
+from backend.scenario import Scenario, apply_overrides, load_scenario, validate
 from backend.server.replay import ReplayRun
-from backend.server.runs import DEFAULT_SPEED, EngineRun, RunError, ServedRun
+from backend.server.runs import DEFAULT_SPEED, EngineRun, RunError, ServedRun, build_run
 
 MAX_RUNS = 16  # finished runs beyond this are forgotten, oldest first
 API_RUN_ID = "api"
@@ -27,10 +27,11 @@ class RunManager:
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
-        return self._add(EngineRun(self.resolve(scenario, overrides), speed, paused))
+        resolved = self.resolve(scenario, overrides)
+        return self._add(build_run(lambda: EngineRun(resolved, speed, paused)))
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
-        return self._add(ReplayRun(events, speed, paused))
+        return self._add(build_run(lambda: ReplayRun(events, speed, paused)))
 
     def api_run(self) -> EngineRun:
         """The open-ended run that OpenAI-compatible requests join (created on first use)."""
@@ -54,9 +55,8 @@ class RunManager:
             source = f"scenario {scenario}"
         else:
             base, source = dict(scenario), "scenario"
-        for key, value in (overrides or {}).items():
-            set_dotted(base, f"{key}={_yaml_literal(value)}")
-        return validate(base, source)
+        items = [(key, value, f"overrides {key}={json.dumps(value)}") for key, value in (overrides or {}).items()]
+        return validate(base, source, apply_overrides(base, items))
 
     def _add(self, run: ServedRun) -> ServedRun:
         with self._lock:
@@ -74,6 +74,3 @@ class RunManager:
         for run in self.runs.values():
             run.stop()
 
-
-def _yaml_literal(value: Any) -> str:
-    return json.dumps(value)  # JSON is YAML, and keeps strings, numbers, lists and null exact

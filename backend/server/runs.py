@@ -17,19 +17,38 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from backend.engine.request import RequestError
 from backend.events.bus import EventBus
 from backend.events.state import RunState
+from backend.events.trace import TraceError
+from backend.model.loader import ModelLoadError
 from backend.run import ScenarioRun
-from backend.scenario import Scenario
+from backend.scenario import Scenario, ScenarioError
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 WATCHER_QUEUE_LIMIT = 4096  # events a watcher may lag behind before it is resynced instead
+T = TypeVar("T")
 
 
 class RunError(ValueError):
     """A control or request a run cannot take; becomes a 400 with this message."""
+
+
+# Already user errors with a message of their own (each becomes a 400 as it is).
+USER_ERRORS = (RunError, ScenarioError, RequestError, ModelLoadError, TraceError)
+
+
+def build_run(build: Callable[[], T]) -> T:
+    """build(); any other failure (the engine refusing its config, memory, a file) as a RunError naming it."""
+    try:
+        return build()
+    except USER_ERRORS:
+        raise
+    except Exception as e:  # the edge: a run that cannot start is the user's to fix, never a 500
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise RunError(f"the run could not start: {type(e).__name__}: {reason}") from e
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""Running the service with uvicorn: in the foreground (`kvscope serve`) or on a thread (tests)."""
+"""Running the service with uvicorn: in the foreground (`kvscope serve`) or on a thread (tests).
+
+The caller binds the socket (`listen`) and hands it to uvicorn, so that a busy port is an OSError
+at the call site, before anything starts, and an address is printed only once it listens.
+"""
 
 from __future__ import annotations
 
@@ -24,16 +28,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serve_forever(app: Litestar, host: str, port: int) -> None:
-    uvicorn.run(app, host=host, port=port, log_level="warning", ws_ping_interval=20)
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0: any free one); OSError if it cannot."""
+    # proto named: asyncio sets TCP_NODELAY on accepted connections only when it is IPPROTO_TCP.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_forever(app: Litestar, sock: socket.socket) -> None:
+    """Serve on a listening socket until Ctrl-C (uvicorn handles the signals)."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_ping_interval=20))
+    server.run(sockets=[sock])
 
 
 @contextmanager
-def serve_in_thread(app: Litestar, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
-    """A real server on a free loopback port for the duration of the block; yields its base URL."""
-    port = port or free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+def serve_in_thread(app: Litestar, sock: socket.socket | None = None) -> Iterator[str]:
+    """A real server (on sock, else a free loopback port) for the duration of the block; yields its URL."""
+    sock = sock or listen("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -41,7 +62,25 @@ def serve_in_thread(app: Litestar, host: str = "127.0.0.1", port: int | None = N
             raise RuntimeError(f"server on {host}:{port} did not start")
         time.sleep(0.02)
     try:
-        yield f"http://{host}:{port}"
+        yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
+
+
+def announce_when_listening(host: str, port: int, lines: list[str], timeout_s: float = 120.0) -> None:
+    """Print lines (from a daemon thread) once something accepts connections on host:port."""
+
+    def wait_then_print() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, port), timeout=0.5).close()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            print("\n".join(lines), flush=True)
+            return
+
+    threading.Thread(target=wait_then_print, name="announce", daemon=True).start()
