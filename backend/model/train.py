@@ -83,8 +83,6 @@ class TrainSettings:
     seed: int = 0
 
 
-
-
 class TrainError(ValueError):
     """An output folder that does not fit the request: the message names the option and the reason."""
 
@@ -219,7 +217,7 @@ def train_model(name: str, out_root: Path | None = None, steps: int | None = Non
         train_ids = torch.tensor(encode_corpus(tokenizer, read_corpus()[0]))
         val_rows = validation_windows(tokenizer)
         out_dir.mkdir(parents=True, exist_ok=True)
-        trainer = _Trainer.start(PRESETS[name], s, out_dir / CHECKPOINT, resume)
+        trainer = _Trainer.start(PRESETS[name], s, checkpoint_path(out_root, name), resume)
         print(f"training {name} from step {trainer.state['step']} of {s.steps} into {out_dir}", flush=True)
         _train_loop(name, trainer, s, train_ids, val_rows, received)
     return _finish(name, trainer, s, tokenizer, val_rows, out_dir)
