@@ -159,14 +159,41 @@ def _serve_with_dashboard(app, api_socket, args: argparse.Namespace, token: str 
 # ---- kvscope train ------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from backend.model.train import PRESETS, train_model
-    from backend.model.model_card import write_model_card
+    """Train into --out; a signal saves a checkpoint, prints how to resume and exits 128 + its number."""
+    from pathlib import Path
 
+    from backend.model.model_card import write_model_card
+    from backend.model.train import PRESETS, TrainError, TrainingStopped, check_out_root, default_out_root, train_model
+
+    if args.model != "all" and args.model not in PRESETS:
+        raise UserError(f"--model {args.model}: not a preset (choose {', '.join(PRESETS)} or all)")
+    for flag, value in (("--steps", args.steps), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1")
+    out_root = Path(args.out).expanduser() if args.out else default_out_root()
     names = list(PRESETS) if args.model == "all" else [args.model]
-    for name in names:
-        metrics = train_model(name, steps=args.steps, threads=args.threads)
-        write_model_card(name)
-        print(f"{name}: {metrics['val_bits_per_char']} bits/char, {metrics['train_seconds']} s")
+    try:
+        check_out_root(out_root, names, args.resume)
+        for name in names:
+            metrics = train_model(name, out_root, steps=args.steps, threads=args.threads, resume=args.resume)
+            write_model_card(out_root / name)
+            print(f"{name}: {metrics['val_bits_per_char']} bits/char, {metrics['train_seconds']} s; "
+                  f"use it with --model {out_root / name}")
+    except TrainError as e:
+        raise UserError(str(e)) from None
+    except TrainingStopped as e:
+        print(f"stopped at step {e.step}; resume with: {_train_command(args)} --resume", flush=True)
+        raise SystemExit(128 + e.signum) from None
+
+
+def _train_command(args: argparse.Namespace) -> str:
+    """The `kvscope train` command line that args came from (without --resume)."""
+    import shlex
+
+    words = ["kvscope", "train", "--model", args.model]
+    for flag, value in (("--steps", args.steps), ("--threads", args.threads), ("--out", args.out)):
+        words += [flag, str(value)] if value is not None else []
+    return shlex.join(words)
 
 
 # ---- kvscope run -------------------------------------------------------------------------------
@@ -312,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default="all", help="demo, demo-draft, demo-mha, demo-mqa, demo-mla or all")
     t.add_argument("--steps", type=int, default=None, help="override the preset's step count")
     t.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    t.add_argument("--out", default=None, help="write OUT/NAME/ (default: ~/.cache/kvscope/models, or under "
+                   "$XDG_CACHE_HOME); the shipped weights change only if this names backend/models")
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.set_defaults(func=cmd_train)
     return parser
 

@@ -1,8 +1,9 @@
-"""The short README.md written beside each shipped model: data, size, steps, time, loss, a sample."""
+"""The short README.md written beside each trained model: data, size, steps, time, loss, a sample."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import SHIPPED_MODELS_DIR, load_model
@@ -12,14 +13,22 @@ from backend.model.reference import reference_generate
 SAMPLE_PROMPT = "ROMEO:\n"
 
 
-def write_model_card(name: str) -> None:
-    """(Re)write backend/models/NAME/README.md from its metrics.json; the draft also gets alpha."""
-    folder = SHIPPED_MODELS_DIR / name
+def draft_target(folder: Path) -> Path | None:
+    """The demo trained beside a draft, else the shipped one: the target its alpha is measured against."""
+    for candidate in (folder.parent / "demo", SHIPPED_MODELS_DIR / "demo"):
+        if (candidate / "model.safetensors").is_file():
+            return candidate
+    return None
+
+
+def write_model_card(folder: Path) -> None:
+    """(Re)write FOLDER/README.md from its metrics.json; a draft also gets alpha against its target."""
     metrics = json.loads((folder / "metrics.json").read_text())
-    loaded = load_model(name)
-    if name == "demo-draft" and (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file():
+    loaded = load_model(folder)
+    target = draft_target(folder) if folder.name == "demo-draft" else None
+    if target:
         rows = validation_windows(loaded.tokenizer)
-        metrics["alpha_vs_demo_T1"] = round(acceptance_rate(load_model("demo").model, loaded.model, rows), 4)
+        metrics["alpha_vs_demo_T1"] = round(acceptance_rate(load_model(target).model, loaded.model, rows), 4)
         (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     tok = loaded.tokenizer
     prompt = tok.encode(SAMPLE_PROMPT)
@@ -32,9 +41,9 @@ def write_model_card(name: str) -> None:
     if c.mla:
         shape += f"; MLA kv_lora_rank {c.mla.kv_lora_rank}, rope key {c.mla.qk_rope_head_dim}"
     lines = [
-        f"# {name}",
+        f"# {folder.name}",
         "",
-        f"Trained by `kvscope train --model {name}` on Tiny Shakespeare (`shared/data/tinyshakespeare.txt`, "
+        f"Trained by `kvscope train --model {folder.name}` on Tiny Shakespeare (`backend/data/tinyshakespeare.txt`, "
         "first 90% train, last 10% validation), byte-level BPE with 2,048 tokens and an end-of-text token "
         "between speeches.",
         "",

@@ -1,15 +1,22 @@
 """Training the demo models on Tiny Shakespeare (`kvscope train`).
 
-Seeded and resumable: a checkpoint (`train_state.pt`, not shipped) is written every few steps and
-picked up on the next run. fp32 with small batches, as measured fastest on a 2-core CPU
-(shared/PITFALLS.md). The best validation checkpoint is kept (early stopping: the corpus is small).
+Seeded and resumable. Everything goes under an output root (default: the user's cache folder; the
+shipped backend/models only when named explicitly): OUT/NAME/train_state.pt, the checkpoint, is
+written at least every minute, at the end, and when SIGINT or SIGTERM stops the run, and a resumed
+run continues from it exactly. fp32 with small batches, as measured fastest on a 2-core CPU
+(PITFALLS). The best validation checkpoint is kept (early stopping: the corpus is small).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +33,8 @@ from backend.model.transformer import CausalLM, num_parameters
 
 VOCAB_SIZE = 2048
 TOKENIZER_PATH = SHIPPED_MODELS_DIR / "tokenizer.json"
+CHECKPOINT = "train_state.pt"
+CHECKPOINT_EVERY_S = 60.0  # the most work a crash or a kill -9 can lose
 
 
 def _config(layers: int, width: int, heads: int, kv_heads: int, ffn: int, **extra) -> ModelConfig:
@@ -71,17 +80,49 @@ class TrainSettings:
     warmup: int = 20
     weight_decay: float = 0.1
     eval_every: int = 50
-    checkpoint_every: int = 50
     seed: int = 0
 
 
-def load_or_train_tokenizer(path: Path = TOKENIZER_PATH) -> Tokenizer:
-    if path.is_file():
-        return Tokenizer.from_file(path)
-    train_text, _ = read_corpus()
-    tok = train_bpe(train_text, VOCAB_SIZE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(path)
+class TrainError(ValueError):
+    """An output folder that does not fit the request: the message names the option and the reason."""
+
+
+class TrainingStopped(Exception):
+    """SIGINT or SIGTERM stopped training; the checkpoint of `step` is saved."""
+
+    def __init__(self, name: str, step: int, signum: int) -> None:
+        super().__init__(f"{name} stopped at step {step} by signal {signum}")
+        self.name, self.step, self.signum = name, step, signum
+
+
+def default_out_root() -> Path:
+    """$XDG_CACHE_HOME/kvscope/models, else ~/.cache/kvscope/models: never the shipped weights."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "kvscope" / "models"
+
+
+def checkpoint_path(out_root: Path, name: str) -> Path:
+    return out_root / name / CHECKPOINT
+
+
+def check_out_root(out_root: Path, names: list[str], resume: bool) -> None:
+    """Refuse to start over a checkpoint (its progress would be lost) or to resume from none at all."""
+    found = [n for n in names if checkpoint_path(out_root, n).is_file()]
+    if resume and not found:
+        raise TrainError(f"--resume: no {CHECKPOINT} of {', '.join(names)} under {out_root}")
+    if found and not resume:
+        raise TrainError(f"--out {out_root}: {found[0]} has a checkpoint there; add --resume to continue it, "
+                         "or choose another --out")
+
+
+def load_tokenizer(out_root: Path) -> Tokenizer:
+    """The shipped tokenizer, which every demo model shares; without it, one trained once into out_root."""
+    for path in (TOKENIZER_PATH, out_root / "tokenizer.json"):
+        if path.is_file():
+            return Tokenizer.from_file(path)
+    tok = train_bpe(read_corpus()[0], VOCAB_SIZE)
+    out_root.mkdir(parents=True, exist_ok=True)
+    tok.save(out_root / "tokenizer.json")
     return tok
 
 
@@ -99,62 +140,116 @@ def random_batch(data: torch.Tensor, batch: int, gen: torch.Generator) -> tuple[
     return rows[:, :-1], rows[:, 1:]
 
 
-def train_model(name: str, out_root: Path = SHIPPED_MODELS_DIR, steps: int | None = None,
-                threads: int | None = None) -> dict:
-    """Train one preset, resuming from its checkpoint; returns the metrics written beside the weights."""
+@dataclass
+class _Trainer:
+    """What a checkpoint holds: the model, its optimizer, the batch sampler and the progress."""
+
+    model: CausalLM
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    state: dict
+    path: Path
+
+    @classmethod
+    def start(cls, config: ModelConfig, s: TrainSettings, path: Path, resume: bool) -> _Trainer:
+        """A seeded fresh start, or (resume) the checkpoint at path where there is one."""
+        torch.manual_seed(s.seed)
+        model = CausalLM(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+        trainer = cls(model, opt, torch.Generator().manual_seed(s.seed),
+                      {"step": 0, "best_val": float("inf"), "best": None, "elapsed_s": 0.0}, path)
+        if resume and path.is_file():
+            trainer.load()
+        if trainer.state["step"] > s.steps:
+            raise TrainError(f"--steps {s.steps}: the checkpoint in {path.parent} is already at step "
+                             f"{trainer.state['step']}")
+        return trainer
+
+    def load(self) -> None:
+        ckpt = torch.load(self.path, weights_only=False)
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["opt"])
+        self.gen.set_state(ckpt["gen"])
+        self.state = ckpt["state"]
+
+    def save(self, elapsed_s: float) -> None:
+        """Written beside and renamed into place, so a kill mid-write leaves the previous checkpoint whole."""
+        self.state["elapsed_s"] = elapsed_s
+        partial = self.path.with_suffix(".partial")
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
+                    "state": self.state}, partial)
+        os.replace(partial, self.path)
+
+    def step(self, s: TrainSettings, data: torch.Tensor) -> float:
+        """One optimizer step on a random batch; returns its loss."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.state["step"], s)
+        x, y = random_batch(data, s.batch_size, self.gen)
+        positions = torch.arange(CONTEXT).expand(s.batch_size, CONTEXT)
+        logits = self.model.logits(self.model(x, positions, DenseCausalBackend()))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.state["step"] += 1
+        return loss.item()
+
+    def keep_if_best(self, val: float) -> None:
+        if val < self.state["best_val"]:
+            self.state["best_val"] = val
+            self.state["best"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def train_model(name: str, out_root: Path | None = None, steps: int | None = None, threads: int | None = None,
+                resume: bool = False) -> dict:
+    """Train one preset into OUT/NAME (from its checkpoint if resume); returns the metrics written beside the weights.
+
+    SIGINT or SIGTERM saves the checkpoint and raises TrainingStopped.
+    """
     if threads:
         torch.set_num_threads(threads)
-    config = PRESETS[name]
-    s = TrainSettings(steps=steps or STEPS[name])
-    tokenizer = load_or_train_tokenizer()
-    train_text, _ = read_corpus()
-    train_ids = torch.tensor(encode_corpus(tokenizer, train_text))
-    val_rows = validation_windows(tokenizer)
-    quick_val = val_rows[:: max(1, len(val_rows) // 32)]  # a fixed subset for early stopping
-
-    torch.manual_seed(s.seed)
-    model = CausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
-    gen = torch.Generator().manual_seed(s.seed)
+    out_root = out_root or default_out_root()
     out_dir = out_root / name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out_dir / "train_state.pt"
-    state = {"step": 0, "best_val": float("inf"), "best": None, "elapsed_s": 0.0}
-    if ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-        gen.set_state(ckpt["gen"])
-        state = ckpt["state"]
+    s = TrainSettings(steps=steps or STEPS[name])
+    with _signals_noted() as received:
+        tokenizer = load_tokenizer(out_root)
+        train_ids = torch.tensor(encode_corpus(tokenizer, read_corpus()[0]))
+        val_rows = validation_windows(tokenizer)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        trainer = _Trainer.start(PRESETS[name], s, checkpoint_path(out_root, name), resume)
+        print(f"training {name} from step {trainer.state['step']} of {s.steps} into {out_dir}", flush=True)
+        _train_loop(name, trainer, s, train_ids, val_rows, received)
+    return _finish(name, trainer, s, tokenizer, val_rows, out_dir)
 
-    attn = DenseCausalBackend()
-    positions = torch.arange(CONTEXT).expand(s.batch_size, CONTEXT)
-    model.train()
-    started = time.perf_counter() - state["elapsed_s"]
+
+def _train_loop(name: str, t: _Trainer, s: TrainSettings, train_ids: torch.Tensor, val_rows: torch.Tensor,
+                received: list[int]) -> None:
+    """Steps up to s.steps; checkpoints every CHECKPOINT_EVERY_S, at the end, and when a signal arrives."""
+    quick_val = val_rows[:: max(1, len(val_rows) // 32)]  # a fixed subset for early stopping
+    started = time.perf_counter() - t.state["elapsed_s"]
+    last_save = time.perf_counter()
+    t.model.train()
     with _progress() as bar:
-        task = bar.add_task(f"train {name}", total=s.steps, completed=state["step"], loss=float("nan"))
-        for step in range(state["step"], s.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s)
-            x, y = random_batch(train_ids, s.batch_size, gen)
-            loss = F.cross_entropy(model.logits(model(x, positions, attn)).flatten(0, 1), y.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            state["step"] = step + 1
-            bar.update(task, advance=1, loss=loss.item())
-            if state["step"] % s.eval_every == 0 or state["step"] == s.steps:
-                val = evaluate(model, quick_val)
-                if val < state["best_val"]:
-                    state["best_val"] = val
-                    state["best"] = {k: v.clone() for k, v in model.state_dict().items()}
-            if state["step"] % s.checkpoint_every == 0 or state["step"] == s.steps:
-                state["elapsed_s"] = time.perf_counter() - started
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                            "state": state}, ckpt_path)
+        task = bar.add_task(f"train {name}", total=s.steps, completed=t.state["step"], loss=float("nan"))
+        while t.state["step"] < s.steps:
+            bar.update(task, advance=1, loss=t.step(s, train_ids))
+            done = t.state["step"] == s.steps
+            if t.state["step"] % s.eval_every == 0 or done:
+                t.keep_if_best(evaluate(t.model, quick_val))
+            now = time.perf_counter()
+            if received or done or now - last_save >= CHECKPOINT_EVERY_S:
+                t.save(elapsed_s=now - started)
+                last_save = now
+            if received:
+                raise TrainingStopped(name, t.state["step"], received[0])
 
-    model.load_state_dict(state["best"])
+
+def _finish(name: str, t: _Trainer, s: TrainSettings, tokenizer: Tokenizer, val_rows: torch.Tensor,
+            out_dir: Path) -> dict:
+    """The best checkpoint's weights, and its metrics on the whole validation split, written to out_dir."""
+    model = t.model
+    model.load_state_dict(t.state["best"])
     model.eval()
     val_nats = evaluate(model, val_rows)
     metrics = {
@@ -162,7 +257,7 @@ def train_model(name: str, out_root: Path = SHIPPED_MODELS_DIR, steps: int | Non
         "parameters": num_parameters(config),
         "steps": s.steps,
         "batch": f"{s.batch_size} x {CONTEXT} tokens",
-        "train_seconds": round(state["elapsed_s"], 1),
+        "train_seconds": round(t.state["elapsed_s"], 1),
         "threads": torch.get_num_threads(),
         "val_nats_per_token": round(val_nats, 4),
         "val_bits_per_char": round(bits_per_char(val_nats, val_rows, tokenizer), 4),
@@ -171,6 +266,22 @@ def train_model(name: str, out_root: Path = SHIPPED_MODELS_DIR, steps: int | Non
     save_model(model, tokenizer, out_dir)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+@contextmanager
+def _signals_noted() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM are noted, for the loop to act on after the current step instead of dying mid-write."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may set handlers; elsewhere signals keep their defaults
+        return
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _progress() -> Progress:

@@ -1,0 +1,117 @@
+"""A fresh clone works on its own, and so does the wheel built from it.
+
+The tracked files are copied into an empty folder (no shared/ or anything else beside it) and run from
+there with a clean HOME: every bundled scenario, and a training run. No tracked code or config names
+the developers' shared/ folder, and the wheel carries every tracked file of its packages (weights,
+corpus, scenarios, dashboard files, kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("backend", "frontend", "kernels", "scenarios")
+pytestmark = pytest.mark.slow
+
+
+def tracked_files() -> list[str]:
+    """`git ls-files` of the repository: what a fresh clone has."""
+    try:
+        proc = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout: {proc.stderr.strip()}")
+    return [name for name in proc.stdout.split("\0") if name and (ROOT / name).is_file()]
+
+
+def copy_tracked(dest: Path) -> Path:
+    for name in tracked_files():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """The tracked files alone in an otherwise empty folder, as a fresh clone has them."""
+    return copy_tracked(tmp_path_factory.mktemp("fresh") / "kvscope")
+
+
+@pytest.fixture(scope="module")
+def env(clone: Path, tmp_path_factory) -> dict[str, str]:
+    """The clone first on the import path, and an empty HOME so that no cache from earlier runs helps."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XDG_CACHE_HOME")}
+    return {**env, "PYTHONPATH": str(clone), "HOME": str(tmp_path_factory.mktemp("home"))}
+
+
+def kvscope(clone: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "backend.cli", *args], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_clone_runs_its_own_code_not_an_installed_copy(clone, env):
+    code = f"import {', '.join(PACKAGES)}; print({', '.join(f'{p}.__file__' for p in PACKAGES)})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert all(Path(path).is_relative_to(clone) for path in proc.stdout.split()), proc.stdout
+
+
+def short_settings(scenario: Path) -> list[str]:
+    """--set overrides that cut a generated workload to two short requests (explicit ones are short already)."""
+    if "generate" not in yaml.safe_load(scenario.read_text()):
+        return []
+    return ["--set", "generate.count=2", "--set", "generate.max_tokens={min: 2, max: 4}"]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "scenarios").glob("*.yaml")))
+def test_every_bundled_scenario_runs_in_a_fresh_clone(clone, env, name):
+    proc = kvscope(clone, env, "run", name, *short_settings(clone / "scenarios" / f"{name}.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert "requests (finished / aborted / rejected)" in proc.stdout
+
+
+def test_training_runs_in_a_fresh_clone(clone, env, tmp_path):
+    proc = kvscope(clone, env, "train", "--model", "demo-draft", "--steps", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "demo-draft" / "model.safetensors").is_file()
+
+
+# The ways code has reached for the developers' folder beside the repository.
+READS_SHARED = re.compile(r"""\.\./shared|["']shared["']|shared/(data|STYLE|PITFALLS|CONTRACT|hooks)|/work/""")
+
+
+def test_no_tracked_code_or_config_reads_the_shared_folder():
+    checked = [name for name in tracked_files() if name != "tests/test_self_contained.py"
+               and (name.endswith((".py", ".yaml", ".yml", ".toml")) or name.startswith(".ci/"))]
+    assert "backend/model/tokenizer.py" in checked and ".ci/run" in checked
+    offenders = [f"{name}:{i}: {line.strip()}" for name in checked
+                 for i, line in enumerate((ROOT / name).read_text().splitlines(), 1) if READS_SHARED.search(line)]
+    assert offenders == []
+
+
+def test_the_wheel_carries_every_file_of_its_packages(tmp_path):
+    source = copy_tracked(tmp_path / "src")  # a clean tree: no build/ left from earlier builds
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-w", str(tmp_path / "dist"), "."], cwd=source, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("kvscope-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = set(z.namelist())
+        entry_points = next(z.read(n).decode() for n in shipped if n.endswith(".dist-info/entry_points.txt"))
+    tracked = {name for name in tracked_files() if name.startswith(tuple(f"{p}/" for p in PACKAGES))}
+    assert {"backend/models/demo/model.safetensors", "backend/models/demo-draft/config.json",
+            "backend/models/tokenizer.json", "backend/data/tinyshakespeare.txt", "scenarios/shared-prefix.yaml",
+            "frontend/static/kvscope.js", "frontend/views/block_pool.js", "kernels/paged_decode.py"} <= tracked
+    assert sorted(tracked - shipped) == []
+    assert "kvscope = backend.cli:main" in entry_points
