@@ -254,7 +254,7 @@ def _finish(name: str, t: _Trainer, s: TrainSettings, tokenizer: Tokenizer, val_
     val_nats = evaluate(model, val_rows)
     metrics = {
         "name": name,
-        "parameters": num_parameters(config),
+        "parameters": num_parameters(model.config),
         "steps": s.steps,
         "batch": f"{s.batch_size} x {CONTEXT} tokens",
         "train_seconds": round(t.state["elapsed_s"], 1),
