@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from backend.cli import main
+from kvscope.cli import main
 from backend.model.loader import SHIPPED_MODELS_DIR
 
 
@@ -111,7 +111,7 @@ def test_installed_console_script_reports_errors_without_traceback(tmp_path):
 
 
 def test_module_entry_point_prints_help():
-    proc = subprocess.run([sys.executable, "-m", "backend.cli", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "kvscope", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout
 
 

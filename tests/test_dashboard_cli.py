@@ -40,7 +40,7 @@ def test_replay_serves_api_and_dashboard_opened_on_the_trace(tmp_path: Path) -> 
     write_trace(trace)
     api_port, ui_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "NICEGUI"))}
-    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "replay", str(trace), "--port", str(api_port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "replay", str(trace), "--port", str(api_port),
                              "--ui-port", str(ui_port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -81,7 +81,7 @@ def test_serve_refuses_a_busy_ui_port(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "backend.cli", "serve", "--port", str(free_port()),
+        result = subprocess.run([sys.executable, "-m", "kvscope", "serve", "--port", str(free_port()),
                                  "--ui-port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert f"--ui-port {port}" in result.stderr and "Traceback" not in result.stderr

@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from backend.cli import main
+from kvscope.cli import main
 from backend.events.bus import EventBus
 from backend.events.trace import TraceWriter, read_trace
 from backend.run import ScenarioRun

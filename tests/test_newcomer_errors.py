@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from litestar.testing import TestClient
 
-from backend.cli import build_parser, main
+from kvscope.cli import build_parser, main
 from backend.scenario import SCENARIOS_DIR, list_scenarios
 from backend.server.app import create_app
 from backend.server.manager import RunManager

@@ -16,7 +16,8 @@ from backend.perf.cost_model import (BatchItem, Deployment, experts_touched, ite
 from backend.perf.errors import PerfError
 from backend.perf.hardware import DATASHEET, HARDWARE_NAMES, HardwareProfile, LinkProfile, get_hardware
 from backend.perf.shapes import SHAPES, Linear, get_shape, shape_from_config
-from backend.perf.whatif import add_whatif_parser, cmd_whatif, decode_knee, deployment, format_table, whatif
+from backend.perf.whatif import decode_knee, deployment, format_table, whatif
+from kvscope.cli import build_parser, cmd_whatif, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -290,9 +291,7 @@ def test_this_machine_cannot_be_split_across_ranks(cache_dir):
 # ---- the command ----------------------------------------------------------------------------------------
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvscope")
-    add_whatif_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["whatif", *argv])
+    return build_parser().parse_args(["whatif", *argv])
 
 
 def test_whatif_prints_a_table_by_op_group(capsys):
@@ -319,7 +318,11 @@ def test_whatif_table_marks_a_model_that_does_not_fit():
     assert "(does not fit)" in table
 
 
-def test_whatif_refuses_a_bad_batch_with_its_field():
-    with pytest.raises(PerfError) as e:
-        cmd_whatif(parse("--model-shape", "llama-3-8b", "--hardware", "h100", "--batch", "0", "--context", "16"))
-    assert str(e.value) == "batch: must be >= 1, got 0"
+def test_whatif_refuses_a_bad_batch_with_its_flag(capsys):
+    assert main(["whatif", "--model-shape", "llama-3-8b", "--hardware", "h100", "--batch", "0", "--context", "16"]) == 2
+    assert capsys.readouterr().err == "kvscope whatif: --batch: must be >= 1, got 0\n"
+
+
+def test_whatif_names_the_valid_hardware(capsys):
+    assert main(["whatif", "--model-shape", "llama-3-8b", "--hardware", "h1000", "--batch", "1", "--context", "16"]) == 2
+    assert "--hardware: unknown name 'h1000'; valid: " in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from backend.cli import main
+from kvscope.cli import main
 from backend.events.trace import read_trace
 from backend.scenario import SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
 

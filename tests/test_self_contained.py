@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("backend", "frontend", "kernels", "scenarios")
+PACKAGES = ("kvscope", "backend", "frontend", "kernels", "scenarios")
 pytestmark = pytest.mark.slow
 
 
@@ -56,7 +56,7 @@ def env(clone: Path, tmp_path_factory) -> dict[str, str]:
 
 
 def kvscope(clone: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "backend.cli", *args], cwd=clone, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], cwd=clone, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -114,4 +114,4 @@ def test_the_wheel_carries_every_file_of_its_packages(tmp_path):
             "backend/models/tokenizer.json", "backend/data/tinyshakespeare.txt", "scenarios/shared-prefix.yaml",
             "frontend/static/kvscope.js", "frontend/views/block_pool.js", "kernels/paged_decode.py"} <= tracked
     assert sorted(tracked - shipped) == []
-    assert "kvscope = backend.cli:main" in entry_points
+    assert "kvscope = kvscope.cli:main" in entry_points

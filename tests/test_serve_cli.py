@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start(*argv: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "NICEGUI"))}
-    return subprocess.Popen([sys.executable, "-m", "backend.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "kvscope", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.cli import main
+from kvscope.cli import main
 from backend.model import model_card, quality, train
 from backend.model.loader import SHIPPED_MODELS_DIR, load_model
 
@@ -111,7 +111,7 @@ def test_a_checkpoint_is_written_once_the_interval_has_passed(tmp_path, monkeypa
 
 
 def _start(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "backend.cli", "train", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "kvscope", "train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -7,9 +7,6 @@ roofline model of cost_model.py. Output: a table, or with --json one object whos
 
 from __future__ import annotations
 
-import argparse
-import json
-
 from backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
                                      iteration_cost, resident_bytes)
 from backend.perf.errors import PerfError
@@ -112,30 +109,3 @@ def format_table(result: dict) -> str:
                  f"{m['weights_bytes'] / 1e9:,.1f} GB + KV {m['kv_bytes'] / 1e9:,.1f} GB of "
                  f"{m['capacity_bytes'] / 1e9:,.1f} GB{'' if m['fits'] else ' (does not fit)'}")
     return "\n".join(lines)
-
-
-# ---- the command --------------------------------------------------------------------------------
-
-def add_whatif_parser(subparsers) -> argparse.ArgumentParser:
-    """`kvscope whatif ...`: names are checked by whatif() (one line listing the valid ones), not argparse."""
-    w = subparsers.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")
-    w.add_argument("--model-shape", required=True, help="e.g. llama-3-8b, deepseek-v2-lite, smollm2-135m")
-    w.add_argument("--hardware", required=True, help="h100, h200, a100-80gb, l4, rtx-4090 or this-machine")
-    w.add_argument("--batch", type=int, required=True, help="sequences in the step (prompts with --prefill)")
-    w.add_argument("--context", type=int, required=True, help="tokens of context (prompt length with --prefill)")
-    w.add_argument("--prefill", action="store_true", help="cost the prompts' prefill instead of a decode step")
-    w.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: 1, 2, 4 or 8")
-    w.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    w.add_argument("--weight-quant", choices=WEIGHT_QUANTS, default="none")
-    w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
-    w.add_argument("--link", choices=tuple(LINKS), default=None, help="override the GPU's link (e.g. pcie5)")
-    w.add_argument("--json", action="store_true", help="print one JSON object")
-    w.set_defaults(func=cmd_whatif)
-    return w
-
-
-def cmd_whatif(args: argparse.Namespace) -> None:
-    result = whatif(args.model_shape, args.hardware, args.batch, args.context, prefill=args.prefill, tp=args.tp,
-                    kv_cache_dtype=args.kv_cache_dtype, weight_quant=args.weight_quant,
-                    quant_group_size=args.quant_group_size, link=args.link)
-    print(json.dumps(result, indent=2) if args.json else format_table(result))

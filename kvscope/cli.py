@@ -258,6 +258,24 @@ def cmd_scenarios(args: argparse.Namespace) -> None:
         print(f"{s.name:<{width}}  {first}")
 
 
+# ---- kvscope whatif -----------------------------------------------------------------------------
+
+def cmd_whatif(args: argparse.Namespace) -> None:
+    """One iteration of a model shape on a GPU type, costed by the roofline model (docs/perf_model.md)."""
+    import json
+
+    from backend.perf.errors import PerfError
+    from backend.perf.whatif import format_table, whatif
+
+    try:
+        result = whatif(args.model_shape, args.hardware, args.batch, args.context, prefill=args.prefill, tp=args.tp,
+                        kv_cache_dtype=args.kv_cache_dtype, weight_quant=args.weight_quant,
+                        quant_group_size=args.quant_group_size, link=args.link)
+    except PerfError as e:
+        raise UserError(f"--{e.field.replace('_', '-')}: {e.reason}") from None
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+
+
 def cmd_schema(args: argparse.Namespace) -> None:
     import json
 
@@ -331,6 +349,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, default=None, help="the run as of this iteration (default: the end)")
     e.set_defaults(func=cmd_export)
 
+    w = sub.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")
+    w.add_argument("--model-shape", required=True, help="e.g. llama-3-8b, deepseek-v2-lite, smollm2-135m")
+    w.add_argument("--hardware", required=True, help="h100, h200, a100-80gb, l4, rtx-4090 or this-machine")
+    w.add_argument("--batch", type=int, required=True, help="sequences in the step (prompts with --prefill)")
+    w.add_argument("--context", type=int, required=True, help="tokens of context (prompt length with --prefill)")
+    w.add_argument("--prefill", action="store_true", help="cost the prompts' prefill instead of a decode step")
+    w.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: 1, 2, 4 or 8")
+    w.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
+    w.add_argument("--weight-quant", default="none", help="none, int8 or int4")
+    w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
+    w.add_argument("--link", default=None, help="override the GPU's link: nvlink4, nvlink3, pcie5 or pcie4")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=cmd_whatif)
+
     s = sub.add_parser("schema", help="print a JSON Schema")
     s.add_argument("what", choices=["events", "scenario"])
     s.set_defaults(func=cmd_schema)
@@ -371,7 +403,3 @@ def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Names
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_command(args.func, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
