@@ -254,3 +254,15 @@ def test_a_file_that_is_not_gguf_or_is_missing_is_one_line(tmp_path):
         load_model(bad)
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         load_model(tmp_path / "absent.gguf")
+
+
+def test_a_model_folder_keeps_its_chat_template_on_the_tokenizer(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).symlink_to(SHIPPED_MODELS_DIR / "demo-draft" / name)
+    assert load_model(folder).tokenizer.chat_template is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": "A"}]}))
+    assert load_model(folder).tokenizer.chat_template == "A"
+    (folder / "chat_template.jinja").write_text("B")
+    assert load_model(folder).tokenizer.chat_template == "B"

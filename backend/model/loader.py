@@ -142,7 +142,7 @@ def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor], where: Path)
 
 def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model folder (or a shipped model by name) ready for inference."""
+    """Load a model folder, a .gguf file or a shipped model by name, ready for inference."""
     model_dir = resolve_model_dir(name_or_path, dtype)
     config = read_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
