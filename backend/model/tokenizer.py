@@ -7,6 +7,7 @@ and an end-of-text token is placed between them, so that the models learn to sto
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 
@@ -19,20 +20,22 @@ CORPUS_NAME = "tinyshakespeare.txt"
 
 
 class Tokenizer:
-    """encode/decode plus the ids the engine needs (EOS, per-token text)."""
+    """encode/decode plus the ids the engine needs (EOS, per-token text) and the model's chat template."""
 
-    def __init__(self, tok: HFTokenizer, eos_token_ids: list[int]) -> None:
+    def __init__(self, tok: HFTokenizer, eos_token_ids: list[int], chat_template: str | None = None) -> None:
         self._tok = tok
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size()
+        self.chat_template = chat_template  # Jinja source, None for the demo models
 
     @classmethod
-    def from_file(cls, path: Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+    def from_file(cls, path: Path, eos_token_ids: list[int] | None = None,
+                  chat_template: str | None = None) -> "Tokenizer":
         tok = HFTokenizer.from_file(str(path))
         if eos_token_ids is None:
             eos = tok.token_to_id(EOS_TEXT)
             eos_token_ids = [] if eos is None else [eos]
-        return cls(tok, eos_token_ids)
+        return cls(tok, eos_token_ids, chat_template)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -50,6 +53,20 @@ class Tokenizer:
 
     def save(self, path: Path) -> None:
         self._tok.save(str(path))
+
+
+def read_chat_template(model_dir: Path) -> str | None:
+    """A model folder's Hugging Face chat template: chat_template.jinja, or tokenizer_config.json's (default) one."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    try:
+        template = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, or not an object: no template
+        return None
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    return template if isinstance(template, str) else None
 
 
 def read_corpus(path: Path | None = None) -> tuple[str, str]:
