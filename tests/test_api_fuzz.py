@@ -21,7 +21,7 @@ json_values = st.recursive(
 @pytest.fixture(scope="module")
 def api(tiny_dir):
     manager = RunManager(default_model=tiny_dir)
-    with TestClient(create_app(manager)) as client:
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as client:
         run_id = client.post("/api/runs", json={"scenario": {
             "name": "fuzz", "model": tiny_dir, "engine": {"block_size": 4, "num_blocks": 64},
             "requests": [{"id": "a", "prompt": "x", "max_tokens": 2}]}, "paused": True}).json()["run_id"]

@@ -9,6 +9,9 @@ from litestar.testing import TestClient
 from backend.server.app import create_app
 from backend.server.manager import RunManager
 
+LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
+JSON = {"content-type": "application/json"}
+
 
 def scenario(model: str, **engine) -> dict:
     return {"name": "t", "model": model, "seed": 1, "engine": {"block_size": 4, "num_blocks": 128, **engine},
@@ -19,7 +22,7 @@ def scenario(model: str, **engine) -> dict:
 @pytest.fixture
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager)) as c:
+    with TestClient(create_app(manager), base_url=LOCAL) as c:
         yield c
     manager.stop_all()
 
@@ -110,7 +113,7 @@ def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
     assert r.status_code == 400 and "engine.block_size" in r.json()["error"]
     assert client.post("/api/runs", json={"scenario": "../../etc/passwd"}).status_code == 400
     assert client.post("/api/runs", json={"trace": "not json\n"}).status_code == 400
-    assert client.post("/api/runs", content=b"{nope").status_code == 400
+    assert client.post("/api/runs", content=b"{nope", headers=JSON).status_code == 400
     assert client.post("/api/runs", json={"speed": -1, "scenario": "shared-prefix"}).status_code == 400
     run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
     r = client.post(f"/api/runs/{run_id}/control", json={"action": "explode"})
@@ -120,7 +123,7 @@ def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
 
 def test_token_guards_changes_but_not_watching(tiny_dir):
     manager = RunManager()
-    with TestClient(create_app(manager, token="s3cret")) as c:
+    with TestClient(create_app(manager, token="s3cret"), base_url=LOCAL) as c:
         body = {"scenario": scenario(tiny_dir), "paused": True}
         assert c.post("/api/runs", json=body).status_code == 401
         run_id = c.post("/api/runs", json=body, headers={"Authorization": "Bearer s3cret"}).json()["run_id"]
@@ -131,7 +134,7 @@ def test_token_guards_changes_but_not_watching(tiny_dir):
 
 
 def test_body_size_limit_and_no_cors_by_default(tiny_dir):
-    with TestClient(create_app(RunManager(), max_body_bytes=2000)) as c:
+    with TestClient(create_app(RunManager(), max_body_bytes=2000), base_url=LOCAL) as c:
         big = c.post("/api/runs", content=json.dumps({"trace": "x" * 5000}), headers={"content-type": "application/json"})
         assert big.status_code == 413
         r = c.get("/api/health", headers={"Origin": "http://evil.example"})

@@ -158,9 +158,16 @@ def run_trace(request: Request, run_id: FromPath[str]) -> str:
 
 
 def create_app(manager: RunManager | None = None, token: str | None = None, max_body_bytes: int = 2_000_000,
-               cors_origins: list[str] | None = None) -> Litestar:
-    """The whole service. `token`: required on changing routes (set it for non-loopback binds)."""
-    from backend.server.openai_api import openai_routes
+               cors_origins: list[str] | None = None, host: str = "127.0.0.1", public_watch: bool = False,
+               dashboard_origin: str | None = None) -> Litestar:
+    """The whole service. `token`: required on changing routes (set it for non-loopback binds).
+
+    `host`: the bind address (on loopback the Host header must be a loopback name); `public_watch`:
+    off loopback, watching runs needs no token; `dashboard_origin`: a browser origin trusted like a
+    --cors-origin (guards.py)."""
+    from backend.server.guards import CONNECTION_GUARDS
+    from backend.server.openai_api import openai_errors_under_v1, openai_routes
+    from backend.server.serve import is_loopback
     from backend.server.ws import run_socket
 
     manager = manager or RunManager()
@@ -168,7 +175,9 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
         exception_handlers={RunError: user_error, RequestError: user_error, ScenarioError: user_error,
-                            TraceError: user_error, ModelLoadError: user_error, HTTPException: http_error},
+                            TraceError: user_error, ModelLoadError: user_error,
+                            HTTPException: openai_errors_under_v1(http_error)},
+        guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         request_max_body_size=max_body_bytes,
@@ -177,6 +186,9 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     )
     app.state.manager = manager
     app.state.token = token
+    app.state.loopback = is_loopback(host)
+    app.state.public_watch = public_watch
+    app.state.trusted_origins = {o.rstrip("/").lower() for o in [*(cors_origins or []), dashboard_origin] if o}
     return app
 
 
