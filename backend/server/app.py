@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
@@ -18,7 +18,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.engine.request import RequestError
 from backend.events.trace import TraceError, parse_trace
@@ -37,10 +37,19 @@ class _Body(BaseModel):
 
 class StartRun(_Body):
     scenario: str | dict[str, Any] | None = Field(default=None, description="a scenario name or an inline scenario")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="dotted paths, e.g. engine.block_size")
-    trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay")
+    overrides: dict[Annotated[str, Field(max_length=128)], Any] = \
+        Field(default_factory=dict, max_length=64, description="dotted paths, e.g. engine.block_size")
+    trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay (bounded by "
+                                                        "the body size limit)")
     speed: float = Field(default=4.0, ge=0, le=10_000, description="iterations per second; 0 = unpaced")
     paused: bool = False
+
+    @field_validator("scenario")
+    @classmethod
+    def _bounded(cls, scenario: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if scenario is not None and len(scenario) > 128:
+            raise ValueError("a name has at most 128 characters, an inline scenario at most 128 fields")
+        return scenario
 
 
 class Control(_Body):
@@ -51,7 +60,7 @@ class Control(_Body):
 class AddRequest(_Body):
     prompt: str = Field(min_length=1, max_length=100_000)
     max_tokens: int = Field(default=32, ge=1, le=100_000)
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
 
 
 # ---- guards and errors --------------------------------------------------------------------------------

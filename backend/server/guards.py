@@ -20,8 +20,11 @@ from collections.abc import Iterable
 
 import msgspec
 from litestar.connection import ASGIConnection, Request
-from litestar.exceptions import ClientException, HTTPException, PermissionDeniedException
+from litestar.exceptions import (ClientException, HTTPException, NotAuthorizedException, PermissionDeniedException,
+                                 WebSocketException)
 from litestar.handlers.base import BaseRouteHandler
+from litestar.types import Guard
+from litestar.utils import ensure_async_callable
 
 from backend.server.app import require_token
 
@@ -74,7 +77,11 @@ def check_watch_token(connection: ASGIConnection, handler: BaseRouteHandler) -> 
     """Off loopback, watching runs needs the token unless the server was started with public watching."""
     state = connection.app.state
     if not state.loopback and not state.public_watch and connection.url.path.startswith(WATCH_PATHS):
-        require_token(connection, handler)
+        try:
+            require_token(connection, handler)
+        except NotAuthorizedException:
+            raise NotAuthorizedException("this server needs 'Authorization: Bearer <token>' to watch runs "
+                                         "(or start it with --public-watch)") from None
 
 
 async def check_json_body(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -109,4 +116,18 @@ def json_depth(value: object) -> int:
     return deepest
 
 
-CONNECTION_GUARDS = [check_host, check_origin, check_watch_token, check_json_body]
+def closing_websockets(guard: Guard) -> Guard:
+    """The guard, refusing a websocket with close code 4000 + the HTTP status (Litestar would say 4500)."""
+
+    async def checked(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        try:
+            await ensure_async_callable(guard)(connection, handler)
+        except HTTPException as e:
+            if connection.scope["type"] != "websocket":
+                raise
+            raise WebSocketException(detail=e.detail, code=4000 + e.status_code) from None
+
+    return checked
+
+
+CONNECTION_GUARDS = [closing_websockets(g) for g in (check_host, check_origin, check_watch_token, check_json_body)]
