@@ -17,7 +17,8 @@ from litestar import MediaType, Request, Response, Router, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator, model_validator)
 
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
@@ -92,6 +93,15 @@ class CompletionBody(_Sampling):
     echo: bool | None = None
     best_of: int | None = Field(default=None, ge=1, le=16)
     suffix: Text | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_shape(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(prompt)
+        except ValidationError:  # pydantic's message names a branch of the union: say what is expected
+            raise ValueError(f"a string or a list of token ids (up to {MAX_PROMPT_CHARS} characters or "
+                             f"{MAX_PROMPT_TOKENS} ids), or a list of up to {MAX_PROMPTS} of one of these") from None
 
     def refuse_unimplemented(self) -> None:
         super().refuse_unimplemented()
@@ -395,9 +405,9 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
     prompts, n = data.prompts(), data.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
-    sampling = sampling_for(data, data.logprobs or 0)
     run = await api_run(request)
     check_logit_bias(run, data)
+    sampling = sampling_for(data, data.logprobs or 0)
     ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
     if not all(ids):
         raise OpenAIError(400, "prompt: empty prompt", "prompt")
@@ -416,10 +426,10 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
 async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Response:
     data.refuse_unimplemented()
     model = check_model(request, data)
-    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     messages = message_dicts(data.messages)
     run = await api_run(request)
     check_logit_bias(run, data)
+    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     tokenizer, model_dir = run.sim.loaded.tokenizer, run.sim.loaded.path
     eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
     prompt = await asyncio.to_thread(render_chat, messages, model_dir, eos_text)  # reads the model folder
