@@ -2,7 +2,8 @@
 
 Every user error is a 4xx with a JSON body `{"error": ..., "field": ...}`; nothing a client sends
 may produce a 5xx. Routes that start, control or add to runs need the bearer token when one is set
-(non-loopback binds); watching stays open.
+(non-loopback binds); watching stays open on loopback. guards.py checks every connection first
+(JSON bodies, Host, Origin, watching off loopback).
 """
 
 from __future__ import annotations
