@@ -4,10 +4,14 @@ import json
 import time
 
 import pytest
+from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
 from backend.server.app import create_app
 from backend.server.manager import RunManager
+
+LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
+JSON = {"content-type": "application/json"}
 
 
 def scenario(model: str, **engine) -> dict:
@@ -19,7 +23,7 @@ def scenario(model: str, **engine) -> dict:
 @pytest.fixture
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager)) as c:
+    with TestClient(create_app(manager), base_url=LOCAL) as c:
         yield c
     manager.stop_all()
 
@@ -110,7 +114,7 @@ def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
     assert r.status_code == 400 and "engine.block_size" in r.json()["error"]
     assert client.post("/api/runs", json={"scenario": "../../etc/passwd"}).status_code == 400
     assert client.post("/api/runs", json={"trace": "not json\n"}).status_code == 400
-    assert client.post("/api/runs", content=b"{nope").status_code == 400
+    assert client.post("/api/runs", content=b"{nope", headers=JSON).status_code == 400
     assert client.post("/api/runs", json={"speed": -1, "scenario": "shared-prefix"}).status_code == 400
     run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
     r = client.post(f"/api/runs/{run_id}/control", json={"action": "explode"})
@@ -120,7 +124,7 @@ def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
 
 def test_token_guards_changes_but_not_watching(tiny_dir):
     manager = RunManager()
-    with TestClient(create_app(manager, token="s3cret")) as c:
+    with TestClient(create_app(manager, token="s3cret"), base_url=LOCAL) as c:
         body = {"scenario": scenario(tiny_dir), "paused": True}
         assert c.post("/api/runs", json=body).status_code == 401
         run_id = c.post("/api/runs", json=body, headers={"Authorization": "Bearer s3cret"}).json()["run_id"]
@@ -131,7 +135,7 @@ def test_token_guards_changes_but_not_watching(tiny_dir):
 
 
 def test_body_size_limit_and_no_cors_by_default(tiny_dir):
-    with TestClient(create_app(RunManager(), max_body_bytes=2000)) as c:
+    with TestClient(create_app(RunManager(), max_body_bytes=2000), base_url=LOCAL) as c:
         big = c.post("/api/runs", content=json.dumps({"trace": "x" * 5000}), headers={"content-type": "application/json"})
         assert big.status_code == 413
         r = c.get("/api/health", headers={"Origin": "http://evil.example"})
@@ -168,3 +172,144 @@ def test_speculative_run_with_live_parallel_and_beam_requests(client, tiny_dir):
     events = [json.loads(line) for line in client.get(f"/api/runs/{plain}/trace").text.splitlines()]
     done = next(e for e in events if e["type"] == "request_finished" and e["request_id"] == ok.json()["request_id"])
     assert len(done["outputs"]) == 2 and done["outputs"][0]["score"] >= done["outputs"][1]["score"]
+
+
+# ---- cross-site safety (guards.py) ---------------------------------------------------------------------
+
+
+def test_bodies_that_a_browser_sends_cross_site_without_a_preflight_are_refused(client, tiny_dir):
+    """text/plain, form and multipart bodies used to be parsed as JSON and executed: a page on any site
+    could start runs on a localhost server. Now they are a 415 and nothing starts."""
+    body = json.dumps({"scenario": scenario(tiny_dir), "paused": True})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = client.post("/api/runs", content=body, headers=headers)
+        assert r.status_code == 415 and "application/json" in r.json()["error"], content_type
+    assert client.get("/api/runs").json() == []
+    ok = client.post("/api/runs", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 201
+
+
+def test_on_a_loopback_bind_the_host_must_be_a_loopback_name(client):
+    for host in ("localhost", "localhost:8000", "127.0.0.1", "127.0.0.1:9", "[::1]", "[::1]:8000"):
+        assert client.get("/api/health", headers={"host": host}).status_code == 200, host
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io", ""):
+        r = client.get("/api/runs", headers={"host": host})
+        assert r.status_code == 403 and "Host" in r.json()["error"], host
+    with TestClient(create_app(RunManager(), host="0.0.0.0", token="t"), base_url="http://my.server:8000") as c:
+        assert c.get("/api/health").status_code == 200  # off loopback any name reaches it (the token guards it)
+
+
+def test_a_cross_site_origin_may_not_change_runs(tiny_dir):
+    manager = RunManager()
+    app = create_app(manager, cors_origins=["http://ok.example"], dashboard_origin="http://127.0.0.1:8080")
+    body = {"scenario": scenario(tiny_dir), "paused": True}
+    with TestClient(app, base_url=LOCAL) as c:
+        refused = c.post("/api/runs", json=body, headers={"origin": "http://evil.example"})
+        assert refused.status_code == 403 and "Origin" in refused.json()["error"]
+        assert c.post("/api/runs", json=body, headers={"origin": "null"}).status_code == 403
+        assert c.get("/api/runs", headers={"origin": "http://evil.example"}).status_code == 200  # reading: CORS's job
+        for origin in ("http://ok.example", "http://127.0.0.1:8080", LOCAL, None):  # listed, dashboard, own, none
+            headers = {"origin": origin} if origin else {}
+            assert c.post("/api/runs", json=body, headers=headers).status_code == 201, origin
+        run_id = c.get("/api/runs").json()[0]["run_id"]
+        with pytest.raises(WebSocketDisconnect) as refused:  # a page of another site may not read the events either
+            with c.websocket_connect(f"/ws/runs/{run_id}", headers={"origin": "http://evil.example"}) as ws:
+                ws.receive_json()
+        assert refused.value.code == 4403
+        with c.websocket_connect(f"/ws/runs/{run_id}") as ws:
+            assert ws.receive_json()["type"] == "snapshot"
+    manager.stop_all()
+
+
+def test_off_loopback_watching_needs_the_token_unless_public_watch(tiny_dir):
+    auth = {"Authorization": "Bearer s3cret"}
+    for public_watch in (False, True):
+        manager = RunManager()
+        with TestClient(create_app(manager, token="s3cret", host="0.0.0.0", public_watch=public_watch),
+                        base_url="http://my.server:8000") as c:
+            run_id = c.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True},
+                            headers=auth).json()["run_id"]
+            watching = (f"/api/runs/{run_id}", f"/api/runs/{run_id}/trace", "/api/runs")
+            for path in watching:
+                assert c.get(path, headers=auth).status_code == 200, path
+                assert c.get(path).status_code == (200 if public_watch else 401), path
+            assert c.get("/api/scenarios").status_code == 200  # not a run: open
+            with c.websocket_connect(f"/ws/runs/{run_id}", headers=auth) as ws:
+                assert ws.receive_json()["type"] == "snapshot"
+            if not public_watch:
+                with pytest.raises(WebSocketDisconnect) as refused:
+                    with c.websocket_connect(f"/ws/runs/{run_id}") as ws:
+                        ws.receive_json()
+                assert refused.value.code == 4401
+        manager.stop_all()
+
+
+def test_loopback_names_with_and_without_ports():
+    from backend.server.guards import is_loopback_name
+
+    assert all(map(is_loopback_name, ("localhost", "LOCALHOST:1", "127.0.0.1", "127.1.2.3:80", "[::1]", "[::1]:80")))
+    assert not any(map(is_loopback_name, ("::1", "[::2]", "10.0.0.1", "localhost.x", "a:b:c", "[::1]x", "")))
+
+
+# ---- hostile input ------------------------------------------------------------------------------------------
+
+
+def test_deep_json_is_a_400_not_a_server_error(client):
+    """100k nested arrays overflowed the decoder's stack: a RecursionError and a 500."""
+    for path in ("/api/runs", "/api/runs/x/control", "/v1/completions", "/v1/chat/completions"):
+        deep = '{"overrides": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+        r = client.post(path, content=deep, headers=JSON)
+        assert r.status_code == 400 and "nested deeper than 32" in r.text, path
+    just_deep_enough = '{"scenario": "nope", "overrides": {"a": ' + "[" * 30 + "]" * 30 + "}}"
+    assert "nested" not in client.post("/api/runs", content=just_deep_enough, headers=JSON).text
+
+
+def test_every_field_is_bounded(client, tiny_dir):
+    too_many = {f"engine.x{i}": 1 for i in range(65)}
+    r = client.post("/api/runs", json={"scenario": "shared-prefix", "overrides": too_many})
+    assert r.status_code == 400 and r.json()["field"] == "overrides"
+    r = client.post("/api/runs", json={"scenario": "s" * 129})
+    assert r.status_code == 400 and r.json()["field"] == "scenario"
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    r = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "x", "sampling": {f"k{i}": 1 for i in range(33)}})
+    assert r.status_code == 400 and r.json()["field"] == "sampling"
+    r = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "x" * 100_001})
+    assert r.status_code == 400 and r.json()["field"] == "prompt"
+    r = client.post(f"/api/runs/{run_id}/control", json={"action": "step", "value": 1e300})
+    assert r.status_code == 400 and r.json()["field"] == "value"
+
+
+# ---- the trace reader ---------------------------------------------------------------------------------------
+
+
+def finished_trace(client, tiny_dir) -> str:
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    return client.get(f"/api/runs/{run_id}/trace").text
+
+
+def test_a_trace_cut_mid_line_keeps_every_complete_line(client, tiny_dir, tmp_path, caplog):
+    """A run killed while writing leaves half a line: the trace still reads, up to where it stopped."""
+    from backend.events.trace import TraceError, read_trace
+
+    lines = finished_trace(client, tiny_dir).splitlines()
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    events = read_trace(path)
+    assert [json.dumps(e, separators=(",", ":")) for e in events] == lines[:-1]
+    assert f"{path}:{len(lines)}: the last line is cut short" in caplog.text
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10] + "\n")  # ended by a newline: corrupt, not cut
+    with pytest.raises(TraceError, match=rf"^{path}:{len(lines)}: not JSON"):
+        read_trace(path)
+    r = client.post("/api/runs", json={"trace": "\n".join(lines)[:-5], "paused": True})
+    assert r.status_code == 201  # replays what was complete
+
+
+def test_a_trace_with_steps_out_of_order_names_the_line(client, tiny_dir):
+    lines = finished_trace(client, tiny_dir).splitlines()
+    late = next(i for i, line in enumerate(lines) if json.loads(line)["step"] >= 2)
+    swapped = lines[:1] + [lines[late]] + lines[1:late] + lines[late + 1:]
+    r = client.post("/api/runs", json={"trace": "\n".join(swapped) + "\n"})
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("trace:3: step ") and "in step order" in r.json()["error"]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from backend.events.schema import describe_error, parse_event
+
+log = logging.getLogger(__name__)
 
 # Wall-clock fields: they differ between two runs of the same scenario with the same seed.
 TIME_FIELDS = frozenset({"t", "duration_s", "ttft_s", "tpot_s", "e2e_s", "tokens_per_s"})
@@ -63,15 +66,28 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
 
 
 def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
-    """Every event of JSONL trace text, each validated; TraceError names `source:line`."""
-    events = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    """Every event of JSONL trace text, each validated and in step order; TraceError names `source:line`.
+
+    A last line cut short (a writer killed mid-line: no newline after it and not JSON) is dropped with
+    a warning, so that the trace of a crashed run still replays up to where it stopped."""
+    lines = text.splitlines()
+    cut_short = not text.endswith(("\n", "\r"))
+    events: list[dict[str, Any]] = []
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            events.append(_parse_line(line, is_first=not events))
+            event = _parse_line(line, is_first=not events)
         except ValueError as e:
+            if cut_short and line_no == len(lines) and events:
+                log.warning("%s:%d: the last line is cut short (%s); keeping the %d complete events before it",
+                            source, line_no, e, len(events))
+                break
             raise TraceError(f"{source}:{line_no}: {e}") from None
+        if events and event["step"] < events[-1]["step"]:
+            raise TraceError(f"{source}:{line_no}: step {event['step']} comes after step {events[-1]['step']}; "
+                             "a trace's events must be in step order")
+        events.append(event)
     if not events:
         raise TraceError(f"{source}: empty trace")
     return events

@@ -2,7 +2,8 @@
 
 Every user error is a 4xx with a JSON body `{"error": ..., "field": ...}`; nothing a client sends
 may produce a 5xx. Routes that start, control or add to runs need the bearer token when one is set
-(non-loopback binds); watching stays open.
+(non-loopback binds); watching stays open on loopback. guards.py checks every connection first
+(JSON bodies, Host, Origin, watching off loopback).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
@@ -19,7 +20,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.engine.request import RequestError
 from backend.events.trace import TraceError, parse_trace
@@ -40,10 +41,19 @@ class _Body(BaseModel):
 
 class StartRun(_Body):
     scenario: str | dict[str, Any] | None = Field(default=None, description="a scenario name or an inline scenario")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="dotted paths, e.g. engine.block_size")
-    trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay")
+    overrides: dict[Annotated[str, Field(max_length=128)], Any] = \
+        Field(default_factory=dict, max_length=64, description="dotted paths, e.g. engine.block_size")
+    trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay (bounded by "
+                                                        "the body size limit)")
     speed: float = Field(default=4.0, ge=0, le=10_000, description="iterations per second; 0 = unpaced")
     paused: bool = False
+
+    @field_validator("scenario")
+    @classmethod
+    def _bounded(cls, scenario: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if scenario is not None and len(scenario) > 128:
+            raise ValueError("a name has at most 128 characters, an inline scenario at most 128 fields")
+        return scenario
 
 
 class Control(_Body):
@@ -54,7 +64,7 @@ class Control(_Body):
 class AddRequest(_Body):
     prompt: str = Field(min_length=1, max_length=100_000)
     max_tokens: int = Field(default=32, ge=1, le=100_000)
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
 
 
 # ---- guards and errors --------------------------------------------------------------------------------
@@ -167,9 +177,16 @@ def run_trace(request: Request, run_id: FromPath[str]) -> str:
 
 
 def create_app(manager: RunManager | None = None, token: str | None = None, max_body_bytes: int = 2_000_000,
-               cors_origins: list[str] | None = None) -> Litestar:
-    """The whole service. `token`: required on changing routes (set it for non-loopback binds)."""
-    from backend.server.openai_api import openai_routes
+               cors_origins: list[str] | None = None, host: str = "127.0.0.1", public_watch: bool = False,
+               dashboard_origin: str | None = None) -> Litestar:
+    """The whole service. `token`: required on changing routes (set it for non-loopback binds).
+
+    `host`: the bind address (on loopback the Host header must be a loopback name); `public_watch`:
+    off loopback, watching runs needs no token; `dashboard_origin`: a browser origin trusted like a
+    --cors-origin (guards.py)."""
+    from backend.server.guards import CONNECTION_GUARDS
+    from backend.server.openai_api import openai_errors_under_v1, openai_routes
+    from backend.server.serve import is_loopback
     from backend.server.ws import run_socket
 
     manager = manager or RunManager()
@@ -177,7 +194,9 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
         exception_handlers={RunError: user_error, RequestError: user_error, ScenarioError: user_error,
-                            TraceError: user_error, ModelLoadError: user_error, HTTPException: http_error},
+                            TraceError: user_error, ModelLoadError: user_error,
+                            HTTPException: openai_errors_under_v1(http_error)},
+        guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
         request_max_body_size=max_body_bytes,
@@ -186,6 +205,9 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     )
     app.state.manager = manager
     app.state.token = token
+    app.state.loopback = is_loopback(host)
+    app.state.public_watch = public_watch
+    app.state.trusted_origins = {o.rstrip("/").lower() for o in [*(cors_origins or []), dashboard_origin] if o}
     return app
 
 

@@ -1,6 +1,7 @@
-"""The bridge between an API call and the engine's worker thread: the engine request behind one
-OpenAI call (its n choices are the request's n sequences, sharing the prompt's blocks), their events
-as they arrive, and text deltas that add up to the final text."""
+"""The bridge between an API call and the engine's worker thread: the engine requests behind one
+OpenAI call (one per prompt; its n choices are the request's n sequences, sharing the prompt's
+blocks), their events as they arrive, text deltas that add up to the final text, and the logprobs
+of an echoed prompt."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from backend.model.attention import DenseCausalBackend
+from backend.model.loader import LoadedModel
 from backend.server.runs import EngineRun
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
@@ -54,7 +59,9 @@ class Choice:
     index: int
     stream: TextStream
     tokens: list[dict] = field(default_factory=list)  # token events, EOS left out
-    chars: int = 0  # length of the token texts so far: the next token's text_offset
+    chars: int = 0  # length of the echo and token texts so far: the next token's text_offset
+    echo: str = ""  # the prompt, when the client asked for it back (echo)
+    echo_tokens: list[dict] = field(default_factory=list)  # its token entries, with logprobs
     prompt_tokens: int = 0
     completion_tokens: int = 0
     text: str = ""
@@ -62,30 +69,42 @@ class Choice:
 
 
 class Generation:
-    """The engine request behind one API call, and its events as they arrive."""
+    """The engine requests behind one API call (one per prompt, each with n sequences), and their events."""
 
-    def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str) -> None:
+    def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str, num_prompts: int = 1) -> None:
         self.run = run
         loaded = run.sim.loaded  # read-only: the tokenizer for text deltas, the folder for chat templates
         self.eos_ids = set(loaded.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
-        self.choices = [Choice(i, TextStream(loaded.tokenizer, stops)) for i in range(n)]
-        self.choice_of_seq: dict[int, Choice] = {}  # the first sequence is choice 0, forks follow in order
+        self.n = n
+        # One prompt: the engine request is the response's id (the dashboard finds it by that name).
+        self.request_ids = [self.id] if num_prompts == 1 else [f"{self.id}-{k}" for k in range(num_prompts)]
+        self.prompt_of = {rid: k for k, rid in enumerate(self.request_ids)}
+        # Prompt k's choices are k*n .. k*n+n-1, as OpenAI numbers a batch's choices.
+        self.choices = [Choice(i, TextStream(loaded.tokenizer, stops)) for i in range(num_prompts * n)]
+        self.choice_of_seq: dict[int, Choice] = {}  # a request's first sequence is its first choice, forks follow
+        self.seqs_seen: dict[str, int] = {}
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
 
-    async def submit(self, prompt: str | list[int], max_tokens: int, sampling: dict[str, Any]) -> None:
-        """Add the request to the engine (RequestError if it refuses it)."""
-        params = {**sampling, "n": len(self.choices)}  # each sibling draws from its own stream
+    def choices_of(self, request_id: str) -> list[Choice]:
+        k = self.prompt_of[request_id]
+        return self.choices[k * self.n:(k + 1) * self.n]
+
+    async def submit(self, prompts: list[tuple[str | list[int], int]], sampling: dict[str, Any]) -> None:
+        """Add one request per (prompt, max_tokens) to the engine (RequestError if it refuses one)."""
+        params = {**sampling, "n": self.n}  # each sibling draws from its own stream
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
-                                    self._listener(asyncio.get_running_loop()), self.id)
+            for rid, (prompt, max_tokens) in zip(self.request_ids, prompts):
+                await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
+                                        self._listener(loop, rid), rid)
         except BaseException:
             self.close()
             raise
 
-    def _listener(self, loop: asyncio.AbstractEventLoop):
-        run, queue, rid = self.run, self.queue, self.id
+    def _listener(self, loop: asyncio.AbstractEventLoop, rid: str):
+        run, queue = self.run, self.queue
 
         def deliver(event: dict) -> None:  # on the worker thread
             if event["type"] not in WANTED_EVENTS:
@@ -103,12 +122,16 @@ class Generation:
         """(choice, new text, its token event) until every choice has finished; None: it finished."""
         while any(c.finish_reason is None for c in self.choices):
             event = await self.queue.get()
+            rid = event["request_id"]
+            mine = self.choices_of(rid)
             if event["type"] == "request_arrived":
-                self.choice_of_seq[event["seq_id"]] = self.choices[0]
-                for choice in self.choices:
+                self.choice_of_seq[event["seq_id"]] = mine[0]
+                self.seqs_seen[rid] = 1
+                for choice in mine:
                     choice.prompt_tokens = len(event["prompt_token_ids"])
             elif event["type"] == "seq_fork":
-                self.choice_of_seq[event["seq_id"]] = self.choices[len(self.choice_of_seq)]
+                self.choice_of_seq[event["seq_id"]] = mine[self.seqs_seen[rid]]
+                self.seqs_seen[rid] += 1
             elif event["type"] == "token" and event["token_id"] not in self.eos_ids:
                 choice = self.choice_of_seq[event["seq_id"]]
                 choice.tokens.append(event)
@@ -116,31 +139,57 @@ class Generation:
                 yield choice, choice.stream.push(event["token_id"]), event
             elif event["type"] == "request_finished":
                 for out in event.get("outputs") or [event]:
-                    choice = self.choice_of_seq.get(out["seq_id"], self.choices[0])  # aborted before a fork
+                    choice = self.choice_of_seq.get(out["seq_id"], mine[0])  # aborted before a fork
                     choice.text = out["output_text"]
                     choice.completion_tokens = len(out["output_token_ids"])
                     choice.finish_reason = FINISH_REASONS.get(out["finish_reason"], out["finish_reason"])
                     yield choice, choice.stream.finish(choice.text), None
-                for choice in self.choices:  # aborted before it forked: the siblings never started
+                for choice in mine:  # aborted before it forked: the siblings never started
                     if choice.finish_reason is None:
                         choice.finish_reason = FINISH_REASONS.get(event["finish_reason"], event["finish_reason"])
                         yield choice, "", None
+
+    def skip_generation(self, prompt_lengths: list[int]) -> None:
+        """Echo with max_tokens 0: the choices end before any engine request is made."""
+        for choice in self.choices:
+            choice.prompt_tokens, choice.finish_reason = prompt_lengths[choice.index // self.n], "length"
 
     async def wait(self) -> None:
         async for _ in self.updates():
             pass
 
     def close(self) -> None:
-        """Abort the request if it still runs (the client went away); does not wait for the worker.
+        """Abort the requests that still run (the client went away); does not wait for the worker.
 
         A submission cancelled half-way may still reach the engine: the abort queues behind it."""
-        if any(c.finish_reason is None for c in self.choices):
-            asyncio.get_running_loop().run_in_executor(None, _abort, self.run, self.id)
+        for rid in self.request_ids:
+            if any(c.finish_reason is None for c in self.choices_of(rid)):
+                asyncio.get_running_loop().run_in_executor(None, _abort, self.run, rid)
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.completion_tokens for c in self.choices)
-        prompt = self.choices[0].prompt_tokens
+        prompt = sum(c.prompt_tokens for c in self.choices[::self.n])  # each prompt once
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@torch.no_grad()
+def prompt_logprobs(loaded: LoadedModel, ids: list[int], top: int) -> list[dict]:
+    """Token entries for an echoed prompt: each token's logprob given those before it, its `top` likeliest
+    alternatives (the first token has neither, as in OpenAI's answers). One forward pass, no KV cache:
+    run it on the run's worker thread, between two engine steps."""
+    model, tok = loaded.model, loaded.tokenizer
+    hidden = model(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device),
+                   DenseCausalBackend())
+    logprobs = torch.log_softmax(model.logits(hidden[:-1]), dim=-1)  # [T-1, vocab]: row i predicts token i+1
+    targets = torch.tensor(ids[1:], dtype=torch.long, device=model.device)[:, None]  # [T-1, 1]
+    chosen = logprobs.gather(1, targets)[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    entries = [{"text": tok.token_text(ids[0]), "logprob": None, "top_logprobs": None}]
+    for i, token in enumerate(ids[1:]):
+        alternatives = [] if best is None else [[t, tok.token_text(t), lp] for t, lp in
+                                                zip(best.indices[i].tolist(), best.values[i].tolist())]
+        entries.append({"text": tok.token_text(token), "logprob": chosen[i], "top_logprobs": alternatives})
+    return entries
 
 
 def _abort(run: EngineRun, request_id: str) -> None:

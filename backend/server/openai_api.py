@@ -10,31 +10,49 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
 
 from litestar import MediaType, Request, Response, Router, get, post
 from litestar.exceptions import HTTPException, ValidationException
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator, model_validator)
 
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import ModelLoadError
 from backend.server.app import require_token  # off-loopback, the server token is the client's api_key
 from backend.server.chat_template import ChatTemplateError, render_chat
-from backend.server.generation import Choice, Generation
+from backend.server.generation import Choice, Generation, prompt_logprobs
 from backend.server.runs import EngineRun
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
 
-# ---- bodies (extra fields allowed: OpenAI clients send many we do not use) ----------------------------
+# ---- bodies -----------------------------------------------------------------------------------------------
+# OpenAI's fields that kvscope implements, or that cannot change the output (ids for OpenAI's records);
+# any other field is refused with a 400 naming it, never silently ignored. A null counts as absent.
+
+MAX_PROMPT_CHARS = 100_000
+MAX_PROMPT_TOKENS = 100_000
+MAX_PROMPTS = 64
+MAX_CHOICES = 64  # prompts x n
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKENS)]
+Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+Name = Annotated[str, Field(max_length=256)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None or k in cls.model_fields} \
+            if isinstance(data, dict) else data
 
 
 class StreamOptions(_Body):
@@ -42,46 +60,102 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=100_000)
+    model: Name | None = None
+    max_tokens: int | None = Field(default=None, ge=0, le=100_000)
     temperature: float | None = None  # bounds: SamplingParams, the engine's one definition of them
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0, lt=2**31)
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool | None = None  # vLLM's extras, handy to watch a long generation
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     n: int | None = Field(default=None, ge=1, le=16)
-    stop: str | list[str] | None = None
+    stop: Annotated[str, Field(max_length=256)] | Annotated[list[Annotated[str, Field(max_length=256)]],
+                                                            Field(max_length=8)] | None = None
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=1024)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: Name | None = None  # an end user's id, for OpenAI's abuse monitoring: nothing to act on here
+
+    def refuse_unimplemented(self) -> None:
+        """400 for a value kvscope cannot honour (fields it does not know at all fail validation)."""
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] \
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1, le=16)
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_shape(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(prompt)
+        except ValidationError:  # pydantic's message names a branch of the union: say what is expected
+            raise ValueError(f"a string or a list of token ids (up to {MAX_PROMPT_CHARS} characters or "
+                             f"{MAX_PROMPT_TOKENS} ids), or a list of up to {MAX_PROMPTS} of one of these") from None
+
+    def refuse_unimplemented(self) -> None:
+        super().refuse_unimplemented()
+        if self.suffix:
+            raise OpenAIError(400, "suffix: not supported by kvscope (it does not insert text)", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise OpenAIError(400, "best_of: kvscope returns every sample it draws; best_of must equal n",
+                              "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens: must be at least 1 (0 only with echo)", "max_tokens")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one string or token-id list per prompt."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Annotated[str, Field(max_length=32)]
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
-    role: str = Field(min_length=1)
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Annotated[str, Field(min_length=1, max_length=32)]
+    content: Text | Annotated[list[ContentPart], Field(max_length=64)] | None = None
+    name: Name | None = None
+    refusal: Text | None = None  # as the client echoes an earlier answer back
 
 
 class ChatBody(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=100_000)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = Field(default=None, max_length=4)
+    modalities: list[Annotated[str, Field(max_length=16)]] | None = Field(default=None, max_length=4)
+    store: bool | None = None
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
+        Field(default=None, max_length=16)  # only kept with store, which kvscope refuses
+    service_tier: Annotated[str, Field(max_length=32)] | None = None
+    safety_identifier: Name | None = None
+    prompt_cache_key: Name | None = None  # kvscope's prefix cache needs no hint
+
+    def refuse_unimplemented(self) -> None:
+        super().refuse_unimplemented()
+        if self.max_tokens == 0:
+            raise OpenAIError(400, "max_tokens: must be at least 1", "max_tokens")
+        refused = {"response_format": self.response_format not in (None, {"type": "text"}),
+                   "modalities": self.modalities not in (None, ["text"]),
+                   "store": bool(self.store),
+                   "service_tier": self.service_tier not in (None, "auto", "default")}
+        for param, is_refused in refused.items():
+            if is_refused:
+                raise OpenAIError(400, f"{param}: {getattr(self, param)!r} is not supported by kvscope", param)
 
 
 # ---- errors in OpenAI's shape ---------------------------------------------------------------------------
@@ -110,12 +184,26 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
         first = exc.extra[0] if isinstance(exc.extra[0], dict) else {}
         param = first.get("key") or None
-        return _error_response(OpenAIError(400, f"{param or 'body'}: {first.get('message')}", param))
+        message = first.get("message")
+        if message == "Extra inputs are not permitted":  # pydantic's words for a field the body does not declare
+            message = "not supported by kvscope"
+        return _error_response(OpenAIError(400, f"{param or 'body'}: {message}", param))
     if isinstance(exc, HTTPException):
         return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
     if isinstance(exc, ModelLoadError):
         return _error_response(OpenAIError(503, f"the model cannot be loaded: {exc}", type="server_error"))
     return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def openai_errors_under_v1(handler: Callable[[Request, Exception], Response]) -> Callable[[Request, Exception], Response]:
+    """An app-level handler that answers in OpenAI's shape under /v1 (404s and 405s never reach the /v1 router)."""
+
+    def answer(request: Request, exc: Exception) -> Response:
+        if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
+            return _to_openai_error(request, exc)
+        return handler(request, exc)
+
+    return answer
 
 
 # ---- from a body to engine requests ---------------------------------------------------------------------
@@ -124,7 +212,7 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
 def sampling_for(body: _Sampling, logprobs: int) -> dict[str, Any]:
     """The engine's sampling dict, checked now so that a bad value is a 400 naming the field."""
     names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "seed", "ignore_eos", "stop_token_ids")
+             "repetition_penalty", "seed", "ignore_eos", "stop_token_ids", "logit_bias")
     sampling = {k: getattr(body, k) for k in names if getattr(body, k) is not None}
     sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling["logprobs"] = logprobs
@@ -140,22 +228,56 @@ def sampling_for(body: _Sampling, logprobs: int) -> dict[str, Any]:
 def check_model(request: Request, body: _Sampling) -> str:
     served = request.app.state.manager.default_model
     if body.model is not None and body.model != served:
-        raise OpenAIError(404, f"model {body.model!r} is not served here; this server serves {served!r}",
-                          "model", "model_not_found")
+        raise model_not_found(body.model, served)
     return served
 
 
-def completion_prompt(body: CompletionBody) -> str | list[int]:
-    """One prompt: a string or token ids (a list holding exactly one of them is accepted too)."""
-    if body.echo:
-        raise OpenAIError(400, "echo: not supported by kvscope", "echo")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise OpenAIError(400, "prompt: kvscope takes one prompt per request (use n for several samples)",
-                              "prompt")
-        prompt = prompt[0]
-    return prompt
+def model_not_found(name: str, served: str) -> OpenAIError:
+    return OpenAIError(404, f"model {name!r} is not served here; this server serves {served!r}", "model",
+                       "model_not_found")
+
+
+def check_logit_bias(run: EngineRun, body: _Sampling) -> None:
+    vocab = run.sim.loaded.config.vocab_size
+    outside = sorted(t for t in body.logit_bias or {} if t >= vocab)
+    if outside:
+        raise OpenAIError(400, f"logit_bias: token id {outside[0]} is not in the vocabulary (0..{vocab - 1})",
+                          "logit_bias")
+
+
+def fit_in_context(run: EngineRun, prompt_len: int, asked: int | None, default: int, prompt_param: str,
+                   max_param: str) -> int:
+    """max_tokens for a prompt of prompt_len tokens: as asked, or the default cut to the context left.
+
+    As OpenAI: a prompt plus max_tokens beyond the context is a 400, not a silently shorter answer."""
+    context = run.sim.engine.config.max_model_len
+    room = context - prompt_len
+    if room < 1:
+        raise OpenAIError(400, f"{prompt_param}: {prompt_len} tokens leave no room under max_model_len={context}",
+                          prompt_param, "context_length_exceeded")
+    if asked is None:
+        return min(default, room)
+    if asked > room:
+        raise OpenAIError(400, f"{max_param}: {prompt_len} prompt tokens + {max_param}={asked} exceed the model's "
+                               f"context (max_model_len={context}); ask for at most {room}",
+                          max_param, "context_length_exceeded")
+    return asked
+
+
+def token_ids(run: EngineRun, prompt: str | list[int]) -> list[int]:
+    return run.sim.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+
+async def set_echo(run: EngineRun, gen: Generation, prompts: list[str | list[int]], ids: list[list[int]],
+                   logprobs: int | None) -> None:
+    """Each choice starts with its prompt; with logprobs, each prompt token's too (one forward per prompt)."""
+    loaded = run.sim.loaded
+    for k, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+        text = prompt if isinstance(prompt, str) else loaded.tokenizer.decode(prompt_ids)
+        tokens = [] if logprobs is None or not prompt_ids else await asyncio.to_thread(
+            run.call, lambda i=prompt_ids: prompt_logprobs(loaded, i, logprobs))  # beside the engine, not racing it
+        for choice in gen.choices[k * gen.n:(k + 1) * gen.n]:
+            choice.echo, choice.echo_tokens, choice.chars = text, tokens, len(text)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -173,13 +295,6 @@ async def api_run(request: Request) -> EngineRun:
     return await asyncio.to_thread(request.app.state.manager.api_run)  # the first call loads the model
 
 
-async def start_generation(run: EngineRun, body: _Sampling, prompt: str | list[int], max_tokens: int,
-                           sampling: dict[str, Any], prefix: str) -> Generation:
-    gen = Generation(run, body.n or 1, sampling["stop"], prefix)
-    await gen.submit(prompt, max_tokens, sampling)
-    return gen
-
-
 # ---- OpenAI's response shapes -----------------------------------------------------------------------------
 
 
@@ -189,8 +304,11 @@ def completion_logprobs(tokens: list[dict], offset: int = 0) -> dict[str, list]:
         offsets.append(offset)
         offset += len(t["text"])
     return {"tokens": [t["text"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [{text: lp for _, text, lp in t.get("top_logprobs", [])} for t in tokens],
-            "text_offset": offsets}
+            "top_logprobs": [_top_by_text(t.get("top_logprobs", [])) for t in tokens], "text_offset": offsets}
+
+
+def _top_by_text(top: list | None) -> dict[str, float] | None:
+    return None if top is None else {text: lp for _, text, lp in top}  # None: an echoed prompt's first token
 
 
 def chat_logprobs(tokens: list[dict]) -> dict[str, Any]:
@@ -208,8 +326,9 @@ def _envelope(gen: Generation, object: str, model: str, choices: list[dict]) -> 
 
 
 def completion_response(gen: Generation, model: str, logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": completion_logprobs(c.tokens) if logprobs else None} for c in gen.choices]
+    choices = [{"index": c.index, "text": c.echo + c.text, "finish_reason": c.finish_reason,
+                "logprobs": completion_logprobs(c.echo_tokens + c.tokens) if logprobs else None}
+               for c in gen.choices]
     return {**_envelope(gen, "text_completion", model, choices), "usage": gen.usage()}
 
 
@@ -225,10 +344,8 @@ async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat
     """Server-sent events: one chunk per token, one per finished choice, then [DONE]."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     try:
-        if kind == "chat":  # OpenAI opens every chat choice with the speaker's role
-            yield json.dumps(_envelope(gen, obj, model, [
-                {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for c in gen.choices]))
+        for opening in _opening_chunks(gen, kind, logprobs):
+            yield json.dumps(_envelope(gen, obj, model, [opening]))
         async for choice, delta, token in gen.updates():
             if not delta and token is not None and not logprobs:
                 continue  # held back for now (a possible stop string); it comes with a later chunk
@@ -238,6 +355,15 @@ async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat
         yield "[DONE]"
     finally:
         gen.close()  # a client that disconnected mid-stream lands here: its requests are aborted
+
+
+def _opening_chunks(gen: Generation, kind: str, logprobs: bool) -> list[dict[str, Any]]:
+    """Chat opens every choice with the speaker's role; an echoing completion with its prompt."""
+    if kind == "chat":
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in gen.choices]
+    return [{"index": c.index, "text": c.echo, "finish_reason": c.finish_reason,
+             "logprobs": completion_logprobs(c.echo_tokens) if logprobs else None} for c in gen.choices if c.echo]
 
 
 def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, logprobs: bool) -> dict[str, Any]:
@@ -254,32 +380,65 @@ def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, log
 # ---- routes ---------------------------------------------------------------------------------------------------
 
 
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope"}
+
+
 @get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    name = request.app.state.manager.default_model
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvscope"}]}
+    return {"object": "list", "data": [model_card(request.app.state.manager.default_model)]}
+
+
+@get("/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
+    served = request.app.state.manager.default_model
+    name = model_id.removeprefix("/")
+    if name != served:
+        raise model_not_found(name, served)
+    return model_card(served)
 
 
 @post("/completions", guards=[require_token], status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionBody]) -> Response:
+    data.refuse_unimplemented()
     model = check_model(request, data)
+    prompts, n = data.prompts(), data.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
+    run = await api_run(request)
+    check_logit_bias(run, data)
     sampling = sampling_for(data, data.logprobs or 0)
-    prompt = completion_prompt(data)
-    gen = await start_generation(await api_run(request), data, prompt, data.max_tokens or 16, sampling, "cmpl")
+    ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
+    if not all(ids):
+        raise OpenAIError(400, "prompt: empty prompt", "prompt")
+    max_tokens = [fit_in_context(run, len(i), data.max_tokens, 16, "prompt", "max_tokens") for i in ids]
+    gen = Generation(run, n, sampling["stop"], "cmpl", len(prompts))
+    if data.echo:
+        await set_echo(run, gen, prompts, ids, data.logprobs)
+    if data.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
+        gen.skip_generation([len(i) for i in ids])
+    else:
+        await gen.submit(list(zip(prompts, max_tokens)), sampling)
     return await _respond(gen, data, model, "text", data.logprobs is not None)
 
 
 @post("/chat/completions", guards=[require_token], status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Response:
+    data.refuse_unimplemented()
     model = check_model(request, data)
-    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     messages = message_dicts(data.messages)
     run = await api_run(request)
+    check_logit_bias(run, data)
+    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     tokenizer, model_dir = run.sim.loaded.tokenizer, run.sim.loaded.path
     eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
     prompt = await asyncio.to_thread(render_chat, messages, model_dir, eos_text)  # reads the model folder
-    max_tokens = data.max_completion_tokens or data.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    gen = await start_generation(run, data, prompt, max_tokens, sampling, "chatcmpl")
+    prompt_len = len(await asyncio.to_thread(token_ids, run, prompt))
+    asked = data.max_completion_tokens or data.max_tokens
+    max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
+    max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
+    gen = Generation(run, data.n or 1, sampling["stop"], "chatcmpl")
+    await gen.submit([(prompt, max_tokens)], sampling)
     return await _respond(gen, data, model, "chat", bool(data.logprobs))
 
 
@@ -298,7 +457,7 @@ async def _respond(gen: Generation, body: _Sampling, model: str, kind: Literal["
 
 
 openai_routes: list = [
-    Router(path="/v1", route_handlers=[list_models, completions, chat_completions],
+    Router(path="/v1", route_handlers=[list_models, retrieve_model, completions, chat_completions],
            # Keyed like app.py's handlers, so that these (the nearer layer) win for /v1 routes.
            exception_handlers={exc: _to_openai_error for exc in (
                OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, Exception)},
