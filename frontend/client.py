@@ -177,7 +177,8 @@ class RunFeed:
             await asyncio.sleep(delay)
             try:
                 # No per-message deflate: on loopback it only costs CPU, on both ends of the socket.
-                async with connect(url, max_size=None, open_timeout=10, compression=None) as ws:
+                auth = {"Authorization": f"Bearer {self.backend.token}"} if self.backend.token else None
+                async with connect(url, max_size=None, open_timeout=10, compression=None, additional_headers=auth) as ws:
                     await self._read(ws)
             except (OSError, WebSocketException, asyncio.TimeoutError) as e:
                 if not self.missing:  # the server closes with code 4404 after "no run": not worth a retry

@@ -91,8 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
             _listen(args.host, args.ui_port, "--ui-port").close()  # NiceGUI binds it itself; fail before starting
         manager, run_id = _start_manager(args, events)
         token = None if is_loopback(args.host) else new_token()
-        app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes,
-                         cors_origins=args.cors_origin or None)
+        local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        dashboard = None if args.no_ui else f"http://{local}:{args.ui_port}"
+        app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None,
+                         host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard)
         if args.no_ui:
             _print_api(args, token)  # the socket listens already: clients that connect now are served
             serve_forever(app, api_socket)
@@ -327,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--model", default=None if name == "replay" else "demo",
                        help="model of the OpenAI-compatible API (loaded at start; replay: demo, loaded on first use)")
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
+        v.add_argument("--public-watch", action="store_true",
+                       help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")
         v.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
         v.set_defaults(func=cmd_serve)
 
