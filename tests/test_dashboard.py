@@ -437,6 +437,61 @@ async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> N
     await finished(feed)
 
 
+def record_view(record) -> tuple[dict, dict]:
+    """What every view is drawn from: the state (less the server's play/pause) and the whole past."""
+    from dataclasses import asdict
+
+    snap = {k: v for k, v in record.state.snapshot().items() if k not in ("paused", "speed", "finished")}
+    return snap, asdict(record.history)
+
+
+def short_scenario_trace_checks(events: list[dict], name: str) -> None:
+    types = [e["type"] for e in events]
+    if name == "memory-pressure":
+        assert types.count("preempt") >= 2
+    else:
+        assert "seq_fork" in types and any(e["type"] == "seq_end" and e["reason"] == "pruned" for e in events)
+
+
+@pytest.mark.parametrize("name", ["memory-pressure", "beam-search"])
+async def test_seeking_a_replay_anywhere_shows_what_a_fresh_replay_stopped_there_shows(
+        dash: Dash, tiny_dir: str, name: str, tmp_path: Path) -> None:
+    from backend.events.record import RunRecord
+    from frontend.export import render
+    from frontend.export_menu import parse_jsonl
+    from frontend.views.chunks import Chunks
+    from frontend.views.timeline import column_items, merge_runs
+
+    short = {"memory-pressure": {"generate.max_tokens.max": 30}, "beam-search": {}}
+    done = await dash.backend.start_run(name, {"model": tiny_dir, **short[name]}, speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    trace = await dash.backend.trace(done)
+    events = parse_jsonl(trace)
+    short_scenario_trace_checks(events, name)
+    replay = await dash.backend.start_replay(trace, paused=True)
+    page = await dash.open(f"/?run={replay}")
+    feed, controls, timeline = page.columns[0].feed, page.controls, page.columns[0].views["timeline"]
+    await until(lambda: feed.state is not None and controls.num_steps > 3)
+    end = controls.num_steps - 1
+    for target in (end // 2, end * 3 // 4, end // 3, 0, end, end // 2 + 1, 1):  # forward, back, start, end
+        epoch = feed.epoch
+        controls.seek.set_value(target)
+        await controls._on_seek()
+        await until(lambda: feed.epoch > epoch and timeline.epoch == feed.epoch)
+        fresh = RunRecord.from_events([e for e in events if e["step"] < target])
+        assert record_view(feed.record) == record_view(fresh), f"seek to {target}"
+        drawn = sorted(item for _, data in timeline.chunks.all() for item in data)
+        chunks, last_t = Chunks("tl-", build=merge_runs), None
+        for col in fresh.history.columns:
+            for item in column_items(col, last_t, fresh.history, seconds=False):
+                chunks.add(col.step, item)
+            last_t = col.t
+        assert drawn == sorted(item for _, data in chunks.all() for item in data), f"timeline at {target}"
+    assert await dash.backend.trace(replay) == trace  # the trace handed out is the one given
+    png = await page.exports[0].export("timeline", ".png")
+    assert png == render(events, "timeline", tmp_path / "cli.png").read_bytes()  # what `kvscope export` draws
+
+
 async def test_a_replay_page_has_no_prompt_box_even_before_its_snapshot(dash: Dash, tiny_dir: str) -> None:
     done = await dash.backend.start_run(small_scenario(tiny_dir, count=1), speed=0)
     await until_run(dash.backend, done, lambda r: r["finished"])
