@@ -305,6 +305,24 @@ async def synthetic_column(dash: Dash, events: list[dict]):
     return column
 
 
+async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(dash: Dash, tiny_dir: str) -> None:
+    from backend.events.record import RunRecord
+    from frontend.export_menu import parse_jsonl
+    from tests.test_dashboard_units import paced
+
+    done = await dash.backend.start_run(small_scenario(tiny_dir, name="timed"), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    events = paced(parse_jsonl(await dash.backend.trace(done)))  # as if watched at 4 iterations a second
+    column = await synthetic_column(dash, events)
+    kpis, history = column.views["metrics"].kpis, RunRecord.from_events(events).history
+    assert kpis["tps"] == f"{history.run_tokens_per_s():.0f}"
+    ttfts = [f.ttft_s for f in history.finishes]
+    assert kpis["ttft"] == f"{1000 * sum(ttfts) / len(ttfts):.0f} ms" and max(ttfts) < 1.0  # paced: > 1 s each
+    assert kpis["usage"] == f"{100 * history.last_busy_metrics().kv_usage:.0f}%" and kpis["usage"] != "0%"
+    assert kpis["saved"] == "0"
+    await dash.user.should_see("engine time", marker="kpis")
+
+
 async def test_speculative_view_rows_p_vs_q_and_the_formula(dash: Dash) -> None:
     from tests.test_dashboard_units import spec_story
 

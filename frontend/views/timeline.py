@@ -237,7 +237,8 @@ class TimelineView(FeedView):
             x = t_of.get(view.first_token_step) if t_of is not None else view.first_token_step
             if x is None:
                 continue
-            ttft = f"{view.ttft_s * 1000:.0f} ms" if view.ttft_s is not None else \
+            seconds = history.engine_ttft(view.arrival_step, view.first_token_step)
+            ttft = f"{seconds * 1000:.0f} ms of engine time" if seconds is not None else \
                 f"{view.first_token_step - view.arrival_step} iterations after arrival"
             data.append([round(x, 4), history.rows[rid], rid, ttft])
         if not force and data == self.ttft_sent:
