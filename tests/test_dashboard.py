@@ -249,6 +249,11 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
     column.picker.set_value("")
     views["blocks"]._on_pick(type("E", (), {"args": {"block": block}})())
     assert column.selection.request_id == rid
+    # picked in one view, it is the selection everywhere: the picker, the timeline's marked row, the pool
+    assert column.picker.value == rid
+    await until(lambda: {"value": rid} in [{"value": x["value"]} for x in views["timeline"].labels_sent
+                                           if isinstance(x, dict)])
+    assert f"{rid}: " in views["blocks"].caption.text
     # the timeline redraws in seconds
     timeline = views["timeline"]
     drawn = timeline.updates
@@ -321,6 +326,17 @@ async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(da
     assert kpis["usage"] == f"{100 * history.last_busy_metrics().kv_usage:.0f}%" and kpis["usage"] != "0%"
     assert kpis["saved"] == "0"
     await dash.user.should_see("engine time", marker="kpis")
+
+
+async def test_a_run_without_kv_cache_shows_no_cache_blocks(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=2, kv_cache=False), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    feed, pool = page.columns[0].feed, page.columns[0].views["blocks"]
+    await until(lambda: feed.state is not None)
+    await dash.backend.control(run_id, "step", 3)
+    await until(lambda: feed.state.step >= 2 and pool.version == feed.version)
+    assert feed.state.block_tables  # the engine still holds scratch blocks ...
+    assert pool.caption.text.startswith("KV cache off") and pool.changes_sent == 0  # ... which hold no cache
 
 
 async def test_speculative_view_rows_p_vs_q_and_the_formula(dash: Dash) -> None:
