@@ -2,7 +2,7 @@
 
 `FeedHub` keeps one `RunFeed` per run in the NiceGUI process, shared by every browser tab: it
 reads `WS /ws/runs/{id}` (a `type: snapshot` message, then events; a snapshot may come again at any
-time when the server resyncs us), keeps a `RunRecord` (the reducer's `RunState` and the
+time when the server resyncs us, or a replay seeks), keeps a `RunRecord` (the reducer's `RunState` and the
 `RunHistory` of the past, fed by one apply) and a short log of recent events stamped with their
 receive time. Views read these on their own timers; they never see the websocket.
 """
@@ -143,7 +143,7 @@ class RunFeed:
             self.log.append(LogEntry(self.version, recv_ms, message))
 
     def _resync(self, snapshot: dict) -> None:
-        self.record = RunRecord.from_snapshot(snapshot)
+        self.record = resynced_record(snapshot)
         self.kind = snapshot.get("kind", "run")
         self.log.clear()
         self.epoch += 1
@@ -194,6 +194,18 @@ class RunFeed:
             count += 1
             if count % 256 == 0:
                 await asyncio.sleep(0)  # a burst must not starve the page timers on the same loop
+
+
+def resynced_record(snapshot: dict) -> RunRecord:
+    """The record a snapshot message starts from; a replay's carries its `past`, which makes it exact
+    (the record a fresh replay stopped there builds), where a snapshot alone loses who waited when."""
+    past = snapshot.get("past")
+    if past is None:
+        return RunRecord.from_snapshot(snapshot)
+    record = RunRecord.from_events(past)
+    for name in ("paused", "speed", "finished"):  # the server's now, as a plain snapshot gives them
+        setattr(record.state, name, snapshot[name])
+    return record
 
 
 class FeedHub:

@@ -38,6 +38,7 @@ class RunColumn:
         else:
             self._full()
         self._refresh_requests()
+        self.selection.on_change(self._show_selection)
         ui.timer(0.5, self._refresh_requests)
 
     def _request_bar(self, backend: Backend) -> None:
@@ -72,6 +73,14 @@ class RunColumn:
         self.views["timeline"] = TimelineView(feed, sel, height="260px")
         self.views["batch"] = BatchView(feed, sel, height="240px")
         self.views["metrics"] = MetricsView(feed, height="240px")
+
+    def _show_selection(self) -> None:
+        """A request picked in any view is the picker's value too."""
+        rid = self.selection.request_id
+        if rid is not None and rid not in self.picker.options:
+            self.picker.set_options({**self.picker.options, rid: rid})
+        if self.picker.value != (rid or FOLLOW):
+            self.picker.set_value(rid or FOLLOW)
 
     def _on_pick(self) -> None:
         self.selection.select_request(self.picker.value or None)

@@ -249,6 +249,11 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
     column.picker.set_value("")
     views["blocks"]._on_pick(type("E", (), {"args": {"block": block}})())
     assert column.selection.request_id == rid
+    # picked in one view, it is the selection everywhere: the picker, the timeline's marked row, the pool
+    assert column.picker.value == rid
+    await until(lambda: {"value": rid} in [{"value": x["value"]} for x in views["timeline"].labels_sent
+                                           if isinstance(x, dict)])
+    assert f"{rid}: " in views["blocks"].caption.text
     # the timeline redraws in seconds
     timeline = views["timeline"]
     drawn = timeline.updates
@@ -303,6 +308,35 @@ async def synthetic_column(dash: Dash, events: list[dict]):
         feed.handle(e)
     await until(lambda: all(v.version == feed.version for v in column.views.values()))
     return column
+
+
+async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(dash: Dash, tiny_dir: str) -> None:
+    from backend.events.record import RunRecord
+    from frontend.export_menu import parse_jsonl
+    from tests.test_dashboard_units import paced
+
+    done = await dash.backend.start_run(small_scenario(tiny_dir, name="timed"), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    events = paced(parse_jsonl(await dash.backend.trace(done)))  # as if watched at 4 iterations a second
+    column = await synthetic_column(dash, events)
+    kpis, history = column.views["metrics"].kpis, RunRecord.from_events(events).history
+    assert kpis["tps"] == f"{history.run_tokens_per_s():.0f}"
+    ttfts = [f.ttft_s for f in history.finishes]
+    assert kpis["ttft"] == f"{1000 * sum(ttfts) / len(ttfts):.0f} ms" and max(ttfts) < 1.0  # paced: > 1 s each
+    assert kpis["usage"] == f"{100 * history.last_busy_metrics().kv_usage:.0f}%" and kpis["usage"] != "0%"
+    assert kpis["saved"] == "0"
+    await dash.user.should_see("engine time", marker="kpis")
+
+
+async def test_a_run_without_kv_cache_shows_no_cache_blocks(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=2, kv_cache=False), speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    feed, pool = page.columns[0].feed, page.columns[0].views["blocks"]
+    await until(lambda: feed.state is not None)
+    await dash.backend.control(run_id, "step", 3)
+    await until(lambda: feed.state.step >= 2 and pool.version == feed.version)
+    assert feed.state.block_tables  # the engine still holds scratch blocks ...
+    assert pool.caption.text.startswith("KV cache off") and pool.changes_sent == 0  # ... which hold no cache
 
 
 async def test_speculative_view_rows_p_vs_q_and_the_formula(dash: Dash) -> None:
@@ -435,6 +469,61 @@ async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> N
     await until(lambda: replay.controls.speed == 0.0)
     dash.user.find(marker="play").click()
     await finished(feed)
+
+
+def record_view(record) -> tuple[dict, dict]:
+    """What every view is drawn from: the state (less the server's play/pause) and the whole past."""
+    from dataclasses import asdict
+
+    snap = {k: v for k, v in record.state.snapshot().items() if k not in ("paused", "speed", "finished")}
+    return snap, asdict(record.history)
+
+
+def short_scenario_trace_checks(events: list[dict], name: str) -> None:
+    types = [e["type"] for e in events]
+    if name == "memory-pressure":
+        assert types.count("preempt") >= 2
+    else:
+        assert "seq_fork" in types and any(e["type"] == "seq_end" and e["reason"] == "pruned" for e in events)
+
+
+@pytest.mark.parametrize("name", ["memory-pressure", "beam-search"])
+async def test_seeking_a_replay_anywhere_shows_what_a_fresh_replay_stopped_there_shows(
+        dash: Dash, tiny_dir: str, name: str, tmp_path: Path) -> None:
+    from backend.events.record import RunRecord
+    from frontend.export import render
+    from frontend.export_menu import parse_jsonl
+    from frontend.views.chunks import Chunks
+    from frontend.views.timeline import column_items, merge_runs
+
+    short = {"memory-pressure": {"generate.max_tokens.max": 30}, "beam-search": {}}
+    done = await dash.backend.start_run(name, {"model": tiny_dir, **short[name]}, speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    trace = await dash.backend.trace(done)
+    events = parse_jsonl(trace)
+    short_scenario_trace_checks(events, name)
+    replay = await dash.backend.start_replay(trace, paused=True)
+    page = await dash.open(f"/?run={replay}")
+    feed, controls, timeline = page.columns[0].feed, page.controls, page.columns[0].views["timeline"]
+    await until(lambda: feed.state is not None and controls.num_steps > 3)
+    end = controls.num_steps - 1
+    for target in (end // 2, end * 3 // 4, end // 3, 0, end, end // 2 + 1, 1):  # forward, back, start, end
+        epoch = feed.epoch
+        controls.seek.set_value(target)
+        await controls._on_seek()
+        await until(lambda: feed.epoch > epoch and timeline.epoch == feed.epoch)
+        fresh = RunRecord.from_events([e for e in events if e["step"] < target])
+        assert record_view(feed.record) == record_view(fresh), f"seek to {target}"
+        drawn = sorted(item for _, data in timeline.chunks.all() for item in data)
+        chunks, last_t = Chunks("tl-", build=merge_runs), None
+        for col in fresh.history.columns:
+            for item in column_items(col, last_t, fresh.history, seconds=False):
+                chunks.add(col.step, item)
+            last_t = col.t
+        assert drawn == sorted(item for _, data in chunks.all() for item in data), f"timeline at {target}"
+    assert await dash.backend.trace(replay) == trace  # the trace handed out is the one given
+    png = await page.exports[0].export("timeline", ".png")
+    assert png == render(events, "timeline", tmp_path / "cli.png").read_bytes()  # what `kvscope export` draws
 
 
 async def test_a_replay_page_has_no_prompt_box_even_before_its_snapshot(dash: Dash, tiny_dir: str) -> None:

@@ -156,6 +156,44 @@ def test_history_records_waiting_preempted_and_masks(recorded):
     assert {f.request_id for f in history.finishes} == set(feed.state.requests)
 
 
+def paced(events: list[dict], seconds_per_step: float = 0.25) -> list[dict]:
+    """The same run as if played at 4 iterations a second: the wall clock (t, the engine's own
+    latencies and tokens/s) stretched, the iterations' durations (what the model took) unchanged."""
+    out = []
+    for e in events:
+        e = {**e, "t": e["t"] + seconds_per_step * max(e["step"], 0)}
+        if e["type"] == "request_finished":
+            e.update(ttft_s=(e["ttft_s"] or 0) + 1.0, tpot_s=(e["tpot_s"] or 0) + seconds_per_step)
+        if e["type"] == "metrics":
+            e["tokens_per_s"] = 4.0
+        out.append(e)
+    return out
+
+
+def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
+    from backend.events.record import RunRecord
+
+    fast, slow = RunRecord.from_events(recorded).history, RunRecord.from_events(paced(recorded)).history
+    assert fast.finishes == slow.finishes and [m.tokens_per_s for m in fast.metrics] == [m.tokens_per_s for m in
+                                                                                          slow.metrics]
+    durations = {e["step"]: e["duration_s"] for e in recorded if e["type"] == "iteration"}
+    arrived = {e["request_id"]: e["step"] for e in recorded if e["type"] == "request_arrived"}
+    first = {}
+    for e in recorded:
+        if e["type"] == "token":
+            first.setdefault(e["request_id"], e["step"])
+    for f in fast.finishes:
+        expected = sum(d for s, d in durations.items() if arrived[f.request_id] <= s <= first[f.request_id])
+        assert f.ttft_s == pytest.approx(expected)
+    tokens = sum(1 for e in recorded if e["type"] == "token")
+    assert fast.run_tokens_per_s() == pytest.approx(tokens / sum(durations.values()))
+    last = fast.metrics[-1]
+    window = [s for s in sorted(durations)][-16:]
+    assert last.tokens_per_s == pytest.approx(
+        sum(1 for e in recorded if e["type"] == "token" and e["step"] in window) / sum(durations[s] for s in window))
+    assert fast.last_busy_metrics().num_running > 0 and last.num_running == 0
+
+
 # ---- what the views send ------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ MAX_COLUMNS = 20_000  # iterations kept for the timeline (a long lecture demo is
 MAX_MASK_STEPS = 128  # iterations whose attention masks are kept
 MAX_TOKENS_PER_REQUEST = 128  # token events (with their distributions) kept per request
 MAX_VERIFIES_PER_REQUEST = 64  # spec_verify events (with their p and q) kept per request
+THROUGHPUT_WINDOW = 16  # iterations the live tokens/s averages over
 
 
 class Cell(NamedTuple):
@@ -52,7 +53,7 @@ class Column:
 class MetricPoint:
     step: int
     t: float
-    tokens_per_s: float
+    tokens_per_s: float  # in engine time (the iterations' own durations), not the paced wall clock
     kv_usage: float
     kv_waste: float
     prefix_hit_rate: float
@@ -60,10 +61,16 @@ class MetricPoint:
     spec_acceptance_rate: float | None = None  # speculative runs only
     spec_alpha: float | None = None
     spec_tokens_per_verify: float | None = None
+    num_running: int | None = None
+    blocks_saved_by_sharing: int | None = None
 
 
 @dataclass
 class Finish:
+    """A finished request's latencies in engine time: the sum of the durations of the iterations
+    between its arrival and its first token (TTFT), then per later token (TPOT). The engine's own
+    ttft_s and tpot_s are wall clock, which a paced run (4 iterations a second) stretches."""
+
     step: int
     request_id: str
     ttft_s: float | None
@@ -80,6 +87,10 @@ class RunHistory:
     verifies: dict[str, deque] = field(default_factory=dict)  # request -> its recent spec_verify events
     seq_context: dict[int, int] = field(default_factory=dict)  # seq -> tokens in its KV (block fill)
     rows: dict[str, int] = field(default_factory=dict)  # request -> timeline row, arrival order
+    engine_s: dict[int, float] = field(default_factory=dict)  # step -> engine seconds up to its end
+    tokens_at: dict[int, int] = field(default_factory=dict)  # step -> output tokens it produced
+    total_engine_s: float = 0.0
+    total_tokens: int = 0
 
     def apply(self, event: Event, state: RunState) -> None:
         """Record one event; call right after `state.apply(event)`."""
@@ -103,6 +114,8 @@ class RunHistory:
                 continue
             view = state.requests.get(rid)
             cells.append(Cell(rid, "preempted" if view and view.num_preemptions else "waiting"))
+        self.total_engine_s += e["duration_s"]
+        self.engine_s[e["step"]] = self.total_engine_s
         max_seqs = e.get("max_num_seqs", state.config.get("max_num_seqs"))
         self.columns.append(Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"],
                                    e["token_budget"], max_seqs))
@@ -115,18 +128,31 @@ class RunHistory:
             del self.masks[next(iter(self.masks))]  # dicts keep step order
 
     def _on_token(self, e: Event, state: RunState) -> None:
+        self.tokens_at[e["step"]] = self.tokens_at.get(e["step"], 0) + 1
+        self.total_tokens += 1
         self.tokens.setdefault(e["request_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(e)
 
     def _on_spec_verify(self, e: Event, state: RunState) -> None:
         self.verifies.setdefault(e["request_id"], deque(maxlen=MAX_VERIFIES_PER_REQUEST)).append(e)
 
     def _on_metrics(self, e: Event, state: RunState) -> None:
-        self.metrics.append(MetricPoint(e["step"], e["t"], e["tokens_per_s"], e["kv_usage"], e["kv_waste"],
-                                        e["prefix_hit_rate"], e["num_preemptions"], e.get("spec_acceptance_rate"),
-                                        e.get("spec_alpha"), e.get("spec_tokens_per_verify")))
+        self.metrics.append(MetricPoint(e["step"], e["t"], self.engine_tokens_per_s(e["step"]), e["kv_usage"],
+                                        e["kv_waste"], e["prefix_hit_rate"], e["num_preemptions"],
+                                        e.get("spec_acceptance_rate"), e.get("spec_alpha"),
+                                        e.get("spec_tokens_per_verify"), e.get("num_running"),
+                                        e.get("kv_blocks_saved_by_sharing")))
 
     def _on_request_finished(self, e: Event, state: RunState) -> None:
-        self.finishes.append(Finish(e["step"], e["request_id"], e["ttft_s"], e["tpot_s"]))
+        view = state.requests.get(e["request_id"])
+        ttft = tpot = None
+        if view is not None and view.first_token_step is not None:
+            ttft = self.engine_ttft(view.arrival_step, view.first_token_step)
+            first = self.engine_s.get(view.first_token_step)
+            end = self.engine_s.get(e["step"])  # the iteration event comes first in its step
+            later = len(e["output_token_ids"]) - 1
+            if first is not None and end is not None and later > 0:
+                tpot = (end - first) / later
+        self.finishes.append(Finish(e["step"], e["request_id"], ttft, tpot))
 
     def _on_block_free(self, e: Event, state: RunState) -> None:
         if e["seq_id"] not in state.block_tables:
@@ -160,6 +186,35 @@ class RunHistory:
                                    e["token_budget"], e.get("max_num_seqs")))
 
     # -- queries ---------------------------------------------------------------------------------
+
+    def engine_before(self, step: int) -> float | None:
+        """Engine seconds spent before iteration `step` ran (None: that far back is not on record)."""
+        first = next(iter(self.engine_s), None)  # dicts keep step order
+        if first is None or step <= first:  # a record from a snapshot starts part-way
+            return 0.0 if first == 0 or first is None else None
+        return self.engine_s.get(step - 1)
+
+    def engine_ttft(self, arrival_step: int, first_token_step: int) -> float | None:
+        """Engine seconds from a request's arrival to the end of the iteration that gave its first token."""
+        first, before = self.engine_s.get(first_token_step), self.engine_before(arrival_step)
+        return first - before if first is not None and before is not None else None
+
+    def engine_tokens_per_s(self, step: int) -> float:
+        """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`."""
+        recent = [c for c in self.columns[-THROUGHPUT_WINDOW:] if c.step <= step]
+        seconds = sum(c.duration_s for c in recent)
+        return sum(self.tokens_at.get(c.step, 0) for c in recent) / seconds if seconds > 0 else 0.0
+
+    def run_tokens_per_s(self) -> float | None:
+        """The whole run's output tokens per second of engine time (what a finished run keeps)."""
+        return self.total_tokens / self.total_engine_s if self.total_engine_s > 0 else None
+
+    def last_busy_metrics(self) -> MetricPoint | None:
+        """The latest metrics taken while something ran: after the last request leaves, usage reads 0."""
+        for point in reversed(self.metrics):
+            if point.num_running is None or point.num_running > 0:
+                return point
+        return self.metrics[-1] if self.metrics else None
 
     def mask_steps(self, request_id: str) -> list[int]:
         """Iterations (oldest first) in which this request has an attention mask on record."""

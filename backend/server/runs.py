@@ -80,6 +80,7 @@ class ServedRun:
     """A run the server hosts (an engine or a replay): the reducer, watchers, trace so far, pacing, controls."""
 
     kind = "run"
+    keeps_trace = True  # a replay hands out the trace it was given instead
 
     def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False) -> None:
         self.run_id = run_id
@@ -105,7 +106,8 @@ class ServedRun:
         with self.lock:
             self.state.apply(event)
             line = json.dumps(event, separators=(",", ":"))  # encoded once, for the trace and every watcher
-            self.trace_lines.append(line)
+            if self.keeps_trace:
+                self.trace_lines.append(line)
             for w in self.watchers:
                 w.offer(line)
         rid = event.get("request_id")
@@ -128,7 +130,7 @@ class ServedRun:
         with self.lock:
             snapshot = None
             if watcher.needs_snapshot:
-                snapshot = self._snapshot_locked()
+                snapshot = self._resync_message_locked()
                 watcher.needs_snapshot = False
                 watcher.queue.clear()
             events = [watcher.queue.popleft() for _ in range(min(max_events, len(watcher.queue)))]
@@ -143,6 +145,10 @@ class ServedRun:
         snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.paused, speed=self.speed,
                     finished=self.finished)
         return snap
+
+    def _resync_message_locked(self) -> dict:
+        """What a watcher starts (again) from: the snapshot; a replay adds the events before it."""
+        return self._snapshot_locked()
 
     def resync_all(self) -> None:
         with self.lock:

@@ -80,6 +80,11 @@ def describe_block(state: RunState, history: RunHistory, block: int) -> str:
     return "<br>".join(lines)
 
 
+def kv_cache_on(state: RunState) -> bool:
+    """Whether the run keeps a KV cache (engine.kv_cache); without it blocks are scratch space only."""
+    return state.config.get("kv_cache", True) is not False
+
+
 class BlockPoolView(FeedView):
     name = "blocks"
 
@@ -95,13 +100,19 @@ class BlockPoolView(FeedView):
                     (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"), (stripes, "stripes: draft model")])
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
+        selection.on_change(self._caption_if_ready)
         super().__init__(feed)
         self.changes_sent = 0  # cells sent as deltas, for tests
+
+    def _caption_if_ready(self) -> None:
+        if self.feed.state is not None:
+            self._caption()
 
     def full(self) -> bool:
         state, history = self.feed.state, self.feed.history
         free = set(state.free_blocks)
-        cells = [cell_of(state, history, free, b) for b in range(state.num_blocks)]
+        cells = [cell_of(state, history, free, b) if kv_cache_on(state) else (FREE, 0, 0)
+                 for b in range(state.num_blocks)]
         self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
                                          "marks": [c[2] for c in cells]}, self.stamp_args())
         self._caption()
@@ -119,7 +130,7 @@ class BlockPoolView(FeedView):
                 # the draft's blocks may predate the proposal that names its sequence: restripe them
                 for block in self.feed.state.block_tables.get(e["draft_seq_id"], ()):
                     flashes.setdefault(block, "")
-        if not flashes:
+        if not flashes or not kv_cache_on(self.feed.state):
             return False
         state, history = self.feed.state, self.feed.history
         free = set(state.free_blocks)
@@ -131,10 +142,18 @@ class BlockPoolView(FeedView):
 
     def _caption(self) -> None:
         state = self.feed.state
+        if not kv_cache_on(state):
+            self.caption.set("KV cache off: no keys or values are kept between iterations, so no block holds "
+                             "anything; every iteration recomputes each sequence's whole context")
+            return
         n, bs = state.num_blocks, state.cache.get("block_size", 0)
         used = n - len(state.free_blocks)
         text = (f"{n} blocks × {bs} tokens · in use {used} ({100 * used / max(n, 1):.0f}%) · "
                 f"cached {len(state.cached_blocks)} · shared {sum(1 for c in state.ref_counts.values() if c > 1)}")
+        selected = self.selection.request_id
+        if selected is not None:
+            seqs = [seq for seq, rid in state.seq_request.items() if rid == selected]
+            text += f" · {selected}: {len({b for s in seqs for b in state.block_tables.get(s, ())})} blocks"
         if state.draft_seqs:
             text += f" · draft model {sum(len(state.block_tables.get(s, ())) for s in state.draft_seqs)}"
         self.caption.set(text)

@@ -14,16 +14,29 @@ from frontend.views.chunks import Chunks
 from frontend.views.kv_calc import memory_text
 
 EXPLANATION = """
-- **tokens/s**: generated tokens per second of engine time (decode throughput).
-- **TTFT** (time to first token): from a request's arrival to its first token: queueing plus
-  prefill. Prefix caching and chunked prefill cut it. One dot per finished request.
-- **TPOT** (time per output token): the average gap between its later tokens: the decode speed a
-  user feels. Bigger batches raise throughput but also TPOT.
-- **KV usage**: the share of the cache's token slots holding keys and values.
-- **KV waste**: slots reserved but empty (the unfilled tail of each last block, or with the
-  contiguous layout the whole reserved maximum length): paging keeps it below one block per sequence.
+Times here are **engine time**: the sum of the iterations' own durations (what the model took,
+the iteration events' `duration_s`), never the wall clock, which the playback speed stretches
+(at 4 iterations a second every iteration would seem to last 250 ms).
+
+- **tokens/s**: output tokens per second of engine time, over the last 16 iterations; once the run
+  has finished, over the whole run.
+- **TTFT** (time to first token): engine time from a request's arrival to the end of the iteration
+  that produced its first token: queueing plus prefill. Prefix caching and chunked prefill cut it.
+  One dot per finished request.
+- **TPOT** (time per output token): engine time from its first token to its last, divided by its
+  later tokens: the decode speed a user feels. Bigger batches raise throughput but also TPOT.
+- **KV usage**: the share of the cache's blocks held by sequences (a block counts from its first
+  token, so 100% can mean full blocks or many part-filled last blocks).
+- **KV waste**: token slots in held blocks that are still empty, over all slots (the unfilled tail
+  of each last block, or with the contiguous layout the whole reserved maximum length): paging
+  keeps it below one block per sequence.
 - **prefix hit rate**: prompt tokens found already in the cache instead of being recomputed.
+- **blocks saved**: blocks that sharing (forks of n > 1 and beams, prefix hits) saves now: what every
+  block table would hold on its own, less the distinct blocks.
 - **draft acceptance** (speculative decoding only): drafted tokens the target model accepted.
+
+Once a run has finished, the headline keeps its final figures: usage, waste and hits as they were
+at the last iteration that ran something (afterwards every block is free).
 
 The line above the chart: the weights' dtype and bytes (quantized against unquantized), the KV
 cache's dtype and bytes per token, and the draft model's, when there is one.
@@ -38,8 +51,9 @@ LINES = [
     ("spec_acceptance_rate", "draft acceptance %", "#edc948", 1),  # speculative runs only
 ]
 PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate", "spec_acceptance_rate"}
-KPI_TITLES = {"tps": "tokens/s", "ttft": "mean TTFT", "tpot": "mean TPOT", "usage": "KV usage", "waste": "KV waste",
-              "hit": "prefix hits", "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
+KPI_TITLES = {"tps": "tokens/s (engine time)", "ttft": "mean TTFT (engine)", "tpot": "mean TPOT (engine)",
+              "usage": "KV usage", "waste": "KV waste", "hit": "prefix hits", "saved": "blocks saved by sharing",
+              "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
 
 
 def kpi_html(values: dict[str, str]) -> str:
@@ -147,17 +161,19 @@ class MetricsView(FeedView):
 
     def _kpis(self) -> None:
         state, history = self.feed.state, self.feed.history
-        m = history.metrics[-1] if history.metrics else None  # the snapshot's latest, at least
+        m = history.last_busy_metrics() if state.finished else (history.metrics[-1] if history.metrics else None)
+        tps = history.run_tokens_per_s() if state.finished else (m.tokens_per_s if m else None)
         ttfts = [f.ttft_s for f in history.finishes if f.ttft_s is not None]
         tpots = [f.tpot_s for f in history.finishes if f.tpot_s is not None]
         finished = sum(1 for r in state.requests.values() if r.status == "finished")
         values = {
-            "tps": f"{m.tokens_per_s:.0f}" if m else "–",
+            "tps": f"{tps:.0f}" if tps is not None else "–",
             "ttft": f"{1000 * statistics.fmean(ttfts):.0f} ms" if ttfts else "–",
             "tpot": f"{1000 * statistics.fmean(tpots):.1f} ms" if tpots else "–",
             "usage": f"{100 * m.kv_usage:.0f}%" if m else "–",
             "waste": f"{100 * m.kv_waste:.1f}%" if m else "–",
             "hit": f"{100 * m.prefix_hit_rate:.0f}%" if m else "–",
+            "saved": str(m.blocks_saved_by_sharing) if m and m.blocks_saved_by_sharing is not None else "–",
             "preempt": str(state.num_preemptions),
             "done": f"{finished}/{len(state.requests)}",
         }

@@ -101,6 +101,12 @@ def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
     return merged
 
 
+def row_labels(rows: dict[str, int], selected: str | None) -> list:
+    """The y axis: one label per request, the selected one marked (every view highlights it)."""
+    mark = {"fontWeight": "bold", "backgroundColor": "#fde68a", "padding": [1, 3]}
+    return [{"value": rid, "textStyle": mark} if rid == selected else rid for rid in rows]
+
+
 def branch_items(state: RunState, rows: dict[str, int], x_of: dict[int, float] | None) -> list[list[Any]]:
     """[x0, x1, row, slot, slots, parent slot (-1: root), end mark, seq, request, position, reason, parent]
     for every sequence of a multi-sequence request; x in iterations, or seconds through `x_of`."""
@@ -145,6 +151,7 @@ class TimelineView(FeedView):
         self.rows_sent = 0
         self.ttft_sent: list = []
         self.branches_sent: list = []
+        self.labels_sent: list = []
         self.step_t: dict[int, float] = {}
         with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
             with ui.row().classes("items-center gap-3"):
@@ -155,6 +162,7 @@ class TimelineView(FeedView):
                     .mark("timeline-axis")
             self.chart = make_chart(self._options(), height, "timeline")
         self.chart.on_point_click(self._on_click)
+        selection.on_change(self.invalidate)
         super().__init__(feed)
 
     def _options(self) -> dict:
@@ -220,7 +228,8 @@ class TimelineView(FeedView):
         rows = self.feed.history.rows
         if force or len(rows) != self.rows_sent:
             self.rows_sent = len(rows)
-            option["yAxis"] = {"data": list(rows)}
+            self.labels_sent = row_labels(rows, self.selection.request_id)
+            option["yAxis"] = {"data": self.labels_sent}
         if force:
             label = Js("(v) => v.toFixed(2)") if self.seconds else Js(INTEGER_LABELS[":formatter"])
             option["xAxis"] = {"name": "seconds since start" if self.seconds else "iteration",
@@ -237,7 +246,8 @@ class TimelineView(FeedView):
             x = t_of.get(view.first_token_step) if t_of is not None else view.first_token_step
             if x is None:
                 continue
-            ttft = f"{view.ttft_s * 1000:.0f} ms" if view.ttft_s is not None else \
+            seconds = history.engine_ttft(view.arrival_step, view.first_token_step)
+            ttft = f"{seconds * 1000:.0f} ms of engine time" if seconds is not None else \
                 f"{view.first_token_step - view.arrival_step} iterations after arrival"
             data.append([round(x, 4), history.rows[rid], rid, ttft])
         if not force and data == self.ttft_sent:
