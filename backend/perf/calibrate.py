@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from backend.perf.hardware import THIS_MACHINE, HardwareProfile
-
 CACHE_VERSION = 1
 FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "memory_bytes", "measured_at")
 # (matmul side, fp32 copy elements) per device type. CPU: 64 MB outgrows any cache, so the copy streams
@@ -35,17 +33,17 @@ def cache_path() -> Path:
     return Path(base) / "kvscope" / "this-machine.json"
 
 
-def this_machine(recalibrate: bool = False) -> HardwareProfile:
-    """The cached measurement of this host, or a fresh one (saved for next time)."""
+def this_machine(recalibrate: bool = False) -> dict:
+    """The cached figures of this host, or a fresh measurement (saved for next time)."""
     cached = None if recalibrate else read_cache()
     if cached is not None:
-        return profile_from(cached)
+        return cached
     figures = calibrate()
     try:
         write_cache(figures)
     except OSError:
         pass  # the cache only saves seconds; a read-only home must not stop a what-if
-    return profile_from(figures)
+    return figures
 
 
 def calibrate(seconds: float = DEFAULT_SECONDS, device: str | None = None) -> dict:
@@ -119,9 +117,3 @@ def write_cache(figures: dict) -> None:
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(figures, indent=2))
-
-
-def profile_from(figures: dict) -> HardwareProfile:
-    return HardwareProfile(THIS_MACHINE, f"{figures['device']} (measured)", figures["bf16_flops"],
-                           figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
-                           figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}")

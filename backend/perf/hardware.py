@@ -72,14 +72,21 @@ HARDWARE_NAMES = [*DATASHEET, THIS_MACHINE]
 def get_hardware(name: str, link: str | None = None) -> HardwareProfile:
     """A named profile (`this-machine`: calibrated once, then read from the cache); link overrides its link."""
     if name == THIS_MACHINE:
-        from backend.perf.calibrate import this_machine  # calibrate imports this module; torch only when asked
+        from backend.perf.calibrate import this_machine  # here: it imports torch, needed only for this name
 
-        profile = this_machine()
+        profile = profile_from(this_machine())
     elif name in DATASHEET:
         profile = DATASHEET[name]
     else:
         raise unknown_name("hardware", name, HARDWARE_NAMES)
     return profile if link is None else with_link(profile, link)
+
+
+def profile_from(figures: dict) -> HardwareProfile:
+    """The `this-machine` profile from calibrate.py's measured figures (one roof for fp32 and bf16 on a CPU)."""
+    return HardwareProfile(THIS_MACHINE, f"{figures['device']} (measured)", figures["bf16_flops"],
+                           figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
+                           figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}")
 
 
 def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:

@@ -15,10 +15,8 @@ from typing import Annotated, Any, Literal
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
-from litestar.connection import ASGIConnection
 from litestar.params import FromPath, JSONBody
-from litestar.exceptions import HTTPException, NotAuthorizedException, NotFoundException, ValidationException
-from litestar.handlers.base import BaseRouteHandler
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,6 +24,7 @@ from backend.engine.request import RequestError
 from backend.events.trace import TraceError, parse_trace
 from backend.model.loader import ModelLoadError
 from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
+from backend.server.guards import require_token
 from backend.server.manager import RunManager
 from backend.server.runs import USER_ERRORS, EngineRun, RunError, ServedRun
 
@@ -68,12 +67,6 @@ class AddRequest(_Body):
 
 
 # ---- guards and errors --------------------------------------------------------------------------------
-
-
-def require_token(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    token = connection.app.state.token
-    if token and connection.headers.get("authorization", "") != f"Bearer {token}":
-        raise NotAuthorizedException("this server needs 'Authorization: Bearer <token>' to change runs")
 
 
 def _error(status: int, message: str, field: str | None = None) -> Response:

@@ -26,12 +26,18 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from litestar.utils import ensure_async_callable
 
-from backend.server.app import require_token
 
 MAX_JSON_DEPTH = 32  # an inline scenario nests 4 deep; the decoder's own limit is ~1000
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\[\]]+)(?::\d+)?$")  # a name or [IPv6], then a port
 WATCH_PATHS = ("/api/runs", "/ws/runs")  # snapshots, traces, the websocket: what the dashboard watches
+
+
+def require_token(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """Off loopback, changing routes (and watching, see check_watch_token) need the server's bearer token."""
+    token = connection.app.state.token
+    if token and connection.headers.get("authorization", "") != f"Bearer {token}":
+        raise NotAuthorizedException("this server needs 'Authorization: Bearer <token>' to change runs")
 
 
 def check_host(connection: ASGIConnection, _: BaseRouteHandler) -> None:

@@ -23,7 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import ModelLoadError
-from backend.server.app import require_token  # off-loopback, the server token is the client's api_key
+from backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from backend.server.chat_template import ChatTemplateError, render_chat
 from backend.server.generation import Choice, Generation, prompt_logprobs
 from backend.server.runs import EngineRun
