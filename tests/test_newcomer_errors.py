@@ -159,7 +159,7 @@ def test_a_model_that_cannot_load_fails_at_start(capsys, never_serves, tmp_path)
 @pytest.fixture
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager)) as c:
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as c:
         yield c
     manager.stop_all()
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from backend.errors import KvscopeError
 from backend.events.schema import describe_error, parse_event
 
 log = logging.getLogger(__name__)
@@ -17,8 +18,8 @@ log = logging.getLogger(__name__)
 TIME_FIELDS = frozenset({"t", "duration_s", "ttft_s", "tpot_s", "e2e_s", "tokens_per_s"})
 
 
-class TraceError(ValueError):
-    """A missing or bad trace; the message starts with `path:` (a bad line: `path:line_no:`)."""
+class TraceError(KvscopeError):
+    """A missing or bad trace; the field is its path (a bad line: `path:line_no`)."""
 
 
 class TraceWriter:
@@ -55,13 +56,13 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
     """Every event of a trace file, each validated; raises TraceError naming the file or the bad line."""
     path = Path(path)
     if not path.is_file():
-        raise TraceError(f"{path}: no such trace file")
+        raise TraceError(str(path), "no such trace file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a trace (not UTF-8 text)") from None
+        raise TraceError(str(path), "not a trace (not UTF-8 text)") from None
     except OSError as e:
-        raise TraceError(f"{path}: cannot read ({e.strerror})") from None
+        raise TraceError(str(path), f"cannot read ({e.strerror})") from None
     return parse_trace(text, str(path))
 
 
@@ -83,13 +84,13 @@ def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
                 log.warning("%s:%d: the last line is cut short (%s); keeping the %d complete events before it",
                             source, line_no, e, len(events))
                 break
-            raise TraceError(f"{source}:{line_no}: {e}") from None
+            raise TraceError(f"{source}:{line_no}", str(e)) from None
         if events and event["step"] < events[-1]["step"]:
-            raise TraceError(f"{source}:{line_no}: step {event['step']} comes after step {events[-1]['step']}; "
-                             "a trace's events must be in step order")
+            raise TraceError(f"{source}:{line_no}", f"step {event['step']} comes after step {events[-1]['step']}; "
+                                                    "a trace's events must be in step order")
         events.append(event)
     if not events:
-        raise TraceError(f"{source}: empty trace")
+        raise TraceError(str(source), "empty trace")
     return events
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from backend.errors import KvscopeError
 from backend.model.loader import LoadedModel
 
 QuantMode = Literal["none", "int8", "int4"]
@@ -29,12 +30,8 @@ QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
 
 
-class QuantError(ValueError):
+class QuantError(KvscopeError):
     """A quantization setting that cannot apply to this model: the config field and the reason."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
 
 
 # ---- the quantizer ----------------------------------------------------------------------------------

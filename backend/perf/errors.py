@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+from backend.errors import KvscopeError
 
-class PerfError(ValueError):
+
+class PerfError(KvscopeError):
     """An input the cost model cannot take: which field, and why (the CLI prints it and exits 2)."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
 
 
 def unknown_name(field: str, name: str, valid: list[str]) -> PerfError:
