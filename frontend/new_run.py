@@ -9,6 +9,7 @@ from nicegui import ui
 from nicegui.events import UploadEventArguments
 
 from frontend.client import Backend, BackendError
+from frontend.lesson import lesson_markdown, lesson_steps
 from frontend.text import md_escape
 
 MODELS = {"demo": "demo (GQA)", "demo-mha": "demo-mha (MHA)", "demo-mqa": "demo-mqa (MQA)",
@@ -199,8 +200,9 @@ class NewRunPanel:
         if not name:
             return
         info = next((s for s in self.scenarios if s["name"] == name), {})
-        description, lesson = md_escape(info.get("description", "")), md_escape(info.get("lesson", ""))
-        self.about.set_content(f"{description}\n\n**Lesson.** {lesson}")
+        steps = lesson_steps(info)
+        self.about.set_content(f"{md_escape(info.get('description', ''))}\n\n**Lesson.**\n\n{lesson_markdown(steps)}"
+                               if steps else md_escape(info.get("description", "")))
         try:
             scenario = await self.backend.scenario(name)
         except BackendError as e:
@@ -215,6 +217,11 @@ class NewRunPanel:
         self.form.update(self.base)
         self.form["model"] = model
 
+    def _has_lesson(self) -> bool:
+        """Whether the picked scenario's lesson stops at moments: its run starts paused on the lesson's first step."""
+        info = next((s for s in self.scenarios if s["name"] == self.picker.value), {})
+        return any(step["at"] != "start" for step in lesson_steps(info))
+
     def overrides(self) -> dict[str, Any]:
         return overrides_of(self.form, self.base)
 
@@ -225,7 +232,8 @@ class NewRunPanel:
             ui.notify("Pick a scenario first", type="warning")
             return None
         try:
-            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed, self.paused)
+            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed,
+                                                  self.paused or self._has_lesson())
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None

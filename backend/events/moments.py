@@ -64,6 +64,13 @@ class MomentFinder:
         self.allocated: dict[str, list[int]] = {}  # request -> blocks allocated in the current step
         self.victim: str | None = None  # the first preempted request, until its recompute
 
+    @classmethod
+    def joining(cls, num_blocks: int | None, step: int, seq_request: dict[int, str]) -> MomentFinder:
+        """A finder for a run joined mid-way (a snapshot): moments are firsts from here on."""
+        finder = cls()
+        finder.num_blocks, finder.step, finder.seq_request = num_blocks, step, dict(seq_request)
+        return finder
+
     def feed(self, event: Event) -> list[Moment]:
         """The moments this event completes (usually none)."""
         kind, step = event["type"], event.get("step", -1)

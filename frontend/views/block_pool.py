@@ -11,7 +11,7 @@ from backend.events.state import RunState
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import RunHistory
 from frontend.selection import Selection
-from frontend.palette import BLOCK_COLORS, FLASH_COLORS, REQUEST_COLORS, request_color
+from frontend.palette import BLOCK_COLORS, FLASH_COLORS, FOCUS_COLOR, REQUEST_COLORS, request_color
 from frontend.views.base import FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
@@ -44,7 +44,7 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
     def __init__(self) -> None:
         super().__init__()
         self._props["palette"] = list(REQUEST_COLORS)
-        self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS}
+        self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS, "focus": FOCUS_COLOR}
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
