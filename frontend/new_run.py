@@ -218,9 +218,10 @@ class NewRunPanel:
         self.form["model"] = model
 
     def _has_lesson(self) -> bool:
-        """Whether the picked scenario's lesson stops at moments: its run starts paused on the lesson's first step."""
+        """Whether the picked scenario's lesson stops during the run: it then starts paused on the lesson's
+        first step, so that a moment in the first iterations is not over before the page is watching."""
         info = next((s for s in self.scenarios if s["name"] == self.picker.value), {})
-        return any(step["at"] != "start" for step in lesson_steps(info))
+        return any(step["at"] not in ("start", "finished") for step in lesson_steps(info))
 
     def overrides(self) -> dict[str, Any]:
         return overrides_of(self.form, self.base)
