@@ -14,6 +14,8 @@ async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: 
     page = await dash.open(f"/?run={run_id}")
     column = page.columns[0]
     guide, feed = column.guide, column.feed
+    for kind in ("allocate", "share", "copy-on-write", "free", "evict"):  # the block pool's legend names its flashes
+        await dash.user.should_see(f"ring: {kind}")
     await until(lambda: guide.steps and guide.shown == 0)
     assert guide.mode.value and guide.next.visible  # a lesson run waits on its first step
     await dash.user.should_see("Watch the block pool fill up", marker="lesson-text")
