@@ -1,4 +1,4 @@
-"""Starting runs: scenario picker, engine config form, side-by-side comparison, trace upload."""
+"""Starting runs: scenario picker, engine config form, trace upload (comparisons: frontend/compare.py)."""
 
 from __future__ import annotations
 
@@ -112,9 +112,6 @@ class NewRunPanel:
             ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed")
             ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
         ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full").mark("start-run")
-        ui.button("Side by side: static vs continuous", icon="compare", on_click=self.start_compare) \
-            .props("outline").classes("w-full").mark("start-compare") \
-            .tooltip("the same scenario twice, one column each, driven by the same controls")
         ui.separator()
         ui.label("Replay a trace").classes("kv-drawer-title")
         ui.upload(label="trace .jsonl", auto_upload=True, on_upload=self._on_upload, max_file_size=200_000_000) \
@@ -240,22 +237,6 @@ class NewRunPanel:
             return None
         await _maybe_await(self.navigate(run_id, None))
         return run_id
-
-    async def start_compare(self) -> tuple[str, str] | None:
-        """The picked scenario twice (static vs continuous batching), both paused until Play."""
-        if not self.picker.value:
-            ui.notify("Pick a scenario first", type="warning")
-            return None
-        ids = []
-        try:
-            for batching in ("static", "continuous"):
-                overrides = {**self.overrides(), "engine.batching": batching}
-                ids.append(await self.backend.start_run(self.picker.value, overrides, self.speed, paused=True))
-        except BackendError as e:
-            ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
-            return None
-        await _maybe_await(self.navigate(ids[0], ids[1]))
-        return ids[0], ids[1]
 
     async def _on_upload(self, e: UploadEventArguments) -> None:
         text = await e.file.text()

@@ -71,3 +71,27 @@ def test_every_moment_has_a_title() -> None:
 
     assert set(MOMENT_KINDS) | {"start"} == set(MOMENT_TITLES)
     assert find_moments([]) == []
+
+
+async def test_compare_any_setting_of_one_scenario_side_by_side(dash: Dash) -> None:
+    page = await dash.open("/")
+    await until(lambda: "memory-pressure" in page.panel.picker.options)
+    page.panel.picker.set_value("memory-pressure")
+    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page.compare.choose("num_blocks", 24, 256)
+    dash.user.find(marker="start-compare").click()
+    await until(lambda: len(dash.built) == 2)
+    feeds = [c.feed for c in dash.last.columns]
+    await until(lambda: all(f.state is not None and f.state.cache for f in feeds))
+    assert [f.state.cache["num_blocks"] for f in feeds] == [24, 256]
+    assert all(f.state.paused for f in feeds)
+    assert feeds[0].state.config["prefix_caching"] == feeds[1].state.config["prefix_caching"]  # the rest is shared
+
+
+def test_each_compare_axis_is_one_override() -> None:
+    from frontend.compare import AXES, override_of
+
+    assert override_of(AXES["attention"], "demo-mla") == {"model": "demo-mla"}
+    assert override_of(AXES["speculative"], "off") == {"engine.speculative": None}
+    assert override_of(AXES["num_blocks"], 256.0) == {"engine.num_blocks": 256}
+    assert override_of(AXES["arrival_rate"], 1.0) == {"generate.arrival.rate_per_step": 1.0}
