@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from backend.config import EngineConfig
+from backend.events.moments import MomentKind
 from backend.engine.sampling_params import SamplingParams
 from backend.model.tokenizer import Tokenizer, read_corpus
 
@@ -80,15 +81,30 @@ class GenerateSpec(_Strict):
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
 
 
+class LessonStep(_Strict):
+    """One step of a lesson: shown at the run's start, or when lesson mode pauses at a key moment."""
+
+    at: Literal["start"] | MomentKind = "start"
+    text: str = Field(min_length=1, max_length=1000)
+
+
 class Scenario(_Strict):
     name: str = Field(pattern=NAME_PATTERN, max_length=64)
     description: str = ""
-    lesson: str = Field(default="", description="what to look at while it runs")
+    lesson: list[LessonStep] = Field(default_factory=list, description="what to look at while it runs")
     model: str = "demo"
     seed: int = Field(default=0, ge=0, lt=2**32)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     requests: list[RequestSpec] = Field(default_factory=list, max_length=10_000)
     generate: GenerateSpec | None = None
+
+    @field_validator("lesson", mode="before")
+    @classmethod
+    def _text_is_one_step(cls, value: Any) -> Any:
+        """A lesson written as plain text (older scenario files) is one step at the start."""
+        if isinstance(value, str):
+            return [{"at": "start", "text": value}] if value.strip() else []
+        return value
 
     @model_validator(mode="after")
     def _has_requests(self) -> "Scenario":

@@ -19,6 +19,7 @@ from nicegui import app, ui
 
 from frontend.client import Backend, BackendError, FeedHub, RunFeed
 from frontend.column import RunColumn, sync_zoom
+from frontend.compare import ComparePanel
 from frontend.controls import RunControls
 from frontend.export_menu import ExportMenu
 from frontend.new_run import NewRunPanel
@@ -62,6 +63,7 @@ class Dashboard:
         self.columns: list[RunColumn] = []
         self.controls: RunControls | None = None
         self.panel: NewRunPanel | None = None
+        self.compare: ComparePanel | None = None
         self.exports: list[ExportMenu] = []
         self.gone_check: ui.timer | None = None
 
@@ -79,6 +81,8 @@ class Dashboard:
         client.on_delete(lambda: [self.hub.release(f) for f in feeds])
         with ui.left_drawer(value=not feeds).classes("kv-drawer").props("width=340 bordered") as drawer:
             self.panel = NewRunPanel(self.backend, self.open, self.default_model)
+            ui.separator()
+            self.compare = ComparePanel(self.panel)
         self._header(drawer, feeds, show_lag)
         with ui.column().classes("w-full kv-main gap-3"):
             if missing:

@@ -9,6 +9,7 @@ from nicegui.events import GenericEventArguments
 
 from frontend.client import Backend, RunFeed
 from frontend.controls import PromptBox
+from frontend.lesson import LessonGuide
 from frontend.selection import Selection
 from frontend.text import md_escape
 from frontend.views.attention import AttentionView
@@ -36,6 +37,7 @@ class RunColumn:
         if compact:
             self._compact()
         else:
+            self.guide = LessonGuide(backend, feed, self.views, self.selection)
             self._full()
         self._refresh_requests()
         self.selection.on_change(self._show_selection)
@@ -100,9 +102,7 @@ class RunColumn:
             self.engine.set_text(summary)
         if title != self.title.text:
             self.title.set_text(title)
-            description = md_escape(scenario.get("description") or "")
-            lesson = md_escape(scenario.get("lesson") or "")
-            self.lesson.set_content(f"{description} {('**Lesson:** ' + lesson) if lesson else ''}")
+            self.lesson.set_content(md_escape(scenario.get("description") or ""))  # the lesson has its own card
 
 
 def engine_summary(config: dict, cache: dict) -> str:

@@ -1,4 +1,4 @@
-"""The export menu: PNG / SVG of a view and a Perfetto trace (rendered server-side by the
+"""The export menu: PNG / SVG of a view, a GIF of the run and a Perfetto trace (rendered server-side by the
 `frontend.export` package from the run's trace), and the trace itself as JSONL."""
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class ExportMenu:
                                      lambda v=view, s=suffix: self.export(v, s)).mark(f"export-{view}{suffix}")
                 ui.menu_item("Timeline as Perfetto JSON", lambda: self.export("timeline", ".json")) \
                     .mark("export-perfetto")
+                ui.menu_item("Run as GIF (block pool + timeline)", lambda: self.export("blocks", ".gif")) \
+                    .mark("export-gif")
                 ui.menu_item("Trace JSONL", self.download_trace).mark("export-trace")
 
     async def _trace(self) -> str | None:
@@ -61,7 +63,7 @@ class ExportMenu:
         except (ValueError, ImportError) as e:  # ExportError is a ValueError
             ui.notify(f"export failed: {e}", type="negative", multi_line=True)
             return None
-        name = f"kvscope-{self.run_id}-{'perfetto' if suffix == '.json' else view}{suffix}"
+        name = f"kvscope-{self.run_id}-{ {'.json': 'perfetto', '.gif': 'run'}.get(suffix, view)}{suffix}"
         self.last = (name, len(data))
         ui.download(data, name)
         return data

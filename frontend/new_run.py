@@ -1,4 +1,4 @@
-"""Starting runs: scenario picker, engine config form, side-by-side comparison, trace upload."""
+"""Starting runs: scenario picker, engine config form, trace upload (comparisons: frontend/compare.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from nicegui import ui
 from nicegui.events import UploadEventArguments
 
 from frontend.client import Backend, BackendError
+from frontend.lesson import lesson_markdown, lesson_steps
 from frontend.text import md_escape
 
 MODELS = {"demo": "demo (GQA)", "demo-mha": "demo-mha (MHA)", "demo-mqa": "demo-mqa (MQA)",
@@ -111,9 +112,6 @@ class NewRunPanel:
             ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed")
             ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
         ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full").mark("start-run")
-        ui.button("Side by side: static vs continuous", icon="compare", on_click=self.start_compare) \
-            .props("outline").classes("w-full").mark("start-compare") \
-            .tooltip("the same scenario twice, one column each, driven by the same controls")
         ui.separator()
         ui.label("Replay a trace").classes("kv-drawer-title")
         ui.upload(label="trace .jsonl", auto_upload=True, on_upload=self._on_upload, max_file_size=200_000_000) \
@@ -199,8 +197,9 @@ class NewRunPanel:
         if not name:
             return
         info = next((s for s in self.scenarios if s["name"] == name), {})
-        description, lesson = md_escape(info.get("description", "")), md_escape(info.get("lesson", ""))
-        self.about.set_content(f"{description}\n\n**Lesson.** {lesson}")
+        steps = lesson_steps(info)
+        self.about.set_content(f"{md_escape(info.get('description', ''))}\n\n**Lesson.**\n\n{lesson_markdown(steps)}"
+                               if steps else md_escape(info.get("description", "")))
         try:
             scenario = await self.backend.scenario(name)
         except BackendError as e:
@@ -215,6 +214,12 @@ class NewRunPanel:
         self.form.update(self.base)
         self.form["model"] = model
 
+    def _has_lesson(self) -> bool:
+        """Whether the picked scenario's lesson stops during the run: it then starts paused on the lesson's
+        first step, so that a moment in the first iterations is not over before the page is watching."""
+        info = next((s for s in self.scenarios if s["name"] == self.picker.value), {})
+        return any(step["at"] not in ("start", "finished") for step in lesson_steps(info))
+
     def overrides(self) -> dict[str, Any]:
         return overrides_of(self.form, self.base)
 
@@ -225,28 +230,13 @@ class NewRunPanel:
             ui.notify("Pick a scenario first", type="warning")
             return None
         try:
-            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed, self.paused)
+            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed,
+                                                  self.paused or self._has_lesson())
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None
         await _maybe_await(self.navigate(run_id, None))
         return run_id
-
-    async def start_compare(self) -> tuple[str, str] | None:
-        """The picked scenario twice (static vs continuous batching), both paused until Play."""
-        if not self.picker.value:
-            ui.notify("Pick a scenario first", type="warning")
-            return None
-        ids = []
-        try:
-            for batching in ("static", "continuous"):
-                overrides = {**self.overrides(), "engine.batching": batching}
-                ids.append(await self.backend.start_run(self.picker.value, overrides, self.speed, paused=True))
-        except BackendError as e:
-            ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
-            return None
-        await _maybe_await(self.navigate(ids[0], ids[1]))
-        return ids[0], ids[1]
 
     async def _on_upload(self, e: UploadEventArguments) -> None:
         text = await e.file.text()

@@ -36,6 +36,8 @@ BLOCK_COLORS = {"free": "#eef1f5", "cached": "#bfe3d4", "shared": "#111827"}
 RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, *BLOCK_COLORS.values()})
 # Rings that flash on a block when an event touches it.
 FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626"}
+FLASH_LABELS = {"alloc": "allocate", "share": "share", "copy": "copy-on-write", "free": "free", "evict": "evict"}
+FOCUS_COLOR = "#111827"  # lesson mode's lasting ring (with a white inner line) on the blocks it explains
 # The attention mask: a key read from the KV cache (what decode does), one computed in this pass
 # (what prefill does), one masked as the future.
 MASK_COLORS = {"cached": PHASE_COLORS["decode"], "computed": PHASE_COLORS["prefill"], "masked": "#eceff3"}
@@ -57,4 +59,5 @@ def for_js() -> dict:
     """What the page's JavaScript draws with (window.KVSCOPE_COLORS)."""
     return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
             "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
+            "focus": FOCUS_COLOR,
             "mask": MASK_COLORS}

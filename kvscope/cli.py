@@ -238,13 +238,14 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     try:
-        check_options(args.view, out, args.x)  # before reading what may be a long trace
-        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step)
+        check_options(args.view, out, args.x, args.stride)  # before reading what may be a long trace
+        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step, stride=args.stride)
     except ExportError as e:
         where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
-                 "x": f"--x {args.x}", "step": f"--step {args.step}"}[e.field]
+                 "x": f"--x {args.x}", "step": f"--step {args.step}", "stride": f"--stride {args.stride}"}[e.field]
         raise UserError(f"{where}: {e.reason}") from None
-    print(f"wrote {out} ({args.view if out.suffix.lower() != '.json' else 'Perfetto trace of the timeline'})")
+    what = {".json": "Perfetto trace of the timeline", ".gif": "block pool and timeline, animated"}
+    print(f"wrote {out} ({what.get(out.suffix.lower(), args.view)})")
 
 
 def cmd_scenarios(args: argparse.Namespace) -> None:
@@ -347,10 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="draw a view of a trace as PNG/SVG, or the timeline as a Perfetto trace")
     e.add_argument("trace", help="a trace .jsonl file")
-    e.add_argument("--out", required=True, help="FILE.png, FILE.svg or FILE.json (Chrome/Perfetto trace)")
+    e.add_argument("--out", required=True,
+                   help="FILE.png, FILE.svg, FILE.json (Chrome/Perfetto trace) or FILE.gif (block pool + timeline)")
     e.add_argument("--view", default="timeline", help="timeline, blocks or batch (default timeline)")
     e.add_argument("--x", default="steps", help="timeline x axis: steps or seconds")
-    e.add_argument("--step", type=int, default=None, help="the run as of this iteration (default: the end)")
+    e.add_argument("--step", type=int, default=None,
+                   help="the run as of this iteration (default: the end; blocks: the busiest iteration)")
+    e.add_argument("--stride", type=int, default=1, help="GIF: a frame every N iterations (default 1)")
     e.set_defaults(func=cmd_export)
 
     w = sub.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")

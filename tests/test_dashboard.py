@@ -544,6 +544,7 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     await until(lambda: "continuous-batching" in page.panel.picker.options)
     page.panel.picker.set_value("continuous-batching")
     await until(lambda: page.panel.base.get("block_size") == 16)
+    page.compare.choose("batching", "static", "continuous")
     dash.user.find(marker="start-compare").click()
     await until(lambda: len(dash.built) == 2)
     compare = dash.last

@@ -128,7 +128,7 @@ def write_bad_traces(tmp_path, pressure) -> dict[str, str]:
     (["missing.jsonl", "--out", "x.png"], "missing.jsonl: no such trace file"),
     (["BAD", "--out", "x.png"], "bad.jsonl:2: not JSON"),
     (["QUIET", "--out", "x.png"], "quiet.jsonl: no iteration events to draw"),
-    (["TRACE", "--out", "x.gif"], "--out x.gif: unknown format '.gif'"),
+    (["TRACE", "--out", "x.bmp"], "--out x.bmp: unknown format '.bmp'"),
     (["TRACE", "--out", "x.png", "--view", "flame"], "--view flame: not a view"),
     (["TRACE", "--out", "x.json", "--view", "blocks"], "--view blocks: a .json export is the timeline"),
     (["TRACE", "--out", "x.png", "--step", "9999"], "--step 9999: 9999 is outside the trace's iterations"),

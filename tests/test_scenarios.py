@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from backend.events.bus import EventBus
+from backend.events.moments import find_moments
 from backend.events.schema import parse_event
 from backend.model.loader import SHIPPED_MODELS_DIR, read_config
 from backend.run import ScenarioRun
@@ -110,7 +111,9 @@ def test_library_has_a_tested_documented_lesson_per_scenario():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "scenarios.md").read_text(encoding="utf-8")
     assert len(scenarios) >= 10
     for s in scenarios:
-        assert s.description.strip() and s.lesson.strip(), s.name
+        assert s.description.strip() and s.lesson and all(step.text.strip() for step in s.lesson), s.name
+        assert not re.search(r"--set|command line|kvscope ", " ".join(step.text for step in s.lesson)), \
+            f"{s.name}: a lesson is followed in the page, not on the command line"
         assert s.name in LESSONS, f"{s.name}: add a test of its lesson to tests/test_scenarios.py"
         assert re.search(rf"^\| `{s.name}` \|", docs, re.M), f"{s.name}: missing from the table in docs/scenarios.md"
     assert {s.name for s in scenarios} == LESSONS
@@ -126,6 +129,14 @@ def test_every_scenario_runs_headless_to_completion(name):
     assert all(e["finish_reason"] != "abort" for e in trace.of("request_finished"))
     assert not trace.of("request_rejected")
     assert trace.of("run_finished")[0]["reason"] == "completed"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml")))
+def test_every_lesson_step_has_its_moment_in_the_scenarios_own_run(name):
+    """Lesson mode pauses at each step's moment: each must happen in the run the lesson is about."""
+    found = {m.kind for m in find_moments(run(name).events)}
+    wanted = {step.at for step in load_scenario(name).lesson} - {"start"}
+    assert wanted <= found, f"{name}: the lesson waits for {sorted(wanted - found)}, which its run never reaches"
 
 
 # ---- one lesson each ----------------------------------------------------------------------------

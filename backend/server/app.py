@@ -106,8 +106,8 @@ async def health() -> dict:
 
 @get("/api/scenarios", sync_to_thread=True)
 def scenarios() -> list[dict]:
-    return [{"name": s.name, "description": s.description, "lesson": s.lesson, "model": s.model}
-            for s in list_scenarios()]
+    return [{"name": s.name, "description": s.description, "lesson": [step.model_dump() for step in s.lesson],
+             "model": s.model} for s in list_scenarios()]
 
 
 @get("/api/scenarios/{name:str}", sync_to_thread=True)

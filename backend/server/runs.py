@@ -226,6 +226,8 @@ class ServedRun:
             if not manual and self.speed > 0:
                 next_due = max(next_due + 1.0 / self.speed, time.perf_counter())  # no catch-up bursts
                 self._sleep_until(next_due)
+                if self.paused:  # paused while it waited for its turn: that step must not run
+                    continue
             self._advance()
 
     def _may_step(self, manual: bool = False) -> bool:

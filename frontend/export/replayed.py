@@ -75,6 +75,12 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
                        iterations[-1]["step"])
 
 
+def busiest_step(events: list[Event]) -> int | None:
+    """The first iteration with the most KV blocks in use (None without iterations)."""
+    iterations = [e for e in events if e["type"] == "iteration"]
+    return max(iterations, key=lambda it: it["kv_blocks_used"])["step"] if iterations else None
+
+
 def _batches(history: RunHistory) -> dict[int, dict[str, tuple[str, int]]]:
     """Per iteration, per request: its phase (prefill wins over its other sequences', then verify) and tokens."""
     out: dict[int, dict[str, tuple[str, int]]] = {}

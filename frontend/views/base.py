@@ -51,8 +51,9 @@ def js(value: Any) -> str:
 
 def legend(items: list[tuple[str, str]], extra_classes: str = "") -> None:
     """A row of colour swatches with labels (HTML, so it reads well when projected)."""
-    html = "".join(
-        f'<span class="kv-swatch" style="background:{color}"></span><span class="kv-legend-label">{label}</span>'
+    html = "".join(  # one nowrap item per entry: a wrapped line never parts a swatch from its label
+        f'<span class="kv-legend-item"><span class="kv-swatch" style="background:{color}"></span>'
+        f'<span class="kv-legend-label">{label}</span></span>'
         for color, label in items
     )
     ui.html(f'<div class="kv-legend {extra_classes}">{html}</div>', sanitize=False)

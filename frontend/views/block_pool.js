@@ -15,6 +15,7 @@ export default {
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
     this.flashes = new Map(); // block -> [color, start time]
     this.hover = -1;
+    this.focused = new Set(); // blocks lesson mode points at: a lasting double ring
     this.dirty = new Set(); // blocks to repaint at the next frame
     this.all = false; // repaint everything (after a reset or a resize)
     this.frame = null;
@@ -58,6 +59,12 @@ export default {
         if (flash) this.flashes.set(b, [this.colors.flash[flash] || "#000", now]);
         this.dirty.add(b);
       }
+      this.schedule();
+    },
+    focus(blocks) {
+      for (const b of this.focused) this.dirty.add(b);
+      this.focused = new Set(blocks);
+      for (const b of this.focused) this.dirty.add(b);
       this.schedule();
     },
     tip(block, html) {
@@ -155,6 +162,15 @@ export default {
           ctx.strokeRect(x + width / 2, y + width / 2, cell - width, cell - width);
           ctx.globalAlpha = 1;
         }
+      }
+      if (this.focused.has(b)) {
+        const w = Math.max(2, cell / 8);
+        ctx.lineWidth = w;
+        ctx.strokeStyle = this.colors.focus;
+        ctx.strokeRect(x + w / 2, y + w / 2, cell - w, cell - w);
+        ctx.strokeStyle = "#fff";
+        ctx.lineWidth = Math.max(1, w / 2);
+        ctx.strokeRect(x + w * 1.25, y + w * 1.25, cell - w * 2.5, cell - w * 2.5);
       }
       if (b === this.hover) {
         ctx.strokeStyle = "#111";

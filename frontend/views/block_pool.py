@@ -11,7 +11,7 @@ from backend.events.state import RunState
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import RunHistory
 from frontend.selection import Selection
-from frontend.palette import BLOCK_COLORS, FLASH_COLORS, REQUEST_COLORS, request_color
+from frontend.palette import BLOCK_COLORS, FLASH_COLORS, FLASH_LABELS, FOCUS_COLOR, REQUEST_COLORS, request_color
 from frontend.views.base import FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
@@ -44,7 +44,7 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
     def __init__(self) -> None:
         super().__init__()
         self._props["palette"] = list(REQUEST_COLORS)
-        self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS}
+        self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS, "focus": FOCUS_COLOR}
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
@@ -98,6 +98,9 @@ class BlockPoolView(FeedView):
             legend([(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = request)"),
                     (BLOCK_COLORS["cached"], "free, cached prefix"),
                     (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"), (stripes, "stripes: draft model")])
+            legend([(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
+                    for kind, color in FLASH_COLORS.items()] +
+                   [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR}", "lesson: look here")])
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
         selection.on_change(self._caption_if_ready)

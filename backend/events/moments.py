@@ -1,0 +1,165 @@
+"""Key moments of a run, found in its events: the first prefix hit, share, copy-on-write, preemption...
+
+A pure detector. `MomentFinder.feed(event)` returns the moments the event completes; a step's
+moments complete at its `metrics` event (the engine's last word on a step), at the first event of
+a later step, or at `run_finished`, so a moment carries every block its step touched (a prefix hit
+shares several blocks at once). Lesson mode pauses at these; being found from the events and not
+from step numbers, they hold for any model or setting, live or replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Event = dict[str, Any]
+MomentKind = Literal["prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
+                     "prune", "draft_rejected", "finished"]
+MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
+# Where each moment is seen: the views lesson mode highlights.
+VIEWS: dict[str, tuple[str, ...]] = {
+    "prefix_hit": ("blocks", "block_table"), "share": ("blocks", "block_table"),
+    "copy_on_write": ("blocks", "block_table"), "cache_full": ("blocks", "metrics"),
+    "preempt": ("blocks", "timeline"), "recompute": ("timeline", "batch"), "fork": ("timeline", "blocks"),
+    "prune": ("timeline", "blocks"), "draft_rejected": ("speculative",), "finished": ("metrics",),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Moment:
+    kind: str  # one of MOMENT_KINDS
+    step: int  # the iteration it happened in
+    seq: int  # the event that completed it (lesson mode shows the state as of this event)
+    views: tuple[str, ...]
+    blocks: tuple[int, ...] = ()  # the blocks concerned
+    request_ids: tuple[str, ...] = ()  # the requests concerned
+
+
+@dataclass
+class _Pending:
+    """A moment being gathered during its step."""
+
+    kind: str
+    step: int
+    blocks: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+    def add(self, blocks: Iterable[int] = (), request_id: str | None = None) -> None:
+        self.blocks += [b for b in blocks if b not in self.blocks]
+        if request_id is not None and request_id not in self.request_ids:
+            self.request_ids.append(request_id)
+
+
+class MomentFinder:
+    """Feed it every event in order; each kind of moment is reported once, the first time it happens."""
+
+    def __init__(self) -> None:
+        self.num_blocks: int | None = None
+        self.step = -1
+        self.found: set[str] = set()
+        self.pending: dict[str, _Pending] = {}
+        self.seq_request: dict[int, str] = {}
+        self.freed: dict[int, list[int]] = {}  # seq -> blocks freed in the current step
+        self.allocated: dict[str, list[int]] = {}  # request -> blocks allocated in the current step
+        self.victim: str | None = None  # the first preempted request, until its recompute
+
+    @classmethod
+    def joining(cls, num_blocks: int | None, step: int, seq_request: dict[int, str]) -> MomentFinder:
+        """A finder for a run joined mid-way (a snapshot): moments are firsts from here on."""
+        finder = cls()
+        finder.num_blocks, finder.step, finder.seq_request = num_blocks, step, dict(seq_request)
+        return finder
+
+    def feed(self, event: Event) -> list[Moment]:
+        """The moments this event completes (usually none)."""
+        kind, step = event["type"], event.get("step", -1)
+        done = self._close(event) if step > self.step and self.pending else []
+        if step > self.step:
+            self.step, self.freed, self.allocated = step, {}, {}
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(event)
+        if kind in ("metrics", "run_finished") and self.pending:
+            done += self._close(event)
+        return done
+
+    def _close(self, event: Event) -> list[Moment]:
+        out = [Moment(p.kind, p.step, event.get("seq", 0), VIEWS[p.kind], tuple(p.blocks), tuple(p.request_ids))
+               for p in self.pending.values()]
+        self.found.update(self.pending)
+        self.pending = {}
+        return out
+
+    def _note(self, kind: str) -> _Pending | None:
+        """The moment of this kind gathering in this step, or None when it was found already."""
+        if kind in self.found:
+            return None
+        return self.pending.setdefault(kind, _Pending(kind, max(self.step, 0)))
+
+    # -- events --------------------------------------------------------------------------------------
+
+    def _on_header(self, e: Event) -> None:
+        self.num_blocks = e["cache"]["num_blocks"]
+
+    def _on_request_arrived(self, e: Event) -> None:
+        self.seq_request[e["seq_id"]] = e["request_id"]
+
+    def _on_seq_fork(self, e: Event) -> None:
+        self.seq_request[e["seq_id"]] = e["request_id"]
+        if moment := self._note("fork"):
+            moment.add(request_id=e["request_id"])
+
+    def _on_block_alloc(self, e: Event) -> None:
+        self.seq_request[e["seq_id"]] = e["request_id"]
+        self.allocated.setdefault(e["request_id"], []).append(e["block_id"])
+
+    def _on_block_share(self, e: Event) -> None:
+        block, rid = [e["block_id"]], e["request_id"]
+        for kind in ("share", "prefix_hit") if e["reason"] == "prefix_cache" else ("share",):
+            if moment := self._note(kind):
+                moment.add(block, rid)
+        if e["reason"] == "fork" and (moment := self.pending.get("fork")):
+            moment.add(block)  # the blocks the first fork shares with its parent
+
+    def _on_block_copy(self, e: Event) -> None:
+        if moment := self._note("copy_on_write"):
+            moment.add([e["src_block_id"], e["dst_block_id"]], self.seq_request.get(e["seq_id"]))
+
+    def _on_block_free(self, e: Event) -> None:
+        self.freed.setdefault(e["seq_id"], []).append(e["block_id"])
+
+    def _on_preempt(self, e: Event) -> None:
+        if self.victim is None and "recompute" not in self.found:
+            self.victim = e["request_id"]
+        freed = self.freed.get(e["seq_id"], [])
+        if moment := self._note("preempt"):
+            moment.add(freed, e["request_id"])
+        if moment := self._note("cache_full"):  # the scheduler found no free block for a running request
+            moment.add(freed, e["request_id"])
+
+    def _on_iteration(self, e: Event) -> None:
+        if self.num_blocks is not None and e["kv_blocks_used"] >= self.num_blocks:
+            self._note("cache_full")
+        rid = self.victim
+        if rid is not None and any(b["request_id"] == rid and b["phase"] == "prefill" for b in e["batch"]):
+            self.victim = None
+            if moment := self._note("recompute"):
+                moment.add(self.allocated.get(rid, []), rid)
+
+    def _on_seq_end(self, e: Event) -> None:
+        if e["reason"] == "pruned" and (moment := self._note("prune")):
+            moment.add(self.freed.get(e["seq_id"], []), e["request_id"])
+
+    def _on_spec_verify(self, e: Event) -> None:
+        if not all(r["accepted"] for r in e["results"]) and (moment := self._note("draft_rejected")):
+            moment.add(request_id=e["request_id"])
+
+    def _on_run_finished(self, e: Event) -> None:
+        self._note("finished")
+
+
+def find_moments(events: Iterable[Event]) -> list[Moment]:
+    """Every moment of a recorded run, in the order they complete."""
+    finder = MomentFinder()
+    return [m for e in events for m in finder.feed(e)]

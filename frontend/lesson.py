@@ -1,0 +1,184 @@
+"""Lesson mode: the run pauses by itself at each key moment its lesson explains, and says why.
+
+A scenario's lesson is a list of steps (backend/scenario.py: LessonStep), each shown at the start or
+at a moment kind (backend/events/moments.py). The guide feeds the run's events, as they arrive,
+to the same pure MomentFinder the tests run on recorded traces; when a moment that a step waits
+for completes, it pauses the run, rings the blocks concerned in the block pool, selects the
+request concerned (so every view highlights its row), outlines the views to look at, and shows
+the step's text. "Continue" resumes. The pause is asked for when the step's last event arrives,
+well within one iteration at the watchable speeds (16 it/s and slower); an unpaced run may be a
+step or two further on by the time it stops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nicegui import ui
+
+from backend.events.moments import Moment, MomentFinder
+from frontend.client import Backend, BackendError, RunFeed
+from frontend.selection import Selection
+from frontend.text import md_escape
+
+TICK_S = 0.05
+FOCUS_CLASS = "kv-focus"
+MOMENT_TITLES = {
+    "start": "Before it starts", "prefix_hit": "First prefix hit", "share": "First shared block",
+    "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
+    "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
+    "draft_rejected": "First draft rejection", "finished": "Finished",
+}  # fmt: skip
+
+
+def lesson_steps(scenario: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The lesson's steps from a scenario dict (the header's, or the API's): [{at, text}, ...]."""
+    lesson = (scenario or {}).get("lesson") or []
+    if isinstance(lesson, str):  # a trace recorded before lessons had steps
+        return [{"at": "start", "text": lesson}] if lesson.strip() else []
+    return list(lesson)
+
+
+def lesson_markdown(steps: list[dict[str, Any]]) -> str:
+    """The steps as a numbered Markdown list, each with the moment it waits for."""
+    return "\n".join(f"{i}. *{MOMENT_TITLES.get(s['at'], s['at'])}.* {md_escape(s['text'])}"
+                     for i, s in enumerate(steps, 1))
+
+
+def card_of(view: object) -> ui.element | None:
+    """The view's card: the nearest `kv-card` above any of its elements."""
+    for value in vars(view).values():
+        element = value if isinstance(value, ui.element) else None
+        while element is not None:
+            if "kv-card" in element.classes:
+                return element
+            element = element.parent_slot.parent if element.parent_slot else None
+    return None
+
+
+class LessonGuide:
+    """One run's lesson card; `views` are the column's views by name (RunColumn.views)."""
+
+    def __init__(self, backend: Backend, feed: RunFeed, views: dict[str, object], selection: Selection) -> None:
+        self.backend, self.feed, self.views, self.selection = backend, feed, views, selection
+        self.steps: list[dict[str, Any]] = []
+        self.shown: int | None = None  # index into steps of the step on screen
+        self.moment: Moment | None = None  # the moment the run is paused at
+        self.queue: list[tuple[int, Moment]] = []  # steps whose moments came while one was on screen
+        self.finder: MomentFinder | None = None
+        self.epoch, self.version = -1, 0
+        self.focused: list[ui.element] = []
+        self.selected_before: str | None = None
+        with ui.card().classes("kv-card kv-lesson-card w-full").props("flat bordered").mark("lesson") as self.card:
+            with ui.row().classes("w-full items-center no-wrap gap-2"):
+                ui.label("Lesson").classes("kv-card-title")
+                self.progress = ui.label("").classes("kv-caption").mark("lesson-progress")
+                ui.space()
+                self.mode = ui.switch("lesson mode", value=True).mark("lesson-mode") \
+                    .tooltip("pause at each key moment the lesson explains")
+                self.next = ui.button("continue", icon="play_arrow", on_click=self.resume).props("dense") \
+                    .mark("lesson-continue")
+            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text")
+        self.card.set_visibility(False)
+        self.next.set_visibility(False)
+        ui.timer(TICK_S, self.tick)
+
+    @property
+    def paused_at(self) -> str | None:
+        """The kind of moment lesson mode holds the run at, or None."""
+        return self.moment.kind if self.moment is not None else None
+
+    async def tick(self) -> None:
+        feed = self.feed
+        if feed.state is None:
+            return
+        if feed.epoch != self.epoch:
+            self._join()
+            return
+        entries = feed.since(self.version)
+        if entries is None:  # fell behind the log: carry on from now
+            self._join()
+            return
+        self.version = feed.version
+        for entry in entries:
+            for moment in self.finder.feed(entry.event):
+                self._on_moment(moment)
+        if self.moment is None and self.queue:
+            await self._stop_at(*self.queue.pop(0))
+
+    def _join(self) -> None:
+        state = self.feed.state
+        self.epoch, self.version = self.feed.epoch, self.feed.version
+        self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+        steps = lesson_steps(state.scenario)
+        if steps != self.steps:
+            self.steps = steps
+            self.card.set_visibility(bool(steps))
+            self.mode.set_value(any(s["at"] != "start" for s in steps))  # on where there is a moment to stop at
+            if steps and self.shown is None and steps[0]["at"] == "start":
+                self._show(0)
+                self.next.set_visibility(state.step < 0 and state.paused)  # read it, then start
+
+    def _on_moment(self, moment: Moment) -> None:
+        for i, step in enumerate(self.steps):
+            if step["at"] == moment.kind and self.mode.value:
+                self.queue.append((i, moment))
+
+    async def _stop_at(self, index: int, moment: Moment) -> None:
+        self.moment = moment
+        self._show(index)
+        self._highlight(moment)
+        self.next.set_visibility(True)
+        if moment.kind != "finished":  # a finished run has nothing left to pause
+            await self._control("pause")
+
+    async def resume(self) -> None:
+        """'continue': the next step waiting at the same moment, or the run again."""
+        self._clear()
+        self.moment = None
+        self.next.set_visibility(False)
+        if self.queue and self.queue[0][1].step == self.feed.state.step:
+            await self._stop_at(*self.queue.pop(0))
+        elif not self.feed.state.finished:
+            await self._control("resume")
+
+    async def _control(self, action: str) -> None:
+        try:
+            await self.backend.control(self.feed.run_id, action)
+        except BackendError as e:
+            ui.notify(f"lesson: {e}", type="warning")
+            return
+        self.feed.state.paused = action == "pause"  # replays record no control events: mirror it now
+
+    def _show(self, index: int | None) -> None:
+        self.shown = index
+        if index is None:
+            self.text.set_content("")
+            return
+        step = self.steps[index]
+        where = f" (iteration {self.moment.step})" if self.moment is not None else ""
+        self.progress.set_text(f"step {index + 1} of {len(self.steps)} · {MOMENT_TITLES[step['at']]}{where}")
+        self.text.set_content(md_escape(step["text"]))
+
+    def _highlight(self, moment: Moment) -> None:
+        blocks = self.views.get("blocks")
+        if blocks is not None and moment.blocks:
+            blocks.canvas.run_method("focus", list(moment.blocks))
+        if moment.request_ids:
+            self.selected_before = self.selection.request_id
+            self.selection.select_request(moment.request_ids[0])
+        for name in moment.views:
+            card = card_of(self.views[name]) if name in self.views else None
+            if card is not None:
+                card.classes(add=FOCUS_CLASS)
+                self.focused.append(card)
+
+    def _clear(self) -> None:
+        blocks = self.views.get("blocks")
+        if blocks is not None:
+            blocks.canvas.run_method("focus", [])
+        for card in self.focused:
+            card.classes(remove=FOCUS_CLASS)
+        self.focused = []
+        if self.moment is not None and self.moment.request_ids:
+            self.selection.select_request(self.selected_before)

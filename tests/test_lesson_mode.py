@@ -1,0 +1,97 @@
+"""Lesson mode under NiceGUI's simulated user: the run stops by itself at the moment a step explains."""
+
+from __future__ import annotations
+
+import asyncio
+
+from backend.events.moments import find_moments
+from frontend.lesson import FOCUS_CLASS, card_of, lesson_markdown, lesson_steps
+from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until  # noqa: F401 (fixtures)
+
+
+async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=4, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    column = page.columns[0]
+    guide, feed = column.guide, column.feed
+    for kind in ("allocate", "share", "copy-on-write", "free", "evict"):  # the block pool's legend names its flashes
+        await dash.user.should_see(f"ring: {kind}")
+    await until(lambda: guide.steps and guide.shown == 0)
+    assert guide.mode.value and guide.next.visible  # a lesson run waits on its first step
+    await dash.user.should_see("Watch the block pool fill up", marker="lesson-text")
+    dash.user.find(marker="lesson-continue").click()
+
+    await until(lambda: guide.paused_at == "preempt")
+    await until(lambda: feed.state.paused)
+    moment = guide.moment
+    step = feed.state.step
+    await asyncio.sleep(0.6)  # more than two iterations at 4 it/s: the run really stopped
+    assert feed.state.step == step == moment.step  # at the preemption, not after it
+    assert feed.state.num_preemptions >= 1
+    victim = moment.request_ids[0]
+    assert feed.state.requests[victim].status == "preempted"
+    await dash.user.should_see("Preemption", marker="lesson-text")
+    assert "First preemption" in guide.progress.text
+    # the blocks it gave back are ringed, its row selected, the views to look at outlined
+    events = [e.event for e in feed.log]
+    freed = [e["block_id"] for e in events if e["type"] == "block_free" and e["step"] == step
+             and e["request_id"] == victim]
+    assert set(moment.blocks) == set(freed) and freed
+    assert column.selection.request_id == victim
+    for name in ("blocks", "timeline"):
+        assert FOCUS_CLASS in card_of(column.views[name]).classes
+
+    dash.user.find(marker="lesson-continue").click()
+    await until(lambda: guide.paused_at == "recompute")
+    assert guide.moment.request_ids == (victim,)
+    assert FOCUS_CLASS not in card_of(column.views["blocks"]).classes  # the preemption's outline is gone
+    assert FOCUS_CLASS in card_of(column.views["batch"]).classes
+
+
+async def test_lesson_mode_off_lets_the_run_go_on(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    guide, feed = page.columns[0].guide, page.columns[0].feed
+    await until(lambda: guide.steps)
+    guide.mode.set_value(False)
+    await guide.resume()
+    await until(lambda: feed.state.finished)
+    assert guide.paused_at is None and feed.state.num_preemptions >= 1
+
+
+def test_the_drawer_lists_a_lessons_steps_with_their_moments() -> None:
+    steps = lesson_steps({"lesson": [{"at": "start", "text": "a"}, {"at": "preempt", "text": "b_c"}]})
+    assert lesson_markdown(steps) == "1. *Before it starts.* a\n2. *First preemption.* b\\_c"
+    assert lesson_steps({"lesson": "old text"}) == [{"at": "start", "text": "old text"}]  # older traces
+
+
+def test_every_moment_has_a_title() -> None:
+    from backend.events.moments import MOMENT_KINDS
+    from frontend.lesson import MOMENT_TITLES
+
+    assert set(MOMENT_KINDS) | {"start"} == set(MOMENT_TITLES)
+    assert find_moments([]) == []
+
+
+async def test_compare_any_setting_of_one_scenario_side_by_side(dash: Dash) -> None:
+    page = await dash.open("/")
+    await until(lambda: "memory-pressure" in page.panel.picker.options)
+    page.panel.picker.set_value("memory-pressure")
+    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page.compare.choose("num_blocks", 24, 256)
+    dash.user.find(marker="start-compare").click()
+    await until(lambda: len(dash.built) == 2)
+    feeds = [c.feed for c in dash.last.columns]
+    await until(lambda: all(f.state is not None and f.state.cache for f in feeds))
+    assert [f.state.cache["num_blocks"] for f in feeds] == [24, 256]
+    assert all(f.state.paused for f in feeds)
+    assert feeds[0].state.config["prefix_caching"] == feeds[1].state.config["prefix_caching"]  # the rest is shared
+
+
+def test_each_compare_axis_is_one_override() -> None:
+    from frontend.compare import AXES, override_of
+
+    assert override_of(AXES["attention"], "demo-mla") == {"model": "demo-mla"}
+    assert override_of(AXES["speculative"], "off") == {"engine.speculative": None}
+    assert override_of(AXES["num_blocks"], 256.0) == {"engine.num_blocks": 256}
+    assert override_of(AXES["arrival_rate"], 1.0) == {"generate.arrival.rate_per_step": 1.0}
