@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.colors import to_rgb
 from PIL import Image
 
-from backend.cli import main
+from kvscope.cli import main
 from frontend.export import render
 from frontend.export.gif import frame_steps
 from frontend.export.replayed import busiest_step, replay
