@@ -718,8 +718,13 @@ def test_the_attention_mask_of_a_beam_is_its_own_keys(beam_run):
         assert set(history.mask_steps("beams", beams[0]["seq_id"])) >= {step} if beams else True
 
 
-def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny):
+def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny, tmp_path):
+    from matplotlib.colors import to_rgb
+
+    from frontend.export import render
     from frontend.export.perfetto import perfetto_trace
+    from frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
+    from tests.test_export import read_png
     from frontend.export.replayed import replay
     from frontend.export.timeline import phase_handles
     from frontend.views.batch import PHASE
@@ -742,6 +747,9 @@ def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny):
     assert [p.get_label() for p in phase_handles(run)] == ["waiting (queued)", "prefill chunk",
                                                            "recompute (no KV cache: whole context / step)"]
     assert "recompute" in {e["name"] for e in perfetto_trace(run)["traceEvents"] if e.get("ph") == "X"}
+    pixels = read_png(render(events, "timeline", tmp_path / "timeline.png"))
+    for color, drawn in ((RECOMPUTE_COLOR, True), (PHASE_COLORS["decode"], False)):
+        assert ((abs(pixels - to_rgb(color)).max(axis=-1) < 0.02).sum() > 100) == drawn, color
     with_cache = record_of(record_scenario("kv-cache-off", tiny)).history
     assert {c.kind for col in with_cache.columns for c in col.scheduled} == {"prefill", "decode"}
 
