@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from backend.events.history import KINDS
 
+RECOMPUTE_COLOR = "#8f2d2d"  # context computed again: the hatch over a preempted stretch, a step without KV cache
 # What a request is doing in an iteration (the timeline's cells, the batch chart's legend).
 PHASE_COLORS = {
     "waiting": "#d6dae1",  # grey: queued
@@ -17,8 +18,8 @@ PHASE_COLORS = {
     "decode": "#4e79a7",  # blue
     "verify": "#b07aa1",  # purple: speculative decoding's k + 1 tokens
     "preempted": "#e15759",  # red: blocks taken back, waits to recompute
+    "recompute": RECOMPUTE_COLOR,  # dark red: no KV cache, a decode step computes the whole context again
 }
-RECOMPUTE_COLOR = "#8f2d2d"  # the hatch over a preempted stretch: its prefix will be computed again
 BUDGET_COLOR = "#111827"  # the token budget line (max_num_batched_tokens)
 
 # Requests, by arrival order: greens, teals, yellows, browns and a magenta, each far (CIELAB

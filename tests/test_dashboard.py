@@ -610,3 +610,110 @@ async def test_export_png_perfetto_and_trace(dash: Dash, tiny_dir: str) -> None:
     assert perfetto is not None and b"traceEvents" in perfetto
     await menu.download_trace()
     assert menu.last == (f"kvscope-{run_id}.jsonl", len(await dash.backend.trace(run_id)))
+
+
+# ---- multi-sequence runs, a run without KV cache, one request followed everywhere ---------------------------
+
+
+async def real_column(dash: Dash, tiny_dir: str, scenario: str, **overrides):
+    """A finished real run of a shipped scenario on the tiny model, fed to a page event by event."""
+    from frontend.export_menu import parse_jsonl
+
+    done = await dash.backend.start_run(scenario, {"model": tiny_dir, **overrides}, speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    events = parse_jsonl(await dash.backend.trace(done))
+    return await synthetic_column(dash, events), events
+
+
+async def test_beams_read_as_rows_with_totals_and_every_view_follows_one_beam(dash: Dash, tiny_dir: str) -> None:
+    column, events = await real_column(dash, tiny_dir, "beam-search")
+    views, state = column.views, column.feed.state
+    sampling, attention, table = views["sampling"], views["attention"], views["block_table"]
+    column.selection.select_request("beams")
+    seqs = state.requests["beams"].seq_ids
+    await until(lambda: sampling.strip.content.count("kv-seq-line") == len(seqs))
+    pruned = [e for e in events if e["type"] == "seq_end" and e["reason"] == "pruned"]
+    assert sampling.strip.content.count("kv-seq-pruned") == len(pruned)
+    assert f"pruned at step {pruned[0]['step']}" in sampling.strip.content and "score " in sampling.strip.content
+    assert sampling.seq_picker.visible and set(sampling.seq_picker.options) == set(seqs)
+    best = state.requests["beams"].outputs[0]
+    await until(lambda: f"beams · seq {best['seq_id']} ·" in sampling.caption.text)  # the best beam by default
+    for seq in (pruned[0]["seq_id"], best["seq_id"]):
+        sampling.seq_picker.set_value(seq)  # the picker, as a user would
+        assert column.selection.seq_id == seq
+        await until(lambda: f"beams · seq {seq} ·" in sampling.caption.text)
+        assert "Σ log p" in sampling.caption.text and "nothing is sampled" in sampling.caption.text
+        assert "no token with a distribution" not in sampling.caption.text
+        await until(lambda: f"beams · seq {seq} · iteration" in attention.caption.text)
+        step, masks = attention._selected()
+        assert [m["seq_id"] for m in masks] == [seq]
+        assert f"· {masks[0]['key_len']} keys" in attention.caption.text
+    sampling._on_token_click(type("E", (), {"args": [0, pruned[0]["seq_id"]]})())  # a token of another row
+    assert (column.selection.seq_id, column.selection.token_index) == (pruned[0]["seq_id"], 0)
+    await until(lambda: f"beams · seq {pruned[0]['seq_id']} · position" in sampling.caption.text)
+    assert 'kv-tok kv-tok-selected" data-s="%d" data-i="0"' % pruned[0]["seq_id"] in sampling.strip.content
+    await until(lambda: "holds no blocks" in table.last)  # finished: every block given back
+
+
+async def test_siblings_each_have_a_row_and_their_own_distributions(dash: Dash, tiny_dir: str) -> None:
+    column, _ = await real_column(dash, tiny_dir, "parallel-sampling")
+    sampling = column.views["sampling"]
+    column.selection.select_request("four-ways")
+    await until(lambda: sampling.strip.content.count("kv-seq-line") == 4)
+    outputs = column.feed.state.requests["four-ways"].outputs
+    for out in outputs:
+        column.selection.select_sequence(out["seq_id"])
+        await until(lambda: f"four-ways · seq {out['seq_id']} · position" in sampling.caption.text)
+        assert "chose" in sampling.caption.text  # a sampled token: its distribution, stage by stage
+        assert f"Σ log p {out['cumulative_logprob']:.2f}" in sampling.strip.content
+
+
+async def test_a_beam_mid_run_holds_its_parents_tokens_in_the_block_table(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run("beam-search", {"model": tiny_dir}, speed=0, paused=True)
+    column = (await dash.open(f"/?run={run_id}")).columns[0]
+    feed, table = column.feed, column.views["block_table"]
+    await until(lambda: feed.state is not None)
+    await dash.backend.control(run_id, "step", 2)  # the beams have forked: the new ones have not run yet
+    await until(lambda: feed.state.step >= 1 and table.version == feed.version)
+    column.selection.select_request("beams")
+    await until(lambda: "tokens in" in table.last)
+    assert " · 0 tokens in" not in table.last
+    assert table.last.count("kv-seq-head") == len([s for s in feed.state.block_tables
+                                                   if feed.state.seq_request[s] == "beams"])
+    await dash.backend.control(run_id, "resume")
+    await finished(feed)
+
+
+async def test_without_kv_cache_the_views_say_recompute(dash: Dash, tiny_dir: str) -> None:
+    from backend.events.history import KINDS
+    from frontend.views.batch import PHASE
+
+    column, _ = await real_column(dash, tiny_dir, "kv-cache-off", **{"engine.kv_cache": False})
+    timeline, batch = column.views["timeline"], column.views["batch"]
+    cells = [item for _, data in timeline.chunks.all() for item in data]
+    assert KINDS.index("recompute") in {c[3] for c in cells} and KINDS.index("decode") not in {c[3] for c in cells}
+    segments = [item for _, data in batch.segments.all() for item in data]
+    assert PHASE["recompute"] in {s[5] for s in segments} and PHASE["decode"] not in {s[5] for s in segments}
+    assert "recompute (no KV cache" in timeline.legend.content and ">decode<" not in timeline.legend.content
+    assert "recompute: whole context" in batch.legend.content and "decode tokens" not in batch.legend.content
+
+
+async def test_the_selected_request_stands_out_in_the_batch_chart_and_the_block_pool(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, prefix_caching=False), speed=0, paused=True)
+    column = (await dash.open(f"/?run={run_id}")).columns[0]
+    feed, pool, batch = column.feed, column.views["blocks"], column.views["batch"]
+    await until(lambda: feed.state is not None)
+    await dash.backend.control(run_id, "step", 4)
+    await until(lambda: feed.state.step >= 3 and pool.version == feed.version and batch.version == feed.version)
+    assert pool.picked_sent == []
+    rid = next(r for r in feed.state.running)
+    column.picker.set_value(rid)
+    held = sorted({b for s, r in feed.state.seq_request.items() if r == rid for b in feed.state.block_tables.get(s, ())})
+    await until(lambda: pool.picked_sent == held and held)
+    await until(lambda: any(item[6] == rid for _, data in batch.segments.all() for item in data))
+    segments = [item for _, data in batch.segments.all() for item in data]
+    assert {item[8] for item in segments if item[6] == rid} == {1}  # outlined
+    assert {item[8] for item in segments if item[6] != rid} <= {2}  # dimmed
+    column.picker.set_value("")  # follow running: nothing singled out
+    await until(lambda: pool.picked_sent == [])
+    await until(lambda: {item[8] for _, data in batch.segments.all() for item in data} == {0})

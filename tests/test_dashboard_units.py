@@ -21,6 +21,7 @@ from frontend.client import RunFeed
 from frontend.new_run import overrides_of
 from frontend.sampling_math import Knobs, compute_stages
 from frontend.views.base import Js, js
+from backend.events.history import KINDS, Cell, Column
 from frontend.views.batch import MERGED, column_segments
 from frontend.views.kv_calc import bytes_per_token, human, inputs_from_header
 from frontend.views.timeline import merge_runs
@@ -220,14 +221,14 @@ def test_timeline_merges_runs_of_one_phase():
 
 
 def test_batch_segments_stack_and_many_decodes_share_one():
-    from backend.events.history import Cell, Column, RunHistory
+    from backend.events.history import RunHistory
 
     history = RunHistory(rows={"a": 0, "b": 1})
     col = Column(7, 1.0, 0.1, [Cell("a", "prefill", 16), Cell("b", "decode", 1), Cell("c", "waiting")], 17, 64, 4)
-    # top-down: [step, y0, y1, colour, phase, request, tokens]
-    assert column_segments(col, history) == [[7, 16, 17, 1, 0, "b", 1], [7, 0, 16, 0, 1, "a", 16]]
+    # top-down: [step, y0, y1, colour, phase, request, tokens, focus]
+    assert column_segments(col, history) == [[7, 16, 17, 1, 0, "b", 1, 0], [7, 0, 16, 0, 1, "a", 16, 0]]
     many = Column(8, 1.0, 0.1, [Cell(f"r{i}", "decode", 1) for i in range(20)] + [Cell("a", "prefill", 8)], 28, 64, 32)
-    assert column_segments(many, history) == [[8, 20, 28, 0, 1, "a", 8], [8, 0, 20, MERGED, 0, "20 requests", 20]]
+    assert column_segments(many, history) == [[8, 20, 28, 0, 1, "a", 8, 0], [8, 0, 20, MERGED, 0, "20 requests", 20, 0]]
 
 
 def test_overrides_are_only_what_differs_from_the_scenario():
@@ -448,7 +449,6 @@ def test_block_pool_marks_shared_and_draft_blocks():
 
 
 def test_timeline_draws_one_row_per_request_and_its_branches():
-    from backend.events.history import Cell
     from frontend.views.timeline import branch_items, request_cells
 
     cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])
@@ -606,3 +606,169 @@ def test_real_forks_share_blocks_and_branch_in_the_timeline(tiny, tmp_path, samp
         assert child[5] == parent[3] and child[9] == fork["position"] and child[0] == fork["step"] - 0.5
     assert any(item[6] == 2 for item in items) == pruned  # pruned beams end in a cross
     assert render(events, "timeline", tmp_path / "forks.png").stat().st_size > 0
+
+
+# ---- multi-sequence runs (n > 1, beams), a run without KV cache, the selected request: real runs --------
+
+
+def record_scenario(name: str, loaded, **engine) -> list[dict]:
+    """Every event of a shipped scenario run on the given model (events level full), with engine overrides."""
+    from backend.scenario import read_yaml, resolve_path
+
+    data = read_yaml(resolve_path(name))
+    data["engine"] = {**data.get("engine", {}), "events": "full", **engine}
+    bus = EventBus()
+    events: list[dict] = []
+    bus.subscribe(events.append)
+    ScenarioRun(validate({**data, "model": "unused"}, name), bus, loaded=loaded).run()
+    return events
+
+
+@pytest.fixture(scope="module")
+def beam_run(tiny) -> list[dict]:
+    return record_scenario("beam-search", tiny)
+
+
+@pytest.fixture(scope="module")
+def sibling_run(tiny) -> list[dict]:
+    return record_scenario("parallel-sampling", tiny, max_num_seqs=4)
+
+
+def record_of(events: list[dict]):
+    from backend.events.record import RunRecord
+
+    return RunRecord.from_events(events)
+
+
+def test_beams_totals_and_scores_rebuilt_from_tokens_and_forks_are_the_engines(beam_run):
+    from frontend.views.sequences import seq_lines, tokens_html
+
+    record = record_of(beam_run)
+    state, history = record.state, record.history
+    outputs = state.requests["beams"].outputs
+    lines = {line.seq_id: line for line in seq_lines(state, history, "beams")}
+    assert len(outputs) == 4 and set(lines) == set(state.requests["beams"].seq_ids)
+    for out in outputs:  # the engine says these only at the end; the rows knew them all along
+        line = lines[out["seq_id"]]
+        assert line.cumulative == pytest.approx(out["cumulative_logprob"], abs=1e-6)
+        assert line.score == pytest.approx(out["score"], abs=1e-6)
+        assert [t.event["token_id"] for t in line.tokens] == out["output_token_ids"]
+    pruned = [e for e in beam_run if e["type"] == "seq_end" and e["reason"] == "pruned"]
+    assert pruned
+    for end in pruned:
+        line = lines[end["seq_id"]]
+        assert line.end_reason == "pruned" and line.end_step == end["step"]
+        row = tokens_html(line, None, labelled=True)
+        assert "kv-seq-pruned" in row and f"pruned at step {end['step']}" in row
+    order = [line.end_reason == "pruned" for line in seq_lines(state, history, "beams")]
+    assert order == sorted(order)  # the beams still standing first
+
+
+def test_every_sequence_row_is_its_own_text(sibling_run):
+    from frontend.views.sequences import seq_lines
+
+    record = record_of(sibling_run)
+    state, history = record.state, record.history
+    outputs = {o["seq_id"]: o for o in state.requests["four-ways"].outputs}
+    lines = seq_lines(state, history, "four-ways")
+    assert [line.seq_id for line in lines] == state.requests["four-ways"].seq_ids and len(lines) == 4
+    for line in lines:
+        assert "".join(t.event["text"] for t in line.tokens) == outputs[line.seq_id]["output_text"]
+        assert line.cumulative == pytest.approx(outputs[line.seq_id]["cumulative_logprob"], abs=1e-6)
+        assert line.score is None and line.inherited == 0  # siblings fork before their first token
+
+
+@pytest.mark.parametrize("run", ["beam_run", "sibling_run"])
+def test_block_tables_count_each_sequences_own_tokens(run, request):
+    """After every iteration each sequence's row says how many tokens its KV holds, which fills exactly its
+    blocks: a beam forked a moment ago holds its parent's (it said "0 tokens in 6 blocks")."""
+    import math
+    import re
+
+    from frontend.views.block_table import table_html
+
+    events = request.getfixturevalue(run)
+    record = record_of(events[:1])
+    bs = events[0]["cache"]["block_size"]
+    checked = 0
+    for i, e in enumerate(events[1:], start=1):
+        record.apply(e)
+        if i + 1 < len(events) and events[i + 1]["step"] == e["step"]:
+            continue  # the middle of an iteration
+        state = record.state
+        for rid in {state.seq_request[s] for s in state.block_tables}:
+            html = table_html(state, record.history, rid)
+            for seq, tokens, blocks in re.findall(r"seq (\d+)[^<]* · (\d+) tokens in (\d+) blocks", html):
+                assert int(blocks) == len(state.block_tables[int(seq)])
+                assert math.ceil(int(tokens) / bs) == int(blocks), (e["step"], seq, tokens, blocks)
+                checked += 1
+    assert checked > 20
+
+
+def test_the_attention_mask_of_a_beam_is_its_own_keys(beam_run):
+    from frontend.views.attention import describe, mask_items
+
+    history = record_of(beam_run).history
+    for step, masks in history.masks.items():
+        beams = [m for m in masks if m["request_id"] == "beams"]
+        for m in beams:
+            items, rows, keys = mask_items([m], history.rows)
+            assert keys == m["key_len"] == m["query_positions"][1]  # one sequence: its keys, not four end to end
+            assert f"seq {m['seq_id']}" in describe([m], step, batch=False, several=True)
+        assert set(history.mask_steps("beams", beams[0]["seq_id"])) >= {step} if beams else True
+
+
+def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny, tmp_path):
+    from matplotlib.colors import to_rgb
+
+    from frontend.export import render
+    from frontend.export.perfetto import perfetto_trace
+    from frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
+    from tests.test_export import read_png
+    from frontend.export.replayed import replay
+    from frontend.export.timeline import phase_handles
+    from frontend.views.batch import PHASE
+    from frontend.views.timeline import column_items, legend_items
+
+    events = record_scenario("kv-cache-off", tiny, kv_cache=False)
+    history = record_of(events).history
+    kinds = {c.kind for col in history.columns for c in col.scheduled}
+    assert kinds == {"prefill", "recompute"}  # the events still say decode
+    assert {b["phase"] for e in events if e["type"] == "iteration" for b in e["batch"]} == {"prefill", "decode"}
+    recompute = [c for col in history.columns for c in col.scheduled if c.kind == "recompute"]
+    assert min(c.tokens for c in recompute) > 24  # the whole context, every step
+    items = [item for col in history.columns for item in column_items(col, None, history, seconds=False)]
+    assert {item[3] for item in items} == {KINDS.index("prefill"), KINDS.index("recompute")}
+    segments = [s for col in history.columns for s in column_segments(col, history)]
+    assert {s[4] for s in segments} == {PHASE["prefill"], PHASE["recompute"]}
+    labels = [label for _, label in legend_items(kv_cache=False)]
+    assert any(label.startswith("recompute") for label in labels) and "decode" not in labels
+    run = replay(events)
+    assert [p.get_label() for p in phase_handles(run)] == ["waiting (queued)", "prefill chunk",
+                                                           "recompute (no KV cache: whole context / step)"]
+    assert "recompute" in {e["name"] for e in perfetto_trace(run)["traceEvents"] if e.get("ph") == "X"}
+    pixels = read_png(render(events, "timeline", tmp_path / "timeline.png"))
+    for color, drawn in ((RECOMPUTE_COLOR, True), (PHASE_COLORS["decode"], False)):
+        assert ((abs(pixels - to_rgb(color)).max(axis=-1) < 0.02).sum() > 100) == drawn, color
+    with_cache = record_of(record_scenario("kv-cache-off", tiny)).history
+    assert {c.kind for col in with_cache.columns for c in col.scheduled} == {"prefill", "decode"}
+
+
+def test_the_selected_request_is_outlined_in_the_batch_and_the_pool(beam_run):
+    from frontend.views.block_pool import PICKED, cell_of
+
+    events = beam_run
+    cut = next(i for i, e in enumerate(events) if e["type"] == "iteration" and e["step"] == 3)
+    record = record_of(events[:cut])
+    state, history = record.state, record.history
+    col = history.columns[-1]
+    focus = {(s[5], s[7]) for s in column_segments(col, history, "greedy")}
+    assert focus == {("greedy", 1), ("beams", 2)}  # the picked one outlined, the others dimmed
+    assert {s[7] for s in column_segments(col, history)} == {0}
+    free = set(state.free_blocks)
+    picked = {b for b in range(state.num_blocks) if cell_of(state, history, free, b, "greedy")[2] & PICKED}
+    greedy_seq = state.requests["greedy"].seq_ids[0]
+    assert picked == set(state.block_tables[greedy_seq]) and picked
+    assert not any(cell_of(state, history, free, b)[2] & PICKED for b in range(state.num_blocks))
+    many = Column(9, 1.0, 0.1, [Cell(f"r{i}", "decode", 1) for i in range(20)], 20, 64, 32)
+    assert [s[5] for s in column_segments(many, history, "r7")] == ["r7", "19 requests"]  # kept out of the grey

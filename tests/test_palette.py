@@ -37,13 +37,14 @@ def distance(a: str, b: str) -> float:
     return sum((p - q) ** 2 for p, q in zip(lab(a), lab(b), strict=True)) ** 0.5
 
 
-def all_phases_story() -> list[dict]:
-    """Three requests that between them wait, prefill, decode, verify and sit preempted."""
+def all_phases_story(kv_cache: bool = True) -> list[dict]:
+    """Three requests that between them wait, prefill, decode (recompute without a KV cache), verify and
+    sit preempted."""
     bus = EventBus(clock=iter(x / 10 for x in range(10_000)).__next__)
     events: list[dict] = []
     bus.subscribe(events.append)
     bus.emit("header", schema_version=1, run_id="colours", scenario={"name": "colours"},
-             config={"max_num_seqs": 2, "max_num_batched_tokens": 16},
+             config={"max_num_seqs": 2, "max_num_batched_tokens": 16, "kv_cache": kv_cache},
              model={"name": "demo", "n_layers": 1, "n_heads": 1, "n_kv_heads": 1, "head_dim": 4, "attention": "mha",
                     "vocab_size": 32, "dtype": "float32", "kv_bytes_per_token": 32},
              cache={"num_blocks": 8, "block_size": 4, "bytes_per_block": 128})
@@ -61,14 +62,19 @@ def all_phases_story() -> list[dict]:
     return events
 
 
-def test_the_page_and_the_export_colour_every_phase_alike():
-    fig = draw_timeline(replay(all_phases_story()))
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_the_page_and_the_export_colour_every_phase_alike(kv_cache):
+    fig = draw_timeline(replay(all_phases_story(kv_cache)))
     legend = fig.axes[0].get_legend()
     exported = {text.get_text(): to_hex(handle.get_facecolor()) for text, handle in
                 zip(legend.get_texts(), legend.legend_handles, strict=True) if hasattr(handle, "get_facecolor")}
-    live = dict((label, color) for color, label in legend_items())
+    live = dict((label, color) for color, label in legend_items(kv_cache))
     assert set(PHASE_LEGEND) == set(PHASE_LABELS) == set(KINDS)
+    absent = "recompute" if kv_cache else "decode"  # without a KV cache every decode step is a recompute
     for phase in KINDS:
+        if phase == absent:
+            assert PHASE_LABELS[phase] not in exported and PHASE_LEGEND[phase] not in live, phase
+            continue
         assert exported[PHASE_LABELS[phase]] == live[PHASE_LEGEND[phase]] == PHASE_COLORS[phase], phase
     assert [for_js()["kinds"][KINDS.index(k)] for k in KINDS] == [PHASE_COLORS[k] for k in KINDS]
 

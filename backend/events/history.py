@@ -15,7 +15,10 @@ from typing import Any, NamedTuple
 from backend.events.state import RunState
 
 Event = dict[str, Any]
-KINDS = ("waiting", "prefill", "decode", "preempted", "verify")
+# "recompute" is a display phase: a decode step of a run without a KV cache (engine.kv_cache false),
+# which computes the whole context again; the engine's events still say "decode".
+KINDS = ("waiting", "prefill", "decode", "preempted", "verify", "recompute")
+COMPUTED = ("prefill", "decode", "verify", "recompute")  # the kinds that ran in the batch
 MAX_COLUMNS = 20_000  # iterations kept for the timeline (a long lecture demo is a few thousand)
 MAX_MASK_STEPS = 128  # iterations whose attention masks are kept
 MAX_TOKENS_PER_REQUEST = 128  # token events (with their distributions) kept per request
@@ -46,7 +49,14 @@ class Column:
 
     @property
     def scheduled(self) -> list[Cell]:
-        return [c for c in self.cells if c.kind in ("prefill", "decode", "verify")]
+        return [c for c in self.cells if c.kind in COMPUTED]
+
+
+class SeqToken(NamedTuple):
+    """One token of one sequence, with the sequence's total log-probability up to it."""
+
+    event: Event  # the token event (its dist feeds the sampling panel)
+    cumulative: float | None  # None: the sequence's earlier tokens are not on record (joined mid-run)
 
 
 @dataclass
@@ -86,6 +96,11 @@ class RunHistory:
     tokens: dict[str, deque] = field(default_factory=dict)  # request -> its recent token events
     verifies: dict[str, deque] = field(default_factory=dict)  # request -> its recent spec_verify events
     seq_context: dict[int, int] = field(default_factory=dict)  # seq -> tokens in its KV (block fill)
+    # Per sequence (n > 1 siblings and beams each have their own): its own recent tokens (those
+    # inherited at a fork stay with the parent) and the total log-probability of its whole output.
+    # The engine emits no running total: it is rebuilt from the tokens' logprobs and the forks.
+    seq_tokens: dict[int, deque] = field(default_factory=dict)
+    seq_logprob: dict[int, float | None] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)  # request -> timeline row, arrival order
     engine_s: dict[int, float] = field(default_factory=dict)  # step -> engine seconds up to its end
     tokens_at: dict[int, int] = field(default_factory=dict)  # step -> output tokens it produced
@@ -104,7 +119,7 @@ class RunHistory:
         self.rows.setdefault(e["request_id"], len(self.rows))
 
     def _on_iteration(self, e: Event, state: RunState) -> None:
-        cells = [Cell(b["request_id"], b["phase"], b["num_query_tokens"]) for b in e["batch"]]
+        cells = batch_cells(e, state)
         for b in e["batch"]:
             self.seq_context[b["seq_id"]] = b["context_len"]
             self.rows.setdefault(b["request_id"], len(self.rows))
@@ -131,6 +146,17 @@ class RunHistory:
         self.tokens_at[e["step"]] = self.tokens_at.get(e["step"], 0) + 1
         self.total_tokens += 1
         self.tokens.setdefault(e["request_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(e)
+        before = self.seq_logprob.get(e["seq_id"], 0.0)
+        total = before + e["logprob"] if before is not None else None
+        self.seq_logprob[e["seq_id"]] = total
+        self.seq_tokens.setdefault(e["seq_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(SeqToken(e, total))
+
+    def _on_seq_fork(self, e: Event, state: RunState) -> None:
+        # The engine forks before the parent appends this step's token (beam_search.py), so the
+        # parent's total so far is exactly what the child inherits; so is its KV (shared blocks).
+        parent, child = e["parent_seq_id"], e["seq_id"]
+        self.seq_logprob[child] = self.seq_logprob.get(parent, 0.0)
+        self.seq_context[child] = self.seq_context.get(parent, e["position"])
 
     def _on_spec_verify(self, e: Event, state: RunState) -> None:
         self.verifies.setdefault(e["request_id"], deque(maxlen=MAX_VERIFIES_PER_REQUEST)).append(e)
@@ -167,18 +193,23 @@ class RunHistory:
         for rid in state.requests:
             history.rows[rid] = len(history.rows)
         for e in snapshot.get("iterations", []):
-            history._on_iteration_from_snapshot(e)
+            history._on_iteration_from_snapshot(e, state)
+        for seq, rid in state.seq_request.items():  # totals of sequences that had tokens are unknown
+            view = state.requests.get(rid)
+            if view is not None and view.first_token_step is not None:
+                history.seq_logprob[seq] = None
         for rid, e in (snapshot.get("last_token_by_request") or {}).items():
             history.tokens.setdefault(rid, deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(e)
+            history.seq_tokens.setdefault(e["seq_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(SeqToken(e, None))
         for e in state.recent_verifies:
             history._on_spec_verify(e, state)
         if snapshot.get("metrics"):  # the latest values at least: the curves start there
             history._on_metrics(snapshot["metrics"], state)
         return history
 
-    def _on_iteration_from_snapshot(self, e: Event) -> None:
+    def _on_iteration_from_snapshot(self, e: Event, state: RunState) -> None:
         # Who was waiting back then is not in a snapshot: only the batch is drawn for those columns.
-        cells = [Cell(b["request_id"], b["phase"], b["num_query_tokens"]) for b in e["batch"]]
+        cells = batch_cells(e, state)
         for b in e["batch"]:
             self.seq_context[b["seq_id"]] = b["context_len"]
             self.rows.setdefault(b["request_id"], len(self.rows))
@@ -216,6 +247,24 @@ class RunHistory:
                 return point
         return self.metrics[-1] if self.metrics else None
 
-    def mask_steps(self, request_id: str) -> list[int]:
-        """Iterations (oldest first) in which this request has an attention mask on record."""
-        return [s for s, events in self.masks.items() if any(m["request_id"] == request_id for m in events)]
+    def mask_steps(self, request_id: str, seq_id: int | None = None) -> list[int]:
+        """Iterations (oldest first) in which this request (or this one of its sequences) has a mask on record."""
+        return [s for s, events in self.masks.items()
+                if any(m["request_id"] == request_id and seq_id in (None, m["seq_id"]) for m in events)]
+
+    def seq_output(self, state: RunState, seq: int) -> list[SeqToken]:
+        """A sequence's whole output on record: the tokens it inherited at its fork(s), then its own."""
+        out: list[SeqToken] = []
+        limit: int | None = None  # the child's fork position: the parent's tokens from there are not its
+        while True:
+            out[:0] = [t for t in self.seq_tokens.get(seq, ()) if limit is None or t.event["position"] < limit]
+            view = state.sequences.get(seq)
+            if view is None or view.parent_seq_id is None:
+                return out
+            seq, limit = view.parent_seq_id, view.position
+
+
+def batch_cells(e: Event, state: RunState) -> list[Cell]:
+    """An iteration's batch as cells; without a KV cache a decode step is shown as what it is, a recompute."""
+    return [Cell(b["request_id"], "recompute" if not state.kv_cache and b["phase"] == "decode" else b["phase"],
+                 b["num_query_tokens"]) for b in e["batch"]]

@@ -129,6 +129,11 @@ class RunState:
     def num_blocks(self) -> int:
         return self.cache.get("num_blocks", 0)
 
+    @property
+    def kv_cache(self) -> bool:
+        """Whether the run keeps a KV cache (engine.kv_cache); without one every step recomputes the context."""
+        return self.config.get("kv_cache", True) is not False
+
     def apply(self, event: Event) -> None:
         handler = self._handlers.get(event["type"])
         if handler is not None:  # types this reducer does not track are fine

@@ -10,10 +10,15 @@ from matplotlib.ticker import MaxNLocator
 
 from frontend.export.figure import engine_facts, frame, legend_outside, request_colors, request_handles
 from frontend.export.replayed import ExportedRun
-from frontend.palette import BUDGET_COLOR, SLOT_COLORS
+from frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS
 
 IDLE_COLOR = "#f1f1f1"  # idle while nobody waits; idle while requests wait is SLOT_COLORS["idle"], as on the page
 QUEUE_COLOR = "#374151"  # the waiting-queue line
+# Decode bars are plain; a prefill chunk is hatched (in its request's colour), a recompute (no KV
+# cache) cross-hatched in the recompute colour.
+PHASE_STYLE = {"prefill": {"alpha": 0.55, "hatch": "////", "linewidth": 0},
+               "recompute": {"hatch": "xx", "edgecolor": RECOMPUTE_COLOR, "linewidth": 0}}
+PLAIN_STYLE = {"edgecolor": "none", "linewidth": 0}
 
 
 def draw_batch(run: ExportedRun, seconds: bool = False) -> Figure:
@@ -24,17 +29,17 @@ def draw_batch(run: ExportedRun, seconds: bool = False) -> Figure:
     width = 0.8 if len(steps) <= 150 else 1.0
     colors = request_colors(run)
     for (rid, phase), (xs, hs, bs) in _token_stacks(run).items():
-        prefill = phase == "prefill"
-        tok_ax.bar(xs, hs, bottom=bs, width=width, color=colors[rid], alpha=0.55 if prefill else 1.0,
-                   hatch="////" if prefill else None, edgecolor=colors[rid] if prefill else "none", linewidth=0)
+        style = {**PHASE_STYLE.get(phase, PLAIN_STYLE), **({"edgecolor": colors[rid]} if phase == "prefill" else {})}
+        tok_ax.bar(xs, hs, bottom=bs, width=width, color=colors[rid], **style)
     budgets = [it["token_budget"] for it in run.state.iterations]
     tok_ax.plot([it["step"] for it in run.state.iterations], budgets, drawstyle="steps-mid", color=BUDGET_COLOR,
                 linestyle="--", linewidth=1.2)
     tok_ax.set_ylabel("tokens in the iteration")
     tok_ax.set_ylim(0, max(budgets) * 1.08)
     scheduled = [r for r in run.order if r in run.ran]
-    handles = [Patch(facecolor="#bbbbbb", hatch="////", edgecolor="#555555", label="prefill tokens"),
-               Patch(color="#555555", label="decode tokens"),
+    computed = Patch(color="#555555", label="decode tokens") if run.state.kv_cache else \
+        Patch(facecolor="#555555", hatch="xx", edgecolor=RECOMPUTE_COLOR, label="recompute tokens (no KV cache)")
+    handles = [Patch(facecolor="#bbbbbb", hatch="////", edgecolor="#555555", label="prefill tokens"), computed,
                Line2D([], [], color=BUDGET_COLOR, linestyle="--", label="token budget")]
     legend_outside(tok_ax, handles + request_handles(colors, scheduled), title="tokens by request", gap=0.05)
     _slots(seq_ax, run)

@@ -13,7 +13,7 @@ from frontend.export.options import ExportError
 
 Event = dict[str, Any]
 # A request whose sequences are in different phases in one iteration shows the highest ranked one.
-PHASE_RANK = {"decode": 0, "verify": 1, "prefill": 2}
+PHASE_RANK = {"decode": 0, "recompute": 0, "verify": 1, "prefill": 2}
 
 
 @dataclass

@@ -16,7 +16,8 @@ from frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
 
 FIRST_TOKEN_COLOR, ABORT_COLOR = "#111111", "#d62728"
 PHASE_LABELS = {"waiting": "waiting (queued)", "prefill": "prefill chunk", "decode": "decode (1 token / step)",
-                "verify": "verify (speculative, k + 1 tokens)", "preempted": "preempted (recompute)"}
+                "verify": "verify (speculative, k + 1 tokens)", "preempted": "preempted (recompute)",
+                "recompute": "recompute (no KV cache: whole context / step)"}
 
 
 def draw_timeline(run: ExportedRun, seconds: bool = False) -> Figure:
@@ -83,9 +84,10 @@ def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool) -
 
 
 def phase_handles(run: ExportedRun) -> list[Patch]:
-    """A legend patch per phase in the run (waiting, prefill and decode always; verify and preempted when seen)."""
+    """A legend patch per phase in the run (waiting, prefill and decode always, recompute instead of decode
+    without a KV cache; verify and preempted when seen)."""
     seen = {phase for per in run.batches.values() for phase, _ in per.values()}
-    shown = [k for k in PHASE_LABELS if k in ("waiting", "prefill", "decode") or k in seen
-             or (k == "preempted" and run.state.num_preemptions)]
+    always = ("waiting", "prefill", "decode" if run.state.kv_cache else "recompute")
+    shown = [k for k in PHASE_LABELS if k in always or k in seen or (k == "preempted" and run.state.num_preemptions)]
     return [Patch(facecolor=PHASE_COLORS[k], label=PHASE_LABELS[k],
                   **({"hatch": "xx", "edgecolor": RECOMPUTE_COLOR} if k == "preempted" else {})) for k in shown]

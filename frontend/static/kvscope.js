@@ -4,7 +4,11 @@
   const colors = window.KVSCOPE_COLORS; // frontend/palette.py's for_js(), set by the page head
   const palette = colors.requests;
   const KIND_COLORS = colors.kinds;
-  const KIND_NAMES = ["waiting", "prefill", "decode", "preempted (waits to recompute)", "verify"];
+  // RunHistory's KINDS, in order (backend/events/history.py)
+  const KIND_NAMES = ["waiting", "prefill", "decode", "preempted (waits to recompute)", "verify",
+                      "recompute (no KV cache: the whole context again)"];
+  const RECOMPUTE = 5;
+  const PHASES = ["decode", "prefill", "verify", "recompute"]; // the batch chart's phase index (views/batch.py)
   const esc = (s) => String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" }[c]));
 
   function rect(api, x0, y0, x1, y1, style) {
@@ -61,26 +65,30 @@
       const steps = v[7] > v[5] ? `iterations ${v[5]}–${v[7]}` : `iteration ${v[5]}`;
       return `<b>${esc(v[6])}</b> · ${steps}<br>${KIND_NAMES[v[3]]}${tokens}`;
     },
-    // [x0, x1, y0, y1, color, phase(1 prefill, 0 decode, 2 verify), request_id, tokens]: iterations
-    // x0..x1 (equal consecutive columns are merged into one shape) stacked from y0 to y1 tokens
+    // [x0, x1, y0, y1, color, phase (PHASES index), request_id, tokens, focus (0 none picked, 1 the
+    // picked request, 2 another)]: iterations x0..x1 (equal consecutive columns are merged into one
+    // shape) stacked from y0 to y1 tokens
     batchSeg(params, api) {
       const half = Math.max(api.size([1, 0])[0] * 0.4, 0.5);
       const a = api.coord([api.value(0), api.value(3)]);
       const b = api.coord([api.value(1), api.value(2)]);
-      const prefill = api.value(5) === 1;
+      const phase = PHASES[api.value(5)], focus = api.value(8);
+      const solid = phase === "prefill" || phase === "recompute";
       const h = Math.max(b[1] - a[1], 3); // a 1-token decode stays visible next to a 2,048-token prefill
+      const style = { fill: api.value(4) >= 900 ? colors.many : palette[api.value(4) % palette.length],
+                      opacity: (solid ? 1 : 0.5) * (focus === 2 ? 0.25 : 1),
+                      stroke: phase === "recompute" ? KIND_COLORS[RECOMPUTE] : solid ? "#222" : null,
+                      lineWidth: phase === "recompute" ? 2 : solid ? 0.6 : 0 };
+      if (focus === 1) Object.assign(style, { stroke: "#111827", lineWidth: 2.5 });
       return { type: "rect", shape: { x: a[0] - half, y: b[1] - h, width: b[0] - a[0] + 2 * half, height: h },
-               style: { fill: api.value(4) >= 900 ? colors.many : palette[api.value(4) % palette.length],
-                        opacity: prefill ? 1 : 0.5,
-                        stroke: prefill ? "#222" : null, lineWidth: prefill ? 0.6 : 0 } };
+               style: style, z2: focus === 1 ? 10 : 0 };
     },
     batchTip(p) {
       const v = p.value;
       const steps = v[1] > v[0] ? `iterations ${v[0]}–${v[1]}` : `iteration ${v[0]}`;
       if (p.seriesId && p.seriesId.startsWith("sl-"))
         return `${steps}<br>${v[2]} of ${v[3]} slots used` + (v[3] > v[2] ? `<br><b>${v[3] - v[2]} idle</b>` : "");
-      const phase = v[5] === 1 ? "prefill" : v[5] === 2 ? "verify" : "decode";
-      return `<b>${esc(v[6])}</b> · ${steps}<br>${phase}: ${v[7]} token${v[7] > 1 ? "s" : ""} per iteration`;
+      return `<b>${esc(v[6])}</b> · ${steps}<br>${PHASES[v[5]]}: ${v[7]} token${v[7] > 1 ? "s" : ""} per iteration`;
     },
     // [x0, x1, used, max]: batch slots in use and idle over iterations x0..x1
     slotBar(params, api) {

@@ -24,6 +24,9 @@ they may look at). A query at position *q* attends to keys 0..*q* and never to t
 - **prefix cache hit**: the same picture: the shared prefix is read, not recomputed.
 - **decode**: a single row: one new token reads the entire cache.
 
+A request with several sequences (n > 1, beam search) shows the selected sequence (the sequence
+picker of the sampling panel): its own keys, the prompt it shares with its siblings included.
+
 *Whole batch* stacks every sequence of the iteration: a **variable-length block diagonal**. The
 kernels never compute the white area; this is why batching requests of different lengths costs no
 padding.
@@ -50,7 +53,7 @@ def mask_items(events: list[dict], rows_of: dict[str, int]) -> tuple[list[list[A
     return items, row, offset
 
 
-def describe(events: list[dict], step: int, batch: bool) -> str:
+def describe(events: list[dict], step: int, batch: bool, several: bool = False) -> str:
     if not events:
         return ("No attention mask for this selection yet: masks are drawn from the iterations seen since this "
                 "page connected (and only with engine.events = full).")
@@ -61,7 +64,8 @@ def describe(events: list[dict], step: int, batch: bool) -> str:
     e = events[0]
     start, end = e["query_positions"]
     cached = f" ({start} from the cache)" if start else ""
-    return (f"{e['request_id']} · iteration {step} · {e['kind']} · queries {start}..{end - 1} · "
+    who = f"{e['request_id']} · seq {e['seq_id']}" if several else e["request_id"]
+    return (f"{who} · iteration {step} · {e['kind']} · queries {start}..{end - 1} · "
             f"{e['key_len']} keys{cached}")
 
 
@@ -107,7 +111,7 @@ class AttentionView(FeedView):
 
     def move(self, direction: int) -> None:
         rid = self.selection.current(self.feed.state)
-        steps = self.feed.history.mask_steps(rid) if rid else []
+        steps = self.feed.history.mask_steps(rid, self.selection.sequence(self.feed.state)) if rid else []
         if not steps:
             return
         current = self.selection.mask_step if self.selection.mask_step in steps else steps[-1]
@@ -115,18 +119,24 @@ class AttentionView(FeedView):
         self.selection.select_mask_step(steps[index])
 
     def _selected(self) -> tuple[int | None, list[dict]]:
-        history = self.feed.history
-        rid = self.selection.current(self.feed.state)
+        """The iteration shown and its masks: the whole batch, or the selected sequence's own."""
+        history, state = self.feed.history, self.feed.state
+        rid, seq = self.selection.current(state), self.selection.sequence(state)
         if rid is None:
             return None, []
         step = self.selection.mask_step
         if step is None or step not in history.masks:
-            steps = history.mask_steps(rid)
+            steps = history.mask_steps(rid, seq) or history.mask_steps(rid)
             step = steps[-1] if steps else None
         if step is None:
             return None, []
         events = history.masks[step]
-        return step, events if self.batch else [e for e in events if e["request_id"] == rid]
+        if self.batch:
+            return step, events
+        mine = [e for e in events if e["request_id"] == rid]
+        # its sequences side by side would read as one long context: one sequence, the selected one
+        # if it ran in that iteration (it may have been forked later, or pruned before)
+        return step, [next((e for e in mine if e["seq_id"] == seq), mine[0])] if mine else []
 
     def full(self) -> bool:
         step, events = self._selected()
@@ -134,7 +144,9 @@ class AttentionView(FeedView):
         if key == self.shown:
             return False
         self.shown = key
-        self.caption.set(describe(events, step or 0, self.batch))
+        rid = self.selection.current(self.feed.state)
+        view = self.feed.state.requests.get(rid) if rid else None
+        self.caption.set(describe(events, step or 0, self.batch, view is not None and len(view.seq_ids) > 1))
         items, rows, keys = mask_items(events, self.feed.history.rows)
         if self.batch or not events:
             y = {"min": -0.5, "max": max(rows, 1) - 0.5, "name": "query (all sequences)",

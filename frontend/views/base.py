@@ -49,14 +49,19 @@ def js(value: Any) -> str:
     return re.sub(f'"{_JS_MARK}(.*?){_JS_MARK}"', lambda m: json.loads(f'"{m.group(1)}"'), text)
 
 
-def legend(items: list[tuple[str, str]], extra_classes: str = "") -> None:
+def legend(items: list[tuple[str, str]], extra_classes: str = "") -> ui.html:
     """A row of colour swatches with labels (HTML, so it reads well when projected)."""
+    return ui.html(legend_html(items, extra_classes), sanitize=False)
+
+
+def legend_html(items: list[tuple[str, str]], extra_classes: str = "") -> str:
+    """The legend's HTML, for a view whose legend depends on the run (set_content; unchanged content sends nothing)."""
     html = "".join(  # one nowrap item per entry: a wrapped line never parts a swatch from its label
         f'<span class="kv-legend-item"><span class="kv-swatch" style="background:{color}"></span>'
         f'<span class="kv-legend-label">{label}</span></span>'
         for color, label in items
     )
-    ui.html(f'<div class="kv-legend {extra_classes}">{html}</div>', sanitize=False)
+    return f'<div class="kv-legend {extra_classes}">{html}</div>'
 
 
 def view_card(title: str, explanation: str, classes: str = "") -> ui.card:

@@ -9,8 +9,8 @@ from nicegui.events import EChartPointClickEventArguments
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import Column, RunHistory
 from frontend.selection import Selection
-from frontend.palette import BUDGET_COLOR, SLOT_COLORS, request_color
-from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, view_card
+from frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
+from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
 from frontend.views.live_text import LiveText
@@ -20,6 +20,9 @@ Each bar is one iteration: how many **tokens** went through the model, stacked b
 (colours as in the timeline). A **prefill** segment (solid, outlined) is a chunk of a prompt, many
 tokens at once; a **decode** segment (pale) is one token of one request. The dashed line is the
 **token budget** (`max_num_batched_tokens`): the scheduler never puts more tokens into one step.
+Without a KV cache (`engine.kv_cache: false`) nothing is decoded: each step **recomputes** the
+whole context (solid, outlined dark red), so a request's bar grows by one token every step.
+A request picked anywhere is outlined here and the others fade.
 
 The lower strip counts **batch slots** (`max_num_seqs`): grey slots hold a sequence, red ones are
 **idle**. Static batching admits a new batch only when the whole previous batch has finished, so
@@ -30,31 +33,49 @@ SEG_SERIES = {"type": "custom", "renderItem": Js("kvscope.batchSeg"), "encode": 
               "xAxisIndex": 0, "yAxisIndex": 0, "clip": True}
 SLOT_SERIES = {"type": "custom", "renderItem": Js("kvscope.slotBar"), "encode": {"x": [0, 1], "y": [2, 3]},
                "xAxisIndex": 1, "yAxisIndex": 1, "clip": True}
-PHASE = {"decode": 0, "prefill": 1, "verify": 2}
+PHASE = {"decode": 0, "prefill": 1, "verify": 2, "recompute": 3}
+FOCUS_NONE, FOCUS_SELECTED, FOCUS_OTHER = 0, 1, 2  # no request picked; the picked one; the rest (dimmed)
 
 
 MERGED = 999  # colour index of "many decodes in one segment" (grey)
 MAX_DECODE_SEGMENTS = 12  # more decoding requests than this share one segment per iteration
 
 
-def column_segments(col: Column, history: RunHistory) -> list[list[Any]]:
-    """[step, y0, y1, colour, phase, request_id, tokens] stacked bottom-up in batch order.
+def column_segments(col: Column, history: RunHistory, selected: str | None = None) -> list[list[Any]]:
+    """[step, y0, y1, colour, phase, request_id, tokens, focus] stacked bottom-up in batch order.
 
     With many decoding requests (one token each) their segments would be slivers a pixel tall and
-    thousands of shapes to repaint: they are drawn as one grey segment instead."""
+    thousands of shapes to repaint: they are drawn as one grey segment instead (the selected
+    request keeps its own). focus: FOCUS_NONE, or FOCUS_SELECTED / FOCUS_OTHER when one is picked."""
     items, y = [], 0
     cells = col.scheduled
-    decodes = [c for c in cells if c.kind == "decode"]
+    decodes = [c for c in cells if c.kind == "decode" and c.request_id != selected]
     if len(decodes) > MAX_DECODE_SEGMENTS:
-        cells = [c for c in cells if c.kind != "decode"]
+        cells = [c for c in cells if c not in decodes]
         tokens = sum(c.tokens for c in decodes)
-        items.append([col.step, 0, tokens, MERGED, 0, f"{len(decodes)} requests", tokens])
+        items.append([col.step, 0, tokens, MERGED, 0, f"{len(decodes)} requests", tokens, _focus(None, selected)])
         y = tokens
     for cell in cells:
         row = history.rows.get(cell.request_id, 0)
-        items.append([col.step, y, y + cell.tokens, row, PHASE[cell.kind], cell.request_id, cell.tokens])
+        items.append([col.step, y, y + cell.tokens, row, PHASE[cell.kind], cell.request_id, cell.tokens,
+                      _focus(cell.request_id, selected)])
         y += cell.tokens
     return items[::-1]  # drawn top-down, so a thin segment's minimum height overlaps the one above it
+
+
+def _focus(request_id: str | None, selected: str | None) -> int:
+    if selected is None:
+        return FOCUS_NONE
+    return FOCUS_SELECTED if request_id == selected else FOCUS_OTHER
+
+
+def legend_items(kv_cache: bool = True) -> list[tuple[str, str]]:
+    """(swatch CSS, label): decode tokens, or without a KV cache the recomputed context."""
+    color = request_color(0)
+    computed = (f"{color}80", "decode tokens (pale)") if kv_cache else \
+        (f"{color};outline:2px solid {RECOMPUTE_COLOR};outline-offset:-2px", "recompute: whole context, no KV cache")
+    return [(color, "prefill tokens (solid)"), computed, (BUDGET_COLOR, "--- token budget"),
+            (SLOT_COLORS["used"], "slot used"), (SLOT_COLORS["idle"], "slot idle")]
 
 
 def merge_columns(items: list[list[Any]]) -> list[list[Any]]:
@@ -96,11 +117,10 @@ class BatchView(FeedView):
         self.tallest = 0  # most tokens in one iteration so far: the y scale, so decodes stay visible
         with view_card("Batch composition per iteration", EXPLANATION, "w-full"):
             self.caption = LiveText().classes("kv-caption").mark("batch-caption")
-            legend([(request_color(0), "prefill tokens (solid)"), (request_color(0) + "80", "decode tokens (pale)"),
-                    (BUDGET_COLOR, "--- token budget"), (SLOT_COLORS["used"], "slot used"),
-                    (SLOT_COLORS["idle"], "slot idle")])
+            self.legend = legend(legend_items())
             self.chart = make_chart(self._options(), height, "batch")
         self.chart.on_point_click(self._on_click)
+        selection.on_change(self.invalidate)
         super().__init__(feed)
 
     def _options(self) -> dict:
@@ -122,6 +142,7 @@ class BatchView(FeedView):
         }
 
     def full(self) -> bool:
+        self.legend.set_content(legend_html(legend_items(self.feed.state.kv_cache)))
         self.segments.clear()
         self.slots.clear()
         self.last_step, self.first_step, self.budget_sent, self.tallest = -10**9, None, None, 0
@@ -151,7 +172,7 @@ class BatchView(FeedView):
                 continue
             if self.first_step is None:
                 self.first_step = col.step
-            for item in column_segments(col, self.feed.history):
+            for item in column_segments(col, self.feed.history, self.selection.request_id):
                 self.segments.add(col.step, item)
             slots = column_slots(col)
             if slots:

@@ -2,7 +2,8 @@
 // Python calls reset(full) once per resync and apply(changes) per tick; hover and click go back
 // as events ("hover" asks Python for the tooltip text, which it sends with tip()).
 const FLASH_MS = 900;
-const SHARED = 1, DRAFT = 2; // bits of a cell's marks (block_pool.py)
+const SHARED = 1, DRAFT = 2, PICKED = 4; // bits of a cell's marks (block_pool.py)
+const DIMMED = 0.3; // opacity of the blocks of other requests while one is selected
 
 export default {
   template: `<div style="position:relative;width:100%;height:100%">
@@ -13,6 +14,7 @@ export default {
   mounted() {
     this.n = 0;
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
+    this.focus = false; // a request is selected: its blocks outlined, the others dimmed
     this.flashes = new Map(); // block -> [color, start time]
     this.hover = -1;
     this.focused = new Set(); // blocks lesson mode points at: a lasting double ring
@@ -45,6 +47,7 @@ export default {
       this.n = full.state.length;
       this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
                      marks: Uint8Array.from(full.marks) };
+      this.focus = !!full.focus;
       this.flashes.clear();
       this.layout();
     },
@@ -119,9 +122,11 @@ export default {
       const gap = cell >= 8 ? 1 : 0.5;
       const state = this.cells.state[b];
       ctx.clearRect(x, y, cell, cell);
+      const marks = this.cells.marks[b];
+      const dim = this.focus && state === 1 && !(marks & PICKED);
+      ctx.globalAlpha = dim ? DIMMED : 1;
       ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? this.colors.cached : this.colors.free;
       ctx.fillRect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
-      const marks = this.cells.marks[b];
       if (marks & DRAFT) { // white stripes: the draft model's own KV
         ctx.save();
         ctx.beginPath();
@@ -148,6 +153,12 @@ export default {
       if (cell >= 24) {
         ctx.fillStyle = state === 1 ? "#fff" : "#64748b";
         ctx.fillText(String(b), x + cell / 2, y + cell / 2);
+      }
+      ctx.globalAlpha = 1;
+      if (marks & PICKED) { // the selected request's block
+        ctx.strokeStyle = this.colors.shared;
+        ctx.lineWidth = Math.max(1.5, cell / 8);
+        ctx.strokeRect(x + gap + 0.75, y + gap + 0.75, cell - 2 * gap - 1.5, cell - 2 * gap - 1.5);
       }
       const flash = this.flashes.get(b);
       if (flash) {

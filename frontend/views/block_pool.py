@@ -16,7 +16,7 @@ from frontend.views.base import FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
 FREE, USED, CACHED = 0, 1, 2
-SHARED, DRAFT = 1, 2  # bits of a cell's marks
+SHARED, DRAFT, PICKED = 1, 2, 4  # bits of a cell's marks (PICKED: held by the selected request)
 FLASH_OF = {"block_alloc": "alloc", "block_free": "free", "block_share": "share", "block_evict": "evict"}
 
 EXPLANATION = """
@@ -34,7 +34,7 @@ reserved for tokens that do not exist yet (that is *paged attention*).
   (orange) and **evict** (red)
 
 Hover a block for its owners and how many of its token slots are filled; click it to select its
-request in the other views.
+request in the other views. While a request is selected its blocks are outlined and the others fade.
 """
 
 
@@ -47,14 +47,16 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
         self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS, "focus": FOCUS_COLOR}
 
 
-def cell_of(state: RunState, history: RunHistory, free: set[int], block: int) -> tuple[int, int, int]:
-    """(state, colour index, marks: SHARED | DRAFT bits) of one block as the reducer knows it."""
+def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
+            selected: str | None = None) -> tuple[int, int, int]:
+    """(state, colour index, marks: SHARED | DRAFT | PICKED bits) of one block as the reducer knows it."""
     owners = state.block_owner.get(block)
     shared = SHARED if state.ref_counts.get(block, 1) > 1 else 0
     if owners:
         rid = state.seq_request.get(min(owners), "")
         draft = DRAFT if any(seq in state.draft_seqs for seq in owners) else 0
-        return USED, history.rows.get(rid, 0), shared | draft
+        picked = PICKED if selected is not None and any(state.seq_request.get(s) == selected for s in owners) else 0
+        return USED, history.rows.get(rid, 0), shared | draft | picked
     if block in state.cached_blocks:
         return CACHED, 0, 0
     if block in free:
@@ -80,11 +82,6 @@ def describe_block(state: RunState, history: RunHistory, block: int) -> str:
     return "<br>".join(lines)
 
 
-def kv_cache_on(state: RunState) -> bool:
-    """Whether the run keeps a KV cache (engine.kv_cache); without it blocks are scratch space only."""
-    return state.config.get("kv_cache", True) is not False
-
-
 class BlockPoolView(FeedView):
     name = "blocks"
 
@@ -103,21 +100,20 @@ class BlockPoolView(FeedView):
                    [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR}", "lesson: look here")])
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
-        selection.on_change(self._caption_if_ready)
+        selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw
         super().__init__(feed)
         self.changes_sent = 0  # cells sent as deltas, for tests
-
-    def _caption_if_ready(self) -> None:
-        if self.feed.state is not None:
-            self._caption()
+        self.picked_sent: list[int] = []  # blocks last sent marked as the selected request's, for tests
 
     def full(self) -> bool:
-        state, history = self.feed.state, self.feed.history
+        state, history, selected = self.feed.state, self.feed.history, self.selection.request_id
         free = set(state.free_blocks)
-        cells = [cell_of(state, history, free, b) if kv_cache_on(state) else (FREE, 0, 0)
+        cells = [cell_of(state, history, free, b, selected) if state.kv_cache else (FREE, 0, 0)
                  for b in range(state.num_blocks)]
+        self.picked_sent = [b for b, c in enumerate(cells) if c[2] & PICKED]
         self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
-                                         "marks": [c[2] for c in cells]}, self.stamp_args())
+                                         "marks": [c[2] for c in cells], "focus": selected is not None},
+                               self.stamp_args())
         self._caption()
         return True
 
@@ -133,11 +129,13 @@ class BlockPoolView(FeedView):
                 # the draft's blocks may predate the proposal that names its sequence: restripe them
                 for block in self.feed.state.block_tables.get(e["draft_seq_id"], ()):
                     flashes.setdefault(block, "")
-        if not flashes or not kv_cache_on(self.feed.state):
+        if not flashes or not self.feed.state.kv_cache:
             return False
         state, history = self.feed.state, self.feed.history
         free = set(state.free_blocks)
-        changes = [[b, *cell_of(state, history, free, b), kind] for b, kind in flashes.items() if b < state.num_blocks]
+        selected = self.selection.request_id
+        changes = [[b, *cell_of(state, history, free, b, selected), kind] for b, kind in flashes.items()
+                   if b < state.num_blocks]
         self.canvas.run_method("apply", changes, self.stamp_args())
         self.changes_sent += len(changes)
         self._caption()
@@ -145,7 +143,7 @@ class BlockPoolView(FeedView):
 
     def _caption(self) -> None:
         state = self.feed.state
-        if not kv_cache_on(state):
+        if not state.kv_cache:
             self.caption.set("KV cache off: no keys or values are kept between iterations, so no block holds "
                              "anything; every iteration recomputes each sequence's whole context")
             return

@@ -24,8 +24,8 @@ another; with a draft model, the draft keeps its own, smaller KV in a sequence o
 """
 
 
-def table_html(state: RunState, history: RunHistory, request_id: str | None) -> str:
-    """One row of chips per sequence of the request."""
+def table_html(state: RunState, history: RunHistory, request_id: str | None, current: int | None = None) -> str:
+    """One row of chips per sequence of the request; `current`: the selected sequence, marked."""
     if request_id is None or request_id not in state.requests:
         return '<div class="kv-muted">No request selected.</div>'
     seqs = sorted(s for s, r in state.seq_request.items() if r == request_id and s in state.block_tables)
@@ -34,10 +34,10 @@ def table_html(state: RunState, history: RunHistory, request_id: str | None) -> 
         return f'<div class="kv-muted">{html.escape(request_id)} holds no blocks ({view.status}).</div>'
     bs = state.cache.get("block_size", 1)
     color = request_color(history.rows.get(request_id, 0))
-    return "".join(_seq_row(state, history, seq, bs, color) for seq in seqs)
+    return "".join(_seq_row(state, history, seq, bs, color, seq == current and len(seqs) > 1) for seq in seqs)
 
 
-def _seq_row(state: RunState, history: RunHistory, seq: int, bs: int, color: str) -> str:
+def _seq_row(state: RunState, history: RunHistory, seq: int, bs: int, color: str, current: bool) -> str:
     table = state.block_tables[seq]
     tokens = history.seq_context.get(seq, 0)
     chips = []
@@ -52,7 +52,7 @@ def _seq_row(state: RunState, history: RunHistory, seq: int, bs: int, color: str
             f'<span class="kv-chip-physical" style="background:{color}">{block}</span>{fill}{badge}</div>'
         )
     head = f'<div class="kv-seq-head">seq {seq}{seq_role(state, seq)} · {tokens} tokens in {len(table)} blocks</div>'
-    return f'<div class="kv-seq">{head}<div class="kv-chips">{"".join(chips)}</div></div>'
+    return f'<div class="kv-seq{" kv-seq-current" if current else ""}">{head}<div class="kv-chips">{"".join(chips)}</div></div>'
 
 
 def seq_role(state: RunState, seq: int) -> str:
@@ -79,7 +79,8 @@ class BlockTableView(FeedView):
         super().__init__(feed)
 
     def full(self) -> bool:
-        content = table_html(self.feed.state, self.feed.history, self.selection.current(self.feed.state))
+        state = self.feed.state
+        content = table_html(state, self.feed.history, self.selection.current(state), self.selection.sequence(state))
         if content == self.last:
             return False
         self.last = content

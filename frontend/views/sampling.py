@@ -13,6 +13,7 @@ from frontend.selection import Selection
 from frontend.views.base import FeedView, view_card
 from frontend.views.charts import make_chart, probability_bars
 from frontend.views.live_text import LiveText
+from frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
 
 EXPLANATION = """
 The model gives a probability to every token of the vocabulary (**raw**, the softmax at T = 1).
@@ -28,18 +29,19 @@ end-of-sequence token (EOS) survives every cut (so the model can always stop) un
 sets `truncate_eos`. Move the sliders to see what other settings would have done (*what-if*); the
 black ticks are the engine's own final probabilities for the settings the request really used.
 Only the top tokens are in the event: the rest of the vocabulary is the last bar ("other").
+
+A request with several sequences (n > 1, beam search) shows one row of text per sequence; pick
+one (or click a token in its row) to see its tokens. Beam search samples nothing: each step it
+keeps the (beam, token) pairs with the highest **total log-probability**, shown per row with the
+beam's **score** (total / length ^ length_penalty, how finished beams are ranked); a beam not kept
+is **pruned** (struck through). For a beam token the chart compares the candidates kept that step.
 """
 
 STAGE_COLORS = {"raw": "#bab0ac", "temperature": "#4e79a7", "top_k": "#76b7b2", "top_p": "#b07aa1",
                 "min_p": "#f28e2b"}
-TOKEN_STRIP = 48  # recent tokens shown as clickable text
-CLICK_JS = "(e) => { const i = e.target.dataset && e.target.dataset.i; if (i !== undefined) emit(Number(i)); }"
-
-
-def token_label(text: str) -> str:
-    if text == "":
-        return "∅"
-    return text.replace("\n", "⏎").replace(" ", "␣")[:14]
+BEAM_COLORS = {"picked": "#d62728", "other": "#9aa5b1"}
+CLICK_JS = ("(e) => { const d = e.target.dataset; "
+            "if (d && d.i !== undefined) emit([Number(d.i), d.s === undefined ? null : Number(d.s)]); }")
 
 
 def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
@@ -64,7 +66,11 @@ class SamplingView(FeedView):
         self.what_if: Knobs | None = None
         self.shown: tuple | None = None
         with view_card("Sampling: from logits to the chosen token", EXPLANATION, "w-full"):
-            self.caption = LiveText().classes("kv-caption").mark("sampling-caption")
+            with ui.row().classes("w-full items-center no-wrap gap-2"):
+                self.caption = LiveText().classes("kv-caption grow").mark("sampling-caption")
+                self.seq_picker = ui.select({}, label="sequence", on_change=self._on_seq_pick) \
+                    .classes("w-28").props("dense").mark("seq-picker")
+            self.seq_picker.set_visibility(False)
             self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
             self.chart = make_chart(probability_bars(), height, "sampling")
@@ -87,23 +93,30 @@ class SamplingView(FeedView):
 
     # -- selection ---------------------------------------------------------------------------------
 
-    def _tokens(self) -> tuple[str | None, list[dict]]:
-        rid = self.selection.current(self.feed.state)
-        return rid, list(self.feed.history.tokens.get(rid, ())) if rid else []
+    def _tokens(self) -> tuple[str | None, int | None, list]:
+        """The current request, its selected sequence and that sequence's output on record."""
+        state = self.feed.state
+        rid, seq = self.selection.current(state), self.selection.sequence(state)
+        return rid, seq, self.feed.history.seq_output(state, seq) if seq is not None else []
 
-    def _selected_token(self) -> tuple[str | None, int, dict | None]:
-        rid, tokens = self._tokens()
+    def _selected_token(self) -> tuple[str | None, int | None, int, dict | None]:
+        rid, seq, tokens = self._tokens()
         if not tokens:
-            return rid, -1, None
+            return rid, seq, -1, None
         index = self.selection.token_index
         if index is None or not 0 <= index < len(tokens):
             index = len(tokens) - 1
-        return rid, index, tokens[index]
+        return rid, seq, index, tokens[index].event
 
     def _on_token_click(self, e: GenericEventArguments) -> None:
-        index = e.args[0] if isinstance(e.args, list) else e.args
+        index, seq = (e.args + [None])[:2] if isinstance(e.args, list) else (e.args, None)
         if isinstance(index, (int, float)):
-            self.selection.select_token(int(index))
+            self.selection.select_token(int(index), int(seq) if isinstance(seq, (int, float)) else None)
+
+    def _on_seq_pick(self) -> None:
+        value = self.seq_picker.value
+        if value is not None and value != self.selection.sequence(self.feed.state):
+            self.selection.select_sequence(int(value))
 
     def _on_knob(self) -> None:
         self.what_if = Knobs(temperature=float(self.knob_inputs["temperature"].value),
@@ -133,28 +146,40 @@ class SamplingView(FeedView):
     # -- drawing -----------------------------------------------------------------------------------
 
     def full(self) -> bool:
-        rid, index, token = self._selected_token()
-        key = (rid, index, token["seq"] if token else None, self.what_if)
+        rid, seq, index, token = self._selected_token()
+        key = (rid, seq, index, token["seq"] if token else None, self.what_if, self._rows_key(rid))
         if key == self.shown:
             return False
         self.shown = key
-        self._strip(rid, index)
-        if token is None or not token.get("dist"):
+        lines = seq_lines(self.feed.state, self.feed.history, rid) if rid else []
+        self._strip(lines, seq, index)
+        self._picker(lines, seq)
+        if token is not None and token.get("dist"):
+            self._draw(token)
+        elif token is not None and is_beam(self.feed.state, rid):
+            self._draw_beams(token)
+        else:
             self.caption.set(f"{rid or 'No request'}: no token with a distribution yet "
-                                  "(events level `full` records them).")
+                             "(events level `full` records them).")
             self.push(self.chart, {"xAxis": {"data": []}, "series": []}, replace_series=True)
-            return True
-        self._draw(token)
         return True
+
+    def _rows_key(self, rid: str | None) -> tuple:
+        """What the rows show: the request's latest token, its sequences and their ends (a pruned beam)."""
+        state = self.feed.state
+        view = state.requests.get(rid) if rid else None
+        if view is None:
+            return ()
+        last = state.last_token_by_request.get(rid, {}).get("seq")
+        return last, tuple((s, state.sequences[s].end_step if s in state.sequences else None) for s in view.seq_ids)
 
     def delta(self, entries: list[LogEntry]) -> bool:
         rid = self.selection.current(self.feed.state)
         if rid != (self.shown[0] if self.shown else None):
             return self.full()  # following the running requests moved on to another one
-        if self.selection.token_index is not None:
-            return False  # a fixed token: new tokens do not change the picture
-        if any(e.event["type"] == "token" and e.event["request_id"] == rid for e in entries):
-            return self.full()
+        if any(e.event.get("request_id") == rid and e.event["type"] in ("token", "seq_fork", "seq_end")
+               for e in entries):
+            return self.full()  # a new token, or a row more or pruned (a fixed token redraws nothing else)
         return False
 
     def _draw(self, token: dict) -> None:
@@ -176,21 +201,56 @@ class SamplingView(FeedView):
             series.append({"id": "engine", "name": "engine's final", "type": "scatter", "symbol": "rect",
                            "symbolSize": [14, 3], "color": "#111",
                            "data": [round(final.get(t, 0.0), 4) for t in stages.token_ids] + [None]})
-        self.push(self.chart, {"xAxis": {"data": axis_labels(stages, token["token_id"], eos)}, "series": series},
-             replace_series=True)
+        self.push(self.chart, {"xAxis": {"data": axis_labels(stages, token["token_id"], eos)}, "series": series,
+                               "yAxis": {"name": "probability", "min": 0, "max": 1}}, replace_series=True)
 
     def _caption(self, token: dict, knobs: Knobs, actual: Knobs) -> str:
         what_if = "what-if " if knobs != actual else ""
         settings = "greedy" if knobs.greedy else (f"T={knobs.temperature:g} top-k={knobs.top_k} "
                                                   f"top-p={knobs.top_p:g} min-p={knobs.min_p:g}")
-        return (f"{token['request_id']} · position {token['position']} · chose {token_label(token['text'])!r} "
+        return (f"{self._who(token)} · position {token['position']} · chose {token_label(token['text'])!r} "
                 f"(raw p = {2.718281828 ** token['logprob']:.3f}) · {what_if}{settings}")
 
-    def _strip(self, rid: str | None, index: int) -> None:
-        _, tokens = self._tokens()
-        first = max(0, len(tokens) - TOKEN_STRIP)
-        spans = []
-        for i in range(first, len(tokens)):
-            cls = "kv-tok kv-tok-selected" if i == index else "kv-tok"
-            spans.append(f'<span class="{cls}" data-i="{i}">{html.escape(token_label(tokens[i]["text"]))}</span>')
-        self.strip.set("".join(spans) or '<span class="kv-muted">no tokens yet</span>')
+    def _who(self, token: dict) -> str:
+        """The request, and which of its sequences when it has several."""
+        view = self.feed.state.requests.get(token["request_id"])
+        several = view is not None and len(view.seq_ids) > 1
+        return f"{token['request_id']} · seq {token['seq_id']}" if several else token["request_id"]
+
+    def _draw_beams(self, token: dict) -> None:
+        """A beam token: no distribution was sampled; the candidates kept at that step, by total log-probability."""
+        state, history = self.feed.state, self.feed.history
+        view = state.requests[token["request_id"]]
+        kept = [(seq, t) for seq in view.seq_ids for t in history.seq_tokens.get(seq, ())
+                if t.event["step"] == token["step"] and t.cumulative is not None]
+        kept.sort(key=lambda k: -k[1].cumulative)
+        line = seq_line(state, history, token["seq_id"])
+        mine = next((t for _, t in kept if t.event is token), None)
+        total = f" · Σ log p {mine.cumulative:.2f}" if mine else ""
+        score = f" · score now {line.score:.2f}" if line.score is not None else ""
+        self.caption.set(f"{self._who(token)} · position {token['position']} · kept {token_label(token['text'])!r} "
+                         f"(log p = {token['logprob']:.2f}){total}{score} · beam search keeps the "
+                         f"{view.sampling.get('beam_width')} (beam, token) pairs with the highest total "
+                         "log-probability: nothing is sampled")
+        data = [{"value": round(t.cumulative, 3),
+                 "itemStyle": {"color": BEAM_COLORS["picked" if t.event is token else "other"]}} for _, t in kept]
+        labels = [f"seq {seq} + {token_label(t.event['text'])}" for seq, t in kept]
+        self.push(self.chart, {"xAxis": {"data": labels}, "yAxis": {"name": "total log p", "min": None, "max": 0},
+                               "series": [{"id": "beams", "name": f"beams kept at step {token['step']}",
+                                           "type": "bar", "data": data}]}, replace_series=True)
+
+    def _picker(self, lines: list[SeqLine], seq: int | None) -> None:
+        """The sequence picker, shown when the request has several."""
+        options = {line.seq_id: f"seq {line.seq_id}" + (" ✕" if line.end_reason == "pruned" else "") for line in lines}
+        self.seq_picker.set_visibility(len(lines) > 1)
+        if options != self.seq_picker.options:
+            self.seq_picker.set_options(options, value=seq if seq in options else None)
+        elif seq in options and self.seq_picker.value != seq:
+            self.seq_picker.set_value(seq)
+
+    def _strip(self, lines: list[SeqLine], seq: int | None, index: int) -> None:
+        """One row of text per sequence (unlabelled when the request has just one)."""
+        several = len(lines) > 1
+        rows = [tokens_html(line, index if line.seq_id == seq else None, several, line.seq_id == seq)
+                for line in lines if several or line.seq_id == seq]
+        self.strip.set("".join(rows) or '<span class="kv-muted">no tokens yet</span>')

@@ -12,7 +12,7 @@ from frontend.client import LogEntry, RunFeed
 from backend.events.history import KINDS, Cell, Column, RunHistory
 from frontend.selection import Selection
 from frontend.palette import PHASE_COLORS
-from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, view_card
+from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
 
@@ -41,16 +41,19 @@ BRANCH_SERIES = {
     "clip": True, "animation": False, "z": 4,
 }  # fmt: skip
 # Which phase a request's row shows when its sequences are in different ones in one iteration.
-KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "verify": 3, "prefill": 4}
+KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "recompute": 2, "verify": 3, "prefill": 4}
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
 # The legend's phases, in reading order (the export's timeline legend uses the same colours).
 PHASE_LEGEND = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "decode",
-                "verify": "verify (speculative)", "preempted": "preempted"}
+                "verify": "verify (speculative)", "preempted": "preempted",
+                "recompute": "recompute (no KV cache: the whole context again)"}
 
 
-def legend_items() -> list[tuple[str, str]]:
-    """(colour, label) of the timeline's legend: the phases, then the marks."""
-    phases = [(PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items()]
+def legend_items(kv_cache: bool = True) -> list[tuple[str, str]]:
+    """(colour, label) of the timeline's legend: the phases (recompute instead of decode without a
+    KV cache), then the marks."""
+    hidden = "recompute" if kv_cache else "decode"
+    phases = [(PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items() if kind != hidden]
     return [*phases, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
 
 
@@ -155,7 +158,7 @@ class TimelineView(FeedView):
         self.step_t: dict[int, float] = {}
         with view_card("Timeline: requests over iterations", EXPLANATION, "w-full"):
             with ui.row().classes("items-center gap-3"):
-                legend(legend_items())
+                self.legend = legend(legend_items())
                 ui.space()
                 ui.toggle({False: "iterations", True: "seconds"}, value=False,
                           on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \
@@ -189,6 +192,7 @@ class TimelineView(FeedView):
     # -- drawing ---------------------------------------------------------------------------------
 
     def full(self) -> bool:
+        self.legend.set_content(legend_html(legend_items(self.feed.state.kv_cache)))
         self.chunks.clear()
         self.step_t = {}
         self.last_step, self.last_t, self.rows_sent, self.ttft_sent, self.branches_sent = -10**9, None, 0, [], []
