@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from backend.errors import KvscopeError
+
 VIEWS = ("timeline", "blocks", "batch")
 FORMATS = (".png", ".svg", ".json", ".gif")
 X_UNITS = ("steps", "seconds")
 
 
-class ExportError(ValueError):
+class ExportError(KvscopeError):
     """Bad export input; `field` names what to fix: view, out, x, step, stride or trace."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
 
 
 def check_options(view: str, out_path: Path, x: str = "steps", stride: int = 1) -> None:
