@@ -19,7 +19,8 @@ from backend.engine.beam_search import BeamState
 from backend.engine.block_manager import BlockManager
 from backend.engine.kv_cache import DTYPE_NAMES, KVCache, check_kv_dtype, kv_formula, num_blocks_for_budget
 from backend.engine.metrics import MetricsTracker, RequestTimes
-from backend.engine.request import Request, RequestError, check_fits, check_supported, finish_reason_after
+from backend.engine.request import (Request, RequestError, check_fits, check_supported, check_token_ids,
+                                    finish_reason_after)
 from backend.engine.runner import ModelRunner
 from backend.engine.sampler import sample
 from backend.engine.sampling_params import SamplingParams
@@ -137,6 +138,7 @@ class Engine(SpeculativeSteps, SequenceGroups):
             raise RequestError("id", f"duplicate request id {request_id!r}")
         params = self._parse_sampling(sampling)
         check_supported(params, self.config)
+        check_token_ids(params, self.loaded.config.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < self.loaded.config.vocab_size for t in ids):
             raise RequestError("prompt", f"token ids must lie in [0, {self.loaded.config.vocab_size})")
