@@ -80,9 +80,12 @@ class SequenceGroups:
             self._emit_token(req, seq, c.token_id, c.logprob, None, None)
             self._extend(req, seq, c.token_id, c.logprob, now)
         full = any(len(s.output_token_ids) >= req.max_tokens or len(s) >= self.config.max_model_len for s, _ in kept)
-        if beam.done or full or not kept:
-            for seq, _ in kept:  # enough hypotheses: the rest are dropped; at the length limit they count
-                self._end_seq(req, seq, "pruned" if beam.done else "length")
+        # At the length limit every kept beam is a hypothesis (the best n are chosen among them all);
+        # else with enough hypotheses the rest are dropped. Decided once, before any ends.
+        reason = "length" if full else "pruned" if beam.done else None
+        if reason is not None:
+            for seq, _ in kept:
+                self._end_seq(req, seq, reason)
 
     def _end_seq(self, req: Request, seq: Sequence, reason: str) -> None:
         """One sequence ends: its blocks go back; the request ends with its last sequence."""
