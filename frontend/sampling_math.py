@@ -5,9 +5,9 @@ the rest of the vocabulary is modelled as one "tail" bucket: its mass is what th
 over, spread over tokens no more likely than the least likely shown one (an upper bound on each). The
 rules are those of `backend/engine/sampler.py` (`truncation_mask`): temperature, then top-k (ties
 with the k-th token kept), then top-p judged on the top-k survivors renormalized, then min-p, the
-most likely token always kept, EOS protected unless `truncate_eos`. We reimplement them over a list instead of importing the sampler because the
-sampler works on torch tensors of the full vocabulary (and importing torch costs the dashboard
-seconds); tests check both agree when the whole vocabulary is shown.
+most likely token always kept, EOS protected unless `truncate_eos`. We reimplement them over a list
+instead of importing the sampler because the sampler works on torch tensors of the full vocabulary
+(and importing torch costs the dashboard seconds); tests check both agree when the whole vocabulary is shown.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from backend.events.schema import SCHEMA_VERSION
 from backend.model.loader import LoadedModel
 from backend.model.quant import QuantError, quantize_loaded
 
+
 def pick_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

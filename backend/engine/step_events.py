@@ -155,8 +155,8 @@ class StepEvents:
             n = self.config.dist_top_n
             ids = torch.cat((p.topk(n).indices, q_full.topk(n).indices), dim=1)  # [k + 1, 2N]
             p_top, q_top = p.gather(1, ids).tolist(), q_full.gather(1, ids).tolist()
-            fields["dists"] = [[[t, self.token_text(t), p_top[j][i], q_top[j][i]]
-                                for i, t in enumerate(row) if row.index(t) == i and (p_top[j][i] > 0 or q_top[j][i] > 0)]
+            fields["dists"] = [[[t, self.token_text(t), p_top[j][i], q_top[j][i]] for i, t in enumerate(row)
+                                if row.index(t) == i and (p_top[j][i] > 0 or q_top[j][i] > 0)]
                                for j, row in enumerate(ids.tolist())]
         resampled = verdict.source == "resampled"
         self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
