@@ -3,11 +3,11 @@
 A token event carries only the top tokens' raw (T=1) probabilities, not the whole vocabulary, so
 the rest of the vocabulary is modelled as one "tail" bucket: its mass is what the shown tokens leave
 over, spread over tokens no more likely than the least likely shown one (an upper bound on each). The
-rules are those of `backend/engine/sampler.py` (`truncation_mask`): temperature, then top-k, top-p
-and min-p all judged on the tempered distribution, the most likely token always kept, EOS protected
-unless `truncate_eos`. We reimplement them over a list instead of importing the sampler because the
-sampler works on torch tensors of the full vocabulary (and importing torch costs the dashboard
-seconds); tests check both agree when the whole vocabulary is shown.
+rules are those of `backend/engine/sampler.py` (`truncation_mask`): temperature, then top-k (ties
+with the k-th token kept), then top-p judged on the top-k survivors renormalized, then min-p, the
+most likely token always kept, EOS protected unless `truncate_eos`. We reimplement them over a list
+instead of importing the sampler because the sampler works on torch tensors of the full vocabulary
+(and importing torch costs the dashboard seconds); tests check both agree when the whole vocabulary is shown.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size:
         return out
     tempered, tail_t = _temper(raw, tail_each, tail_count, knobs.temperature)
     out.probs["temperature"], out.tail["temperature"] = tempered, tail_t * tail_count
-    keep_k = _keep_top_k(len(raw), tail_count, knobs.top_k)
-    keep_p = _keep_top_p(tempered, tail_t, tail_count, knobs.top_p)
+    keep_k = _keep_top_k(tempered, tail_count, knobs.top_k)
+    # top-p over the top-k survivors: the same rule on their mass, whatever it sums to
+    after_k = [q if keep else 0.0 for q, keep in zip(tempered, keep_k[0])]
+    keep_p = _keep_top_p(after_k, tail_t, keep_k[1], knobs.top_p * (sum(after_k) + tail_t * keep_k[1]))
     keep_m = _keep_min_p(tempered, tail_t, tail_count, knobs.min_p)
     protect = [i for i, t in enumerate(ids) if t in eos_ids] if not knobs.truncate_eos else []
     cumulative = (keep_k,), (keep_k, keep_p), (keep_k, keep_p, keep_m)
@@ -95,14 +97,19 @@ def _temper(raw: list[float], tail_each: float, tail_count: int, temperature: fl
 Mask = tuple[list[bool], int]
 
 
-def _keep_top_k(n_shown: int, tail_count: int, k: int) -> Mask:
+def _keep_top_k(probs: list[float], tail_count: int, k: int) -> Mask:
+    """The k most likely, and every token tied with the k-th (probs sorted, most likely first)."""
     if k <= 0:
-        return [True] * n_shown, tail_count
-    return [i < k for i in range(n_shown)], max(0, min(tail_count, k - n_shown))
+        return [True] * len(probs), tail_count
+    if k > len(probs):
+        return [True] * len(probs), min(tail_count, k - len(probs))
+    return [q >= probs[k - 1] for q in probs], 0
 
 
 def _keep_top_p(probs: list[float], tail_each: float, tail_count: int, p: float) -> Mask:
-    """Keep a token while the mass ranked before it is below p (the sampler's `mass_before < top_p`)."""
+    """Keep a token while the mass ranked before it is below p (the sampler's `mass_before < top_p`).
+
+    p is a mass in the units of probs (top_p times the mass top-p judges)."""
     before, shown = 0.0, []
     for q in probs:
         shown.append(before < p)

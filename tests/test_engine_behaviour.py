@@ -93,6 +93,8 @@ def test_bad_requests_are_refused_with_a_reason_while_others_finish(tiny):
         (("zero", [1, 2], 0, None), "max_tokens", "at least 1"),
         (("empty", [], 4, None), "prompt", "empty"),
         (("vocab", [99999], 4, None), "prompt", "token ids"),
+        (("bias", [1, 2], 4, {"logit_bias": {99999: 1.0}}), "sampling.logit_bias", "token id 99999"),
+        (("allowed", [1, 2], 4, {"allowed_token_ids": [3, -1]}), "sampling.allowed_token_ids", "token id -1"),
     ]
     for args, field, reason in bad:
         with pytest.raises(RequestError) as err:
@@ -152,6 +154,17 @@ def test_token_events_carry_the_distribution_snapshot(tiny):
         assert raw == sorted(raw, reverse=True)
         assert sum(row[3] > 0 for row in e["dist"]["top"]) <= 5 + 1  # top-k 5, plus protected EOS
         assert e["dist"]["temperature"] == 0.7 and len(e["top_logprobs"]) == 3
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_tokens_and_show_in_the_raw_distribution(tiny):
+    events = []
+    params = lambda rid: SamplingParams(temperature=0, allowed_token_ids=[7, 9], logit_bias={9: 50.0})  # noqa: E731
+    engine = run_engine(tiny, EngineConfig(block_size=4, num_blocks=64, dist_top_n=4), [("a", 0, [5, 6, 7], 3)],
+                        params, events=events)
+    assert engine.requests["a"].seq.output_token_ids == [9, 9, 9]
+    for e in (e for e in events if e["type"] == "token"):
+        raw = {row[0]: row[2] for row in e["dist"]["top"]}
+        assert raw[9] == pytest.approx(1.0) and raw.get(0, 0.0) == 0.0  # EOS is not allowed: raw 0
 
 
 def test_num_blocks_follows_from_a_memory_budget_and_the_header_reports_it(tiny):

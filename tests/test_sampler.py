@@ -85,3 +85,70 @@ def test_sampling_follows_the_final_distribution():
 def test_logprob_is_of_the_raw_distribution():
     out = sample(LOGITS, [SamplingParams(temperature=0.0)], [torch.Generator()], [EOS])
     assert out.token_ids == [1] and out.logprobs[0] == pytest.approx(float(PROBS[1].log()), abs=1e-5)
+
+
+# ---- the order of the filters, as transformers and vLLM chain them --------------------------------------
+
+def test_top_p_is_judged_on_the_top_k_survivors_renormalised():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()  # no EOS among them: eos_ids is empty
+    out = final_distribution(logits, [SamplingParams(top_k=2, top_p=0.6)], [])
+    assert out[0].tolist() == [1.0, 0.0, 0.0]  # 0.5 / 0.8 = 0.625 >= 0.6: the second token is not needed
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log()
+    kept_ids = final_distribution(logits, [SamplingParams(top_k=2)], [])[0] > 0
+    assert kept_ids.tolist() == [True, True, True, True]
+    kept_ids = final_distribution(torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log(), [SamplingParams(top_k=2)], [])[0] > 0
+    assert kept_ids.tolist() == [True, True, False, False]
+
+
+def test_eos_exemption_adds_eos_back_after_the_filters():
+    logits = torch.tensor([[0.05, 0.5, 0.3, 0.15]]).log()  # token 0 is EOS
+    out = final_distribution(logits, [SamplingParams(top_k=1)], [EOS])[0]
+    assert out.tolist() == pytest.approx([0.05 / 0.55, 0.5 / 0.55, 0.0, 0.0])
+    assert final_distribution(logits, [SamplingParams(top_k=1, truncate_eos=True)], [EOS])[0].tolist() == [0, 1, 0, 0]
+
+
+def test_filters_match_transformers_logits_warpers_on_random_distributions():
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        vocab = int(torch.randint(2, 60, (1,), generator=gen))
+        logits = torch.randn(1, vocab, generator=gen) * float(torch.rand((), generator=gen) * 4 + 0.1)
+        t = float(torch.rand((), generator=gen) * 1.9 + 0.1)
+        k = int(torch.randint(0, vocab + 2, (1,), generator=gen))
+        p = float(torch.rand((), generator=gen) * 0.99 + 0.01) if torch.rand((), generator=gen) < 0.8 else 1.0
+        m = float(torch.rand((), generator=gen) * 0.5) if torch.rand((), generator=gen) < 0.5 else 0.0
+        warpers = [transformers.TemperatureLogitsWarper(t)] + ([transformers.TopKLogitsWarper(k)] if k else []) \
+            + [transformers.TopPLogitsWarper(p), transformers.MinPLogitsWarper(m)]
+        scores = logits.clone()
+        for w in warpers:
+            scores = w(None, scores)
+        theirs = torch.softmax(scores, dim=-1)
+        ours = final_distribution(logits, [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)], [])
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0, msg=f"T={t} k={k} p={p} min_p={m}")
+
+
+# ---- logit_bias and allowed_token_ids ------------------------------------------------------------------
+
+def test_logit_bias_shifts_the_raw_distribution_before_the_filters():
+    out = sample(LOGITS, [SamplingParams(temperature=0.0, logit_bias={3: 2.0})], [torch.Generator()], [EOS])
+    assert out.token_ids == [3]  # log 0.15 + 2 > log 0.40
+    biased = PROBS.log().clone()
+    biased[3] += 2.0
+    torch.testing.assert_close(out.raw_probs[0], torch.softmax(biased, -1))
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(biased, -1)[3]), abs=1e-5)
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    params = SamplingParams(allowed_token_ids=[3, 4], truncate_eos=True)
+    out = sample(LOGITS.expand(50, -1), [params] * 50, [torch.Generator().manual_seed(s) for s in range(50)], [EOS])
+    assert set(out.token_ids) == {3, 4}
+    assert out.raw_probs[0, [3, 4]].sum() == pytest.approx(1.0)
+
+
+def test_constraints_touch_only_their_own_row():
+    params = [SamplingParams(logit_bias={5: -100.0}), SamplingParams()]
+    out = sample(LOGITS.expand(2, -1), params, [torch.Generator(), torch.Generator()], [EOS])
+    assert out.raw_probs[0, 5] < 1e-30 and out.raw_probs[1, 5] == pytest.approx(0.05)

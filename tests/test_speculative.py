@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import backend.engine.engine as engine_module
-import backend.engine.speculative_steps as speculative_steps
+import backend.engine.spec_decode as spec_decode
 from backend.config import EngineConfig
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
@@ -184,7 +184,7 @@ def test_the_distribution_test_catches_a_wrong_rule(demo, draft, direct_samples,
         return Verdict(len(drafts), int(torch.multinomial(p[-1], 1, generator=generator)), "bonus",
                        [True] * len(drafts))
 
-    monkeypatch.setattr(speculative_steps, "verify", always_accept)
+    monkeypatch.setattr(spec_decode, "verify", always_accept)
     spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS["T1"])
     assert chi_square_pvalue(spec[0], direct_samples["T1"][0]) < 0.01
 

@@ -5,7 +5,8 @@ candidates are ranked by cumulative log-probability; an EOS candidate among the 
 becomes a finished hypothesis, the best non-EOS candidates become the next beams. A beam chosen
 twice forks (its blocks are shared, copy-on-write), a beam not chosen is pruned (its blocks freed).
 Finished hypotheses are ranked by cumulative log-prob / length ** length_penalty. The search ends
-when `width` hypotheses are finished or the beams reach max_tokens (they are then finished too).
+when `width` hypotheses are finished (transformers' early_stopping=True) or the beams reach
+max_tokens: then every beam kept at that step is a hypothesis too, and the best n of all are returned.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class Choice:
 class BeamState:
     width: int
     length_penalty: float
-    cumulative: dict[int, float] = field(default_factory=dict)  # live seq_id -> cumulative logprob
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # live seq_id -> next-token log-probs [V]
     finished: list[Hypothesis] = field(default_factory=list)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from backend.config import ModelConfig
-from backend.engine.request import RequestError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 INT8_MAX = 127.0
@@ -43,14 +42,6 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.floor(x / safe[..., None] + 0.5).clamp(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
-
-
-def check_kv_dtype(kv_dtype: str, config: ModelConfig, attention_backend: str) -> None:
-    """Refuse combinations no attention path implements."""
-    if kv_dtype == "int8" and config.mla is not None and attention_backend == "triton":
-        raise RequestError("engine.kv_cache_dtype",
-                           "int8 KV with MLA needs attention_backend torch: the Triton MLA decode kernel "
-                           "(kernels/mla_decode.py) reads no int8 scales")
 
 
 class KVCache:

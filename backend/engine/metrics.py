@@ -39,6 +39,13 @@ def slots_holding_tokens(seqs: Iterable[Sequence], block_size: int) -> int:
     return sum(fill.values())
 
 
+@dataclass
+class KVSnapshot:
+    usage: float
+    waste: float
+    blocks_saved_by_sharing: int
+
+
 class MetricsTracker:
     """Accumulates what the `metrics` events and the final table report."""
 
@@ -71,19 +78,20 @@ class MetricsTracker:
         span = self._recent[-1][0] - self._recent[0][0]
         return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
 
-    def kv_snapshot(self, seqs: list[Sequence], used_blocks: int, num_blocks: int, block_size: int) -> tuple[float, float]:
-        """(usage, waste): reserved blocks over all, and reserved-but-empty slots over all slots."""
-        total_slots = num_blocks * block_size
+    def observe_kv(self, seqs: list[Sequence], used_blocks: int, num_blocks: int, block_size: int) -> KVSnapshot:
+        """This iteration's KV use, added to the running means.
+
+        usage: reserved blocks over all; waste: reserved-but-empty slots over all slots; blocks saved
+        by sharing (forks, prefix hits): what every table would hold unshared, less the distinct blocks."""
         usage = used_blocks / num_blocks
-        waste = (used_blocks * block_size - slots_holding_tokens(seqs, block_size)) / total_slots
+        waste = (used_blocks * block_size - slots_holding_tokens(seqs, block_size)) / (num_blocks * block_size)
+        held = [b for s in seqs for b in s.block_table]
+        saved = len(held) - len(set(held))
         self._usage_sum += usage
         self._waste_sum += waste
         self._samples += 1
-        return usage, waste
-
-    def on_sharing(self, blocks_saved: int) -> None:
-        """Blocks that sharing (forks, prefix hits) saves this iteration against every table holding its own."""
-        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, blocks_saved)
+        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, saved)
+        return KVSnapshot(usage, waste, saved)
 
     def mean_kv(self) -> tuple[float, float]:
         """Mean (usage, waste) over the iterations seen."""

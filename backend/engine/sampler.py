@@ -1,7 +1,9 @@
 """From logits to tokens, vectorized over the batch.
 
 Order of the stages (each one is a view in the dashboard's sampling panel):
-raw softmax at T=1 -> penalties -> temperature -> top-k -> top-p -> min-p -> final distribution.
+allowed_token_ids and logit_bias -> raw softmax at T=1 -> penalties -> temperature -> top-k -> top-p
+(over the top-k survivors renormalized) -> min-p -> final distribution, the order of transformers and vLLM.
+EOS survives the three filters unless the request sets `truncate_eos`.
 Each row draws its uniform number from its own request's generator, so a seeded request gets the
 same tokens whatever else shares its batch.
 """
@@ -39,16 +41,41 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], historie
 
 
 def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Which tokens survive top-k, top-p and min-p: bool [B, V]. probs [B, V] after temperature."""
+    """Which tokens survive top-k, then top-p, then min-p, as transformers and vLLM chain them: bool [B, V].
+
+    probs [B, V] after temperature. top-k keeps every token tied with the k-th most likely (as
+    transformers' TopKLogitsWarper does); top-p is judged on the top-k survivors renormalized (the
+    smallest prefix holding top_p of their mass); min-p drops tokens below min_p x the most likely
+    one. The most likely token always survives. One sort serves all three.
+    """
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-    keep_sorted = (top_k[:, None] == 0) | (ranks < top_k[:, None])
-    # top-p: the smallest prefix whose mass reaches p; the most likely token always stays.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted &= mass_before < top_p[:, None]
+    kth = sorted_probs.gather(-1, (top_k.clamp(1, probs.shape[-1]) - 1)[:, None])  # [B, 1]
+    keep_sorted = (top_k[:, None] == 0) | (sorted_probs >= kth)
+    survivors = torch.where(keep_sorted, sorted_probs, 0.0)
+    mass_before = survivors.cumsum(dim=-1) - survivors
+    keep_sorted &= mass_before < top_p[:, None] * survivors.sum(dim=-1, keepdim=True)
     keep_sorted &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def constrain(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The request's own edits of the model's logits [B, V]: allowed_token_ids, then logit_bias.
+
+    They come before everything else, so the "raw" distribution (logprobs, events, beam search)
+    is the constrained one, as in vLLM and the OpenAI API."""
+    if not any(p.allowed_token_ids is not None or p.logit_bias for p in params):
+        return logits
+    logits = logits.clone()
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            banned[torch.tensor(p.allowed_token_ids, device=logits.device)] = False
+            logits[row, banned] = -torch.inf
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:
@@ -101,11 +128,11 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int],
                   histories: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(raw log-probs at T=1, penalised logits, final distribution), each [B, V], for logits [B, V].
+    """(raw log-probs at T=1, constrained and penalised logits, final distribution), each [B, V].
 
     histories: each row's tokens so far (prompt + output), prompt_lens where its output starts; they
     are read (and the outputs cut from them) only when a row asks for a penalty."""
-    logits = logits.float()
+    logits = constrain(logits.float(), params)
     raw_log = torch.log_softmax(logits, dim=-1)
     adjusted = logits
     if any(penalised(p) for p in params):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -25,8 +27,14 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     logprobs: int = Field(default=0, ge=0, le=20, description="top alternatives reported per token")
-    # The seeds' point: truncating EOS away means generation cannot stop by itself.
+    # The seeds' point: truncating EOS away means generation cannot stop by itself. This exemption is
+    # kvscope's own (transformers and vLLM have none): truncate_eos: true gives their behaviour.
     truncate_eos: bool = Field(default=False, description="allow top-k/top-p/min-p to remove EOS")
+    # Applied to the logits before everything else (ids are checked against the vocabulary by the engine).
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=1024, description="token id -> added to its logit")
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=65536,
+                                                description="only these tokens may be chosen; None = all")
 
     @property
     def greedy(self) -> bool:

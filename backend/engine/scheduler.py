@@ -19,7 +19,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.sequence import Sequence, SeqStatus
 
 
-@dataclass
+@dataclass(frozen=True)  # the scheduler's decision: later stages build new entries, never edit one
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # query tokens computed this iteration
@@ -59,6 +59,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_forked(self, child: Sequence, parent: Sequence) -> None:
+        """A sequence forked from `parent` (n > 1, beam search) queues where its parent is."""
+        child.status = parent.status
+        if parent.status == SeqStatus.RUNNING:
+            self.running.append(child)
+        else:  # a beam preempted while it waited for its siblings: the child recomputes too
+            self.waiting.appendleft(child)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and release its blocks."""
         if seq in self.running:
@@ -88,7 +96,7 @@ class Scheduler:
 
     def _entry(self, seq: Sequence, num: int, num_draft: int = 0) -> ScheduledSeq:
         if num_draft:
-            # Slots for the drafts are reserved now; the engine fills in the tokens after drafting.
+            # Slots for the drafts are reserved now; the speculative decoder drafts the tokens.
             return ScheduledSeq(seq, num + num_draft, seq.num_computed_tokens + num + num_draft, "verify", num_draft)
         context_len = seq.num_computed_tokens + num
         # Decode: the step that extends an already generating sequence by its newest token (without
@@ -97,18 +105,15 @@ class Scheduler:
         decode = generating and (num == 1 or not self.config.kv_cache)
         return ScheduledSeq(seq, num, context_len, "decode" if decode else "prefill")
 
-    def _tokens_to_compute(self, seq: Sequence) -> int:
-        if not self.config.kv_cache:
-            # No KV cache: every step recomputes the whole sequence, which is what makes it O(n^2).
-            seq.num_computed_tokens = 0
-        return seq.num_uncomputed_tokens
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         idle: list[Sequence] = []  # beams whose logits are in, waiting for their siblings
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num = min(self._tokens_to_compute(seq), budget)
+            if not self.config.kv_cache:
+                # No KV cache: nothing computed survives a step, the whole sequence is recomputed (O(n^2)).
+                seq.num_computed_tokens = 0
+            num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 idle.append(seq)
                 i += 1

@@ -20,8 +20,8 @@ The model gives a probability to every token of the vocabulary (**raw**, the sof
 The sampler then reshapes it, in this order:
 
 1. **temperature** T: divides the logits by T; T < 1 sharpens, T > 1 flattens, T = 0 is greedy.
-2. **top-k**: keeps the k most likely tokens.
-3. **top-p** (nucleus): keeps the smallest set of most likely tokens holding p of the mass.
+2. **top-k**: keeps the k most likely tokens (and any tied with the k-th).
+3. **top-p** (nucleus): keeps the smallest set of the top-k survivors holding p of their mass.
 4. **min-p**: keeps tokens at least min-p times as likely as the best one.
 
 The survivors are renormalised: that **final** distribution is what the token is drawn from. The
