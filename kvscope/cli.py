@@ -164,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     """Train into --out; a signal saves a checkpoint, prints how to resume and exits 128 + its number."""
     from pathlib import Path
 
-    from backend.model.model_card import write_model_card
+    from backend.model_card import write_model_card
     from backend.model.train import PRESETS, TrainError, TrainingStopped, check_out_root, default_out_root, train_model
 
     if args.model != "all" and args.model not in PRESETS:

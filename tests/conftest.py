@@ -29,7 +29,7 @@ def workload(demo: LoadedModel) -> list:
 @pytest.fixture(scope="session")
 def expected(demo: LoadedModel, workload: list) -> dict[str, list[int]]:
     """The plain reference model's greedy output for each request of `workload`, computed alone."""
-    from backend.model.reference import reference_generate
+    from backend.engine.reference import reference_generate
     from tests.engine_helpers import GREEDY
 
     eos = demo.tokenizer.eos_token_ids

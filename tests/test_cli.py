@@ -34,7 +34,7 @@ def demo_copy(tmp_path):
 
 def test_generate_greedy_prints_the_reference_completion(capsys, demo):
     from backend.engine.sampling_params import SamplingParams
-    from backend.model.reference import reference_generate
+    from backend.engine.reference import reference_generate
 
     code, out, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0")
     prompt = demo.tokenizer.encode("ROMEO:\n")

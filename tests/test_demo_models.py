@@ -46,7 +46,7 @@ def test_variants_share_size_data_steps_and_seed():
 
 def test_demo_writes_speeches_and_stops_by_itself(demo):
     from backend.engine.sampling_params import SamplingParams
-    from backend.model.reference import reference_generate
+    from backend.engine.reference import reference_generate
 
     prompt = demo.tokenizer.encode("ROMEO:\n")
     eos = demo.tokenizer.eos_token_ids

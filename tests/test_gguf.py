@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 from backend.engine.sampling_params import SamplingParams
 from backend.model import gguf_loader
 from backend.model.loader import SHIPPED_MODELS_DIR, ModelLoadError, load_model, resolve_model_dir
-from backend.model.reference import next_token_logits, reference_generate
+from backend.engine.reference import next_token_logits, reference_generate
 from backend.model.tokenizer import EOS_TEXT, Tokenizer
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 512, 2, 4, 2, 64, 2048

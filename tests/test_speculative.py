@@ -19,7 +19,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.speculative import Verdict, lookup, verify
 from backend.events.schema import parse_event
 from backend.events.state import RunState
-from backend.model.reference import reference_generate
+from backend.engine.reference import reference_generate
 from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 
 DRAFT = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvscope.cli import main
-from backend.model import model_card, quality, train
+from backend import model_card
+from backend.model import quality, train
 from backend.model.loader import SHIPPED_MODELS_DIR, load_model
 
 ROOT = Path(__file__).resolve().parents[1]

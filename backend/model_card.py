@@ -8,7 +8,7 @@ from pathlib import Path
 from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import SHIPPED_MODELS_DIR, load_model
 from backend.model.quality import acceptance_rate, validation_windows
-from backend.model.reference import reference_generate
+from backend.engine.reference import reference_generate
 
 SAMPLE_PROMPT = "ROMEO:\n"
 
