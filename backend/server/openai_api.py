@@ -237,14 +237,6 @@ def model_not_found(name: str, served: str) -> OpenAIError:
                        "model_not_found")
 
 
-def check_logit_bias(run: EngineRun, body: _Sampling) -> None:
-    vocab = run.sim.loaded.config.vocab_size
-    outside = sorted(t for t in body.logit_bias or {} if t >= vocab)
-    if outside:
-        raise OpenAIError(400, f"logit_bias: token id {outside[0]} is not in the vocabulary (0..{vocab - 1})",
-                          "logit_bias")
-
-
 def fit_in_context(run: EngineRun, prompt_len: int, asked: int | None, default: int, prompt_param: str,
                    max_param: str) -> int:
     """max_tokens for a prompt of prompt_len tokens: as asked, or the default cut to the context left.
@@ -406,7 +398,6 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
     if len(prompts) * n > MAX_CHOICES:
         raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
     run = await api_run(request)
-    check_logit_bias(run, data)
     sampling = sampling_for(data, data.logprobs or 0)
     ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
     if not all(ids):
@@ -428,7 +419,6 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     model = check_model(request, data)
     messages = message_dicts(data.messages)
     run = await api_run(request)
-    check_logit_bias(run, data)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     tokenizer, model_dir = run.sim.loaded.tokenizer, run.sim.loaded.path
     eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
