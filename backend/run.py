@@ -13,7 +13,7 @@ from backend.engine.engine import Engine
 from backend.engine.request import RequestError
 from backend.events.bus import EventBus
 from backend.model.loader import LoadedModel, load_model
-from backend.scenario import PlannedRequest, Scenario, plan_requests
+from backend.scenario import PlannedRequest, Scenario, check_available, plan_requests
 
 _MODEL_CACHE: dict[str, LoadedModel] = {}
 
@@ -28,10 +28,11 @@ def cached_model(name: str) -> LoadedModel:
 class ScenarioRun:
     def __init__(self, scenario: Scenario, bus: EventBus | None = None, loaded: LoadedModel | None = None) -> None:
         self.scenario = scenario
+        check_available(scenario)
         self.loaded = loaded or cached_model(scenario.model)
         self.engine = Engine(self.loaded, scenario.engine, bus, seed=scenario.seed)
         self.bus = self.engine.bus
-        self.pending: deque[PlannedRequest] = deque(plan_requests(scenario, self.loaded.tokenizer))
+        self.pending: deque[PlannedRequest] = deque(plan_requests(scenario, self.loaded))
         self.total = len(self.pending)
         self.rejected: dict[str, str] = {}
         self.engine.emit_header(scenario.model_dump(mode="json"), scenario.model)

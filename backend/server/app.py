@@ -106,8 +106,13 @@ async def health() -> dict:
 
 @get("/api/scenarios", sync_to_thread=True)
 def scenarios() -> list[dict]:
-    return [{"name": s.name, "description": s.description, "lesson": [step.model_dump() for step in s.lesson],
-             "model": s.model} for s in list_scenarios()]
+    """Each bundled scenario; one whose model is not installed is `available: false`, `unavailable` says how to install it."""
+    listed = []
+    for s in list_scenarios():
+        reason = s.unavailable()
+        listed.append({"name": s.name, "description": s.description, "lesson": [step.model_dump() for step in s.lesson], "model": s.model,
+                       "available": reason is None, "unavailable": reason})
+    return listed
 
 
 @get("/api/scenarios/{name:str}", sync_to_thread=True)

@@ -7,12 +7,24 @@ import threading
 from typing import Any
 
 from backend.config import EngineConfig
+from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package
 from backend.scenario import Scenario, apply_overrides, load_scenario, validate
 from backend.server.replay import ReplayRun
 from backend.server.runs import DEFAULT_SPEED, EngineRun, RunError, ServedRun, build_run
 
 MAX_RUNS = 16  # finished runs beyond this are forgotten, oldest first
-API_RUN_ID = "api"
+API_RUN_ID = "api"  # the server's own model; another model named by an API request gets "api-<name>"
+# A model outside the shipped demos gets its KV cache by bytes: SmolLM2 in fp32 (46 KB per token)
+# holds ~5,800 tokens in 256 MB, where a fixed 1024 blocks would take 755 MB.
+API_KV_CACHE_MB = 256.0
+
+
+def api_engine(model: str) -> EngineConfig:
+    """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
+    if model in SHIPPED_MODELS:
+        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512)
+    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
+                        max_num_batched_tokens=512)
 
 
 class RunManager:
@@ -33,18 +45,25 @@ class RunManager:
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
         return self._add(build_run(lambda: ReplayRun(events, speed, paused)))
 
-    def api_run(self) -> EngineRun:
-        """The open-ended run that OpenAI-compatible requests join (created on first use)."""
+    def api_models(self) -> list[str]:
+        """Models the OpenAI API serves by name: the server's first, then the shipped ones and smollm2 when present."""
+        shipped = [m for m in SHIPPED_MODELS if (SHIPPED_MODELS_DIR / m / "model.safetensors").is_file()]
+        names = [self.default_model, *shipped, SMOLLM2]
+        return [m for m in dict.fromkeys(names) if m == self.default_model or missing_package(m) is None]
+
+    def api_run(self, model: str | None = None) -> EngineRun:
+        """The open-ended run that OpenAI-compatible requests for `model` join (created on first use)."""
+        model = model or self.default_model
+        run_id = API_RUN_ID if model == self.default_model else f"{API_RUN_ID}-{model}"
         with self._lock:
-            run = self.runs.get(API_RUN_ID)
+            run = self.runs.get(run_id)
             if run is None:
                 # No requests of its own, which a scenario file may not have: built, not validated.
-                engine = EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512)
                 scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.",
-                                                    lesson="", model=self.default_model, seed=0, engine=engine,
+                                                    lesson="", model=model, seed=0, engine=api_engine(model),
                                                     requests=[], generate=None)
-                run = EngineRun(scenario, speed=0.0, run_id=API_RUN_ID, open_ended=True).start()
-                self.runs[API_RUN_ID] = run
+                run = EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True).start()
+                self.runs[run_id] = run
             assert isinstance(run, EngineRun)
             return run
 

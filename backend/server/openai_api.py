@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Close enough to OpenAI's wire format that the official `openai` client works unchanged. Every
-request joins the server's open-ended run "api", so the dashboard can watch it being scheduled,
-paged and sampled. The engine lives on that run's worker thread and reports through events; a
+Close enough to OpenAI's wire format that the official `openai` client works unchanged. A request's
+`model` picks a model by name: the server's own (the default), a shipped one, or `smollm2` when its
+package is installed. Every request joins its model's open-ended run ("api" for the server's model,
+"api-NAME" for another), so the dashboard can watch it being scheduled, paged and sampled. The engine lives on that run's worker thread and reports through events; a
 request's listener (called on the worker thread) hands them to the request's asyncio queue.
 """
 
@@ -22,9 +23,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
-from backend.model.loader import ModelLoadError
+from backend.model.chat import ChatTemplateError, render_chat
+from backend.model.loader import ModelLoadError, missing_package
 from backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
-from backend.server.chat_template import ChatTemplateError, render_chat
 from backend.server.generation import Choice, Generation, prompt_logprobs
 from backend.server.runs import EngineRun
 
@@ -226,15 +227,19 @@ def sampling_for(body: _Sampling, logprobs: int) -> dict[str, Any]:
 
 
 def check_model(request: Request, body: _Sampling) -> str:
-    served = request.app.state.manager.default_model
-    if body.model is not None and body.model != served:
-        raise model_not_found(body.model, served)
-    return served
+    """The model a request names (the server's own when it names none); 404 for one not served."""
+    manager = request.app.state.manager
+    name = body.model or manager.default_model
+    if name not in manager.api_models():
+        raise model_not_found(name, manager.api_models())
+    return name
 
 
-def model_not_found(name: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"model {name!r} is not served here; this server serves {served!r}", "model",
-                       "model_not_found")
+def model_not_found(name: str, served: list[str]) -> OpenAIError:
+    install = missing_package(name)
+    reason = f"is not installed (run: {install})" if install else \
+        f"is not served here; this server serves {', '.join(map(repr, served))}"
+    return OpenAIError(404, f"model {name!r} {reason}", "model", "model_not_found")
 
 
 def fit_in_context(run: EngineRun, prompt_len: int, asked: int | None, default: int, prompt_param: str,
@@ -283,8 +288,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-async def api_run(request: Request) -> EngineRun:
-    return await asyncio.to_thread(request.app.state.manager.api_run)  # the first call loads the model
+async def api_run(request: Request, model: str) -> EngineRun:
+    return await asyncio.to_thread(request.app.state.manager.api_run, model)  # the first call loads the model
 
 
 # ---- OpenAI's response shapes -----------------------------------------------------------------------------
@@ -376,18 +381,18 @@ def model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope"}
 
 
-@get("/models")
-async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(request.app.state.manager.default_model)]}
+@get("/models", sync_to_thread=True)  # looks for installed packages on disk
+def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(m) for m in request.app.state.manager.api_models()]}
 
 
-@get("/models/{model_id:path}")
-async def retrieve_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
-    served = request.app.state.manager.default_model
+@get("/models/{model_id:path}", sync_to_thread=True)
+def retrieve_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
+    served = request.app.state.manager.api_models()
     name = model_id.removeprefix("/")
-    if name != served:
+    if name not in served:
         raise model_not_found(name, served)
-    return model_card(served)
+    return model_card(name)
 
 
 @post("/completions", guards=[require_token], status_code=200)
@@ -397,7 +402,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
     prompts, n = data.prompts(), data.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
-    run = await api_run(request)
+    run = await api_run(request, model)
     sampling = sampling_for(data, data.logprobs or 0)
     ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
     if not all(ids):
@@ -418,11 +423,9 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     data.refuse_unimplemented()
     model = check_model(request, data)
     messages = message_dicts(data.messages)
-    run = await api_run(request)
+    run = await api_run(request, model)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
-    tokenizer, model_dir = run.sim.loaded.tokenizer, run.sim.loaded.path
-    eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
-    prompt = await asyncio.to_thread(render_chat, messages, model_dir, eos_text)  # reads the model folder
+    prompt = await asyncio.to_thread(render_chat, messages, run.sim.loaded)  # reads the model folder
     prompt_len = len(await asyncio.to_thread(token_ids, run, prompt))
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"

@@ -1,10 +1,11 @@
-"""Chat messages -> one prompt string, for `/v1/chat/completions`.
+"""Chat messages -> one prompt string, for `/v1/chat/completions` and a scenario's `messages` requests.
 
-A model folder with a Hugging Face chat template (`chat_template` in tokenizer_config.json, or a
-chat_template.jinja file) is rendered with it. The demo models have none: they were trained on Tiny
-Shakespeare speeches, "NAME:\\ntext\\n", each followed by the end-of-text token. So the default
-template writes every message as such a speech, by a speaker chosen for its role, and ends with the
-assistant's name and a newline: the model then writes the assistant's speech and stops on its own.
+A model whose tokenizer carries a Hugging Face chat template (`chat_template` in tokenizer_config.json,
+chat_template.jinja, or a GGUF file's `tokenizer.chat_template`) is rendered with it. The demo models
+have none: they were trained on Tiny Shakespeare speeches, "NAME:\\ntext\\n", each followed by the
+end-of-text token. So the default template writes every message as such a speech, by a speaker chosen
+for its role, and ends with the assistant's name and a newline: the model then writes the assistant's
+speech and stops on its own.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from backend.model.loader import LoadedModel
 
 # Speakers the demo models met often in training (ROMEO and JULIET have ~150 speeches each), so
 # they answer in character; a message's own `name` takes precedence.
@@ -28,12 +32,13 @@ class ChatTemplateError(ValueError):
     """Messages the model's chat template refuses (it may raise on purpose, e.g. roles out of order)."""
 
 
-def render_chat(messages: list[dict[str, Any]], model_dir: Path | None, eos_text: str) -> str:
+def render_chat(messages: list[dict[str, Any]], loaded: LoadedModel) -> str:
     """The prompt for these messages, ready for the model to write the assistant's turn."""
-    template = find_template(model_dir) if model_dir is not None else None
-    if template is None:
+    tokenizer = loaded.tokenizer
+    if tokenizer.chat_template is None:
+        eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
         return render_speeches(messages, eos_text)
-    return render_hf_template(template, messages, model_dir)
+    return render_template(tokenizer.chat_template, messages, special_tokens(loaded.path))
 
 
 def render_speeches(messages: list[dict[str, Any]], eos_text: str) -> str:
@@ -45,26 +50,18 @@ def render_speeches(messages: list[dict[str, Any]], eos_text: str) -> str:
     return "".join(parts) + f"{ASSISTANT_SPEAKER}:\n"
 
 
-def find_template(model_dir: Path) -> str | None:
-    """The folder's Hugging Face chat template, if it has one."""
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = _tokenizer_config(model_dir).get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-def render_hf_template(template: str, messages: list[dict[str, Any]], model_dir: Path) -> str:
-    config = _tokenizer_config(model_dir)
+def render_template(template: str, messages: list[dict[str, Any]], tokens: dict[str, str]) -> str:
+    """A Hugging Face chat template rendered as transformers' apply_chat_template does (generation prompt on)."""
     try:
-        return _compile(template).render(
-            messages=messages, add_generation_prompt=True, tools=None,
-            bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
+        return _compile(template).render(messages=messages, add_generation_prompt=True, tools=None, **tokens)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"messages: the model's chat template refused them ({e})") from None
+
+
+def special_tokens(model_dir: Path) -> dict[str, str]:
+    """bos_token and eos_token as a template sees them, from the folder's tokenizer_config.json."""
+    config = _tokenizer_config(model_dir)
+    return {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
 
 
 @lru_cache(maxsize=8)

