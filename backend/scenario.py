@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from backend.config import EngineConfig
+from backend.errors import KvscopeError
 from backend.events.moments import MomentKind
 from backend.engine.sampling_params import SamplingParams
 from backend.model.chat import render_chat
@@ -35,7 +36,7 @@ SCENARIOS_DIR = Path(str(resources.files("scenarios")))
 NAME_PATTERN = r"^[a-z0-9-]+$"
 
 
-class ScenarioError(ValueError):
+class ScenarioError(KvscopeError):
     """A scenario that cannot be used: the message names the file, the field and the reason."""
 
 
@@ -149,7 +150,7 @@ def check_available(scenario: Scenario) -> None:
     """A ScenarioError saying how to install what the scenario needs, when it cannot run here."""
     reason = scenario.unavailable()
     if reason is not None:
-        raise ScenarioError(f"{scenario.name}: {reason}")
+        raise ScenarioError(str(scenario.name), str(reason))
 
 
 @dataclass
@@ -171,13 +172,13 @@ def resolve_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
-            raise ScenarioError(f"{path}: no such scenario file")
+            raise ScenarioError(str(path), "no such scenario file")
         return path
     if not re.match(NAME_PATTERN, name_or_path):
-        raise ScenarioError(f"{name_or_path!r}: not a scenario name (use [a-z0-9-]+) or a .yaml file")
+        raise ScenarioError(f"{name_or_path!r}", "not a scenario name (use [a-z0-9-]+) or a .yaml file")
     path = SCENARIOS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise ScenarioError(f"{name_or_path}: no such scenario (`kvscope scenarios` lists them)")
+        raise ScenarioError(str(name_or_path), "no such scenario (`kvscope scenarios` lists them)")
     return path
 
 
@@ -185,24 +186,24 @@ def parse_assignment(assignment: str) -> tuple[str, Any]:
     """One `--set a.b.c=VALUE` as (dotted key, VALUE parsed as YAML)."""
     key, sep, raw = assignment.partition("=")
     if not sep:
-        raise ScenarioError(f"--set {assignment!r}: expected KEY=VALUE, e.g. engine.block_size=8")
+        raise ScenarioError(f"--set {assignment!r}", "expected KEY=VALUE, e.g. engine.block_size=8")
     try:
         return key, yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ScenarioError(f"--set {assignment}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
+        raise ScenarioError(f"--set {assignment}", f"the value is not valid YAML ({getattr(e, 'problem', e)})") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[tuple[str, Any, str]]) -> dict[str, str]:
     """Set each (dotted key, value, label) in a raw scenario dict; returns key -> label, for validate."""
     for key, value, label in overrides:
         if "" in key.split("."):
-            raise ScenarioError(f"{label}: {key!r} is not a dotted field path, e.g. engine.block_size")
+            raise ScenarioError(str(label), f"{key!r} is not a dotted field path, e.g. engine.block_size")
         *parents, leaf = key.split(".")
         node = data
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ScenarioError(f"{label}: {part} is not a section")
+                raise ScenarioError(str(label), f"{part} is not a section")
         node[leaf] = value
     return {key: label for key, _, label in overrides}
 
@@ -213,26 +214,26 @@ def validate(data: Any, source: str, blame: dict[str, str] | None = None) -> Sce
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:
-        raise ScenarioError(_describe(e.errors()[0], source, blame or {})) from None
+        raise ScenarioError(*_describe(e.errors()[0], source, blame or {})) from None
 
 
 def _require_mapping(data: Any, source: str) -> None:
     if not isinstance(data, dict):
-        raise ScenarioError(f"{source}: a scenario is a YAML mapping")
+        raise ScenarioError(str(source), "a scenario is a YAML mapping")
 
 
-def _describe(err: Any, source: str, blame: dict[str, str]) -> str:
-    """One validation error as 'where: reason', where = the override that caused it, else source: field."""
+def _describe(err: Any, source: str, blame: dict[str, str]) -> tuple[str, str]:
+    """One validation error as (where, reason), where = the override that caused it, else source: field."""
     loc = tuple(str(p) for p in err["loc"])
     reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else err["msg"]
     for key, label in reversed(blame.items()):
         parts = tuple(key.split("."))
         if loc[: len(parts)] == parts:  # inside the value the override set
             rest = ".".join(loc[len(parts):])
-            return f"{label}: {rest}: {reason}" if rest else f"{label}: {reason}"
+            return (f"{label}: {rest}", reason) if rest else (label, reason)
         if loc and parts[: len(loc)] == loc:  # a check of the section the override changed
-            return f"{label}: {reason}"
-    return f"{source}: {'.'.join(loc) or 'scenario'}: {reason}"
+            return label, reason
+    return f"{source}: {'.'.join(loc) or 'scenario'}", reason
 
 
 def _unknown_field(loc: tuple[str, ...]) -> str:
@@ -274,13 +275,13 @@ def read_yaml(path: Path) -> Any:
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ScenarioError(f"{where}: {e.problem or e.context}") from None
+        raise ScenarioError(str(where), f"{e.problem or e.context}") from None
     except yaml.YAMLError as e:
-        raise ScenarioError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        raise ScenarioError(str(path), f"not valid YAML ({' '.join(str(e).split())})") from None
     except UnicodeDecodeError:
-        raise ScenarioError(f"{path}: not UTF-8 text") from None
+        raise ScenarioError(str(path), "not UTF-8 text") from None
     except OSError as e:
-        raise ScenarioError(f"{path}: cannot read ({e.strerror})") from None
+        raise ScenarioError(str(path), f"cannot read ({e.strerror})") from None
 
 
 def load_scenario(name_or_path: str, overrides: list[str] = ()) -> Scenario:
@@ -312,7 +313,7 @@ def draw_prompt(tokenizer: Tokenizer, num_tokens: int, rng: random.Random) -> li
         ids = tokenizer.encode(text[start : start + 8 * num_tokens + 64])
         if len(ids) >= num_tokens:
             return ids[:num_tokens]
-    raise ScenarioError(f"prompt_tokens: cannot draw {num_tokens} tokens from the prompt pool")
+    raise ScenarioError("prompt_tokens", f"cannot draw {num_tokens} tokens from the prompt pool")
 
 
 def plan_requests(scenario: Scenario, loaded: LoadedModel) -> list[PlannedRequest]:

@@ -8,16 +8,11 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-
-class UserError(Exception):
-    """An error the user can act on: printed as one line, exit status 2."""
+from backend.errors import KvscopeError, validation_error
 
 
-def pydantic_message(e: ValidationError, prefix: str = "") -> str:
-    """First validation error as 'field.path: reason'."""
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    return f"{prefix}{loc}: {err['msg']}" if loc else f"{prefix}{err['msg']}"
+class UserError(KvscopeError):
+    """A bad flag: the flag (with its value) and the reason."""
 
 
 # ---- kvscope generate ---------------------------------------------------------------------------
@@ -42,8 +37,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                                 min_p=args.min_p, seed=args.seed, n=args.n, beam_width=args.beam_width,
                                 length_penalty=args.length_penalty)
     except ValidationError as e:
-        field = e.errors()[0]["loc"][0]
-        raise UserError(f"{SAMPLING_FLAGS.get(str(field), field)}: {e.errors()[0]['msg']}") from None
+        error = validation_error(e)
+        raise UserError(SAMPLING_FLAGS.get(error.field, error.field), error.reason) from None
     speculative = None if args.speculative == "off" else {"method": args.speculative, "num_tokens": args.num_draft_tokens}
     loaded = load_model(args.model)
     context = loaded.config.max_position_embeddings
@@ -53,10 +48,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         engine = Engine(loaded, config)
         req = engine.add_request("cli", args.prompt, args.max_tokens, params)
     except ValidationError as e:
-        raise UserError(f"--num-draft-tokens: {e.errors()[0]['msg']}") from None
+        raise UserError("--num-draft-tokens", validation_error(e).reason) from None
     except RequestError as e:
         flag = {"prompt": "--prompt", "max_tokens": "--max-tokens", **ENGINE_FLAGS}.get(e.field, e.field)
-        raise UserError(f"{flag}: {e.reason}") from None
+        raise UserError(str(flag), str(e.reason)) from None
     while engine.has_unfinished():
         engine.step()
     if not req.multi:
@@ -85,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     events = read_trace(args.trace) if getattr(args, "trace", None) else None
     if not args.no_ui and args.ui_port == args.port:
-        raise UserError(f"--ui-port {args.ui_port}: the same port as --port; the dashboard needs its own")
+        raise UserError(f"--ui-port {args.ui_port}", "the same port as --port; the dashboard needs its own")
     with _listen(args.host, args.port, "--port") as api_socket:
         if not args.no_ui:
             _listen(args.host, args.ui_port, "--ui-port").close()  # NiceGUI binds it itself; fail before starting
@@ -128,12 +123,12 @@ def _listen(host: str, port: int, flag: str):
         return listen(host, port)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
-            raise UserError(f"{flag} {port}: in use (another program listens on {host}:{port}); "
-                            f"pick another port") from None
+            raise UserError(f"{flag} {port}", f"in use (another program listens on {host}:{port}); "
+                                                  "pick another port") from None
         if e.errno == errno.EACCES:
-            raise UserError(f"{flag} {port}: permission denied (ports below 1024 need privileges); "
-                            f"pick another port") from None
-        raise UserError(f"--host {host}: cannot listen there ({e.strerror or e})") from None
+            raise UserError(f"{flag} {port}", "permission denied (ports below 1024 need privileges); "
+                                              "pick another port") from None
+        raise UserError(f"--host {host}", f"cannot listen there ({e.strerror or e})") from None
 
 
 def _print_api(args: argparse.Namespace, token: str | None) -> None:
@@ -165,13 +160,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from backend.model_card import write_model_card
-    from backend.model.train import PRESETS, TrainError, TrainingStopped, check_out_root, default_out_root, train_model
+    from backend.model.train import PRESETS, TrainingStopped, check_out_root, default_out_root, train_model
 
     if args.model != "all" and args.model not in PRESETS:
-        raise UserError(f"--model {args.model}: not a preset (choose {', '.join(PRESETS)} or all)")
+        raise UserError(f"--model {args.model}", f"not a preset (choose {', '.join(PRESETS)} or all)")
     for flag, value in (("--steps", args.steps), ("--threads", args.threads)):
         if value is not None and value < 1:
-            raise UserError(f"{flag} {value}: must be at least 1")
+            raise UserError(f"{flag} {value}", "must be at least 1")
     out_root = Path(args.out).expanduser() if args.out else default_out_root()
     names = list(PRESETS) if args.model == "all" else [args.model]
     try:
@@ -181,8 +176,6 @@ def cmd_train(args: argparse.Namespace) -> None:
             write_model_card(out_root / name)
             print(f"{name}: {metrics['val_bits_per_char']} bits/char, {metrics['train_seconds']} s; "
                   f"use it with --model {out_root / name}")
-    except TrainError as e:
-        raise UserError(str(e)) from None
     except TrainingStopped as e:
         print(f"stopped at step {e.step}; resume with: {_train_command(args)} --resume", flush=True)
         raise SystemExit(128 + e.signum) from None
@@ -243,7 +236,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     except ExportError as e:
         where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
                  "x": f"--x {args.x}", "step": f"--step {args.step}", "stride": f"--stride {args.stride}"}[e.field]
-        raise UserError(f"{where}: {e.reason}") from None
+        raise UserError(str(where), str(e.reason)) from None
     what = {".json": "Perfetto trace of the timeline", ".gif": "block pool and timeline, animated"}
     print(f"wrote {out} ({what.get(out.suffix.lower(), args.view)})")
 
@@ -275,7 +268,7 @@ def cmd_whatif(args: argparse.Namespace) -> None:
                         kv_cache_dtype=args.kv_cache_dtype, weight_quant=args.weight_quant,
                         quant_group_size=args.quant_group_size, link=args.link)
     except PerfError as e:
-        raise UserError(f"--{e.field.replace('_', '-')}: {e.reason}") from None
+        raise UserError(f"--{e.field.replace('_', '-')}", str(e.reason)) from None
     print(json.dumps(result, indent=2) if args.json else format_table(result))
 
 
@@ -388,15 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
     """Run a subcommand; user-facing errors become one line on stderr and exit status 2."""
-    from backend.engine.request import RequestError
-    from backend.events.trace import TraceError
-    from backend.model.loader import ModelLoadError
-    from backend.scenario import ScenarioError
-    from backend.server.runs import RunError
-
     try:
         func(args)
-    except (UserError, ModelLoadError, ScenarioError, RequestError, TraceError, RunError) as e:
+    except KvscopeError as e:
         print(f"kvscope {args.command}: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. --trace or --report in a folder that does not exist

@@ -12,15 +12,12 @@ from backend.engine.beam_search import BeamState
 from backend.engine.metrics import RequestTimes
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Sequence
+from backend.errors import KvscopeError
 from backend.model.tokenizer import Tokenizer
 
 
-class RequestError(ValueError):
+class RequestError(KvscopeError):
     """A request refused at submission: which field, and why."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
 
 
 @dataclass(eq=False)  # identity: a request is found in lists by who it is

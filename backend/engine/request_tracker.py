@@ -24,6 +24,7 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence, SeqStatus
 from backend.engine.step_events import StepEvents
+from backend.errors import validation_error
 from backend.model.tokenizer import Tokenizer
 
 
@@ -179,6 +180,4 @@ def parse_sampling(sampling: SamplingParams | dict | None) -> SamplingParams:
     try:
         return SamplingParams.model_validate(sampling or {})
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise RequestError(f"sampling.{loc}" if loc else "sampling", err["msg"]) from None
+        raise validation_error(e, "sampling", RequestError) from None

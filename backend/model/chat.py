@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from backend.errors import KvscopeError
+
 if TYPE_CHECKING:
     from backend.model.loader import LoadedModel
 
@@ -28,7 +30,7 @@ SPEAKERS = {"system": "CHORUS", "developer": "CHORUS", "user": "ROMEO", "assista
 ASSISTANT_SPEAKER = SPEAKERS["assistant"]
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KvscopeError):
     """Messages the model's chat template refuses (it may raise on purpose, e.g. roles out of order)."""
 
 
@@ -55,7 +57,7 @@ def render_template(template: str, messages: list[dict[str, Any]], tokens: dict[
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=True, tools=None, **tokens)
     except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"messages: the model's chat template refused them ({e})") from None
+        raise ChatTemplateError("messages", f"the model's chat template refused them ({e})") from None
 
 
 def special_tokens(model_dir: Path) -> dict[str, str]:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from backend.config import KVSCOPE_ARCHITECTURE, MLAConfig, ModelConfig
+from backend.errors import KvscopeError
 from backend.model.attention import DenseCausalBackend
 from backend.model.loader import SHIPPED_MODELS_DIR, save_model
 from backend.model.quality import CONTEXT, bits_per_char, evaluate, validation_windows
@@ -83,7 +84,7 @@ class TrainSettings:
     seed: int = 0
 
 
-class TrainError(ValueError):
+class TrainError(KvscopeError):
     """An output folder that does not fit the request: the message names the option and the reason."""
 
 
@@ -109,10 +110,10 @@ def check_out_root(out_root: Path, names: list[str], resume: bool) -> None:
     """Refuse to start over a checkpoint (its progress would be lost) or to resume from none at all."""
     found = [n for n in names if checkpoint_path(out_root, n).is_file()]
     if resume and not found:
-        raise TrainError(f"--resume: no {CHECKPOINT} of {', '.join(names)} under {out_root}")
+        raise TrainError("--resume", f"no {CHECKPOINT} of {', '.join(names)} under {out_root}")
     if found and not resume:
-        raise TrainError(f"--out {out_root}: {found[0]} has a checkpoint there; add --resume to continue it, "
-                         "or choose another --out")
+        raise TrainError(f"--out {out_root}", f"{found[0]} has a checkpoint there; add --resume to continue it, "
+                                              "or choose another --out")
 
 
 def load_tokenizer(out_root: Path) -> Tokenizer:
@@ -161,8 +162,8 @@ class _Trainer:
         if resume and path.is_file():
             trainer.load()
         if trainer.state["step"] > s.steps:
-            raise TrainError(f"--steps {s.steps}: the checkpoint in {path.parent} is already at step "
-                             f"{trainer.state['step']}")
+            raise TrainError(f"--steps {s.steps}", f"the checkpoint in {path.parent} is already at step "
+                                                   f"{trainer.state['step']}")
         return trainer
 
     def load(self) -> None:

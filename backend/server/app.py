@@ -20,13 +20,12 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from litestar.openapi import OpenAPIConfig
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backend.engine.request import RequestError
-from backend.events.trace import TraceError, parse_trace
-from backend.model.loader import ModelLoadError
-from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
+from backend.errors import KvscopeError
+from backend.events.trace import parse_trace
+from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, list_scenarios, load_scenario
 from backend.server.guards import require_token
 from backend.server.manager import RunManager
-from backend.server.runs import USER_ERRORS, EngineRun, RunError, ServedRun
+from backend.server.runs import EngineRun, RunError, ServedRun
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,8 @@ def _error(status: int, message: str, field: str | None = None) -> Response:
     return Response({"error": message, "field": field}, status_code=status, media_type=MediaType.JSON)
 
 
-def user_error(_: Request, exc: Exception) -> Response:
-    field = getattr(exc, "field", None)
-    return _error(400, str(exc), field)
+def user_error(_: Request, exc: KvscopeError) -> Response:
+    return _error(400, str(exc), exc.field)
 
 
 def http_error(_: Request, exc: HTTPException) -> Response:
@@ -132,7 +130,7 @@ async def list_runs(request: Request) -> list[dict]:
 def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
     try:
         run = _start(request.app.state.manager, data)
-    except USER_ERRORS as e:  # a 400 for the client, and a line in the server's log for whoever runs it
+    except KvscopeError as e:  # a 400 for the client, and a line in the server's log for whoever runs it
         log.warning("POST /api/runs refused: %s", e, exc_info=e.__cause__)
         raise
     return {"run_id": run.run_id, "kind": run.kind}
@@ -143,7 +141,7 @@ def _start(manager: RunManager, data: StartRun) -> ServedRun:
         return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
     if data.scenario is not None:
         return manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
-    raise RunError("scenario: give a scenario (name or object) or a trace")
+    raise RunError("scenario", "give a scenario (name or object) or a trace")
 
 
 @get("/api/runs/{run_id:str}", sync_to_thread=True)
@@ -162,7 +160,7 @@ def control(request: Request, run_id: FromPath[str], data: JSONBody[Control]) ->
 def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
     run = run_or_404(request, run_id)
     if not isinstance(run, EngineRun):
-        raise RunError("run_id: a replay cannot take new requests")
+        raise RunError("run_id", "a replay cannot take new requests")
     return {"request_id": run.add_request(data.prompt, data.max_tokens, data.sampling)}
 
 
@@ -191,9 +189,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     app = Litestar(
         route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
-        exception_handlers={RunError: user_error, RequestError: user_error, ScenarioError: user_error,
-                            TraceError: user_error, ModelLoadError: user_error,
-                            HTTPException: openai_errors_under_v1(http_error)},
+        exception_handlers={KvscopeError: user_error, HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,

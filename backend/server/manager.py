@@ -83,7 +83,7 @@ class RunManager:
             while len(self.runs) >= MAX_RUNS and finished:
                 self.runs.pop(finished.pop(0)).stop()
             if len(self.runs) >= MAX_RUNS:
-                raise RunError(f"too many runs at once (at most {MAX_RUNS}); let one finish first")
+                raise RunError(None, f"too many runs at once (at most {MAX_RUNS}); let one finish first")
             self.runs[run.run_id] = run
         if self.watcher_queue_limit:
             run.queue_limit = self.watcher_queue_limit

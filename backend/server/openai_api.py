@@ -23,6 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 
 from backend.engine.request import RequestError
 from backend.engine.sampling_params import SamplingParams
+from backend.errors import validation_error
 from backend.model.chat import ChatTemplateError, render_chat
 from backend.model.loader import ModelLoadError, missing_package
 from backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
@@ -220,9 +221,8 @@ def sampling_for(body: _Sampling, logprobs: int) -> dict[str, Any]:
     try:
         SamplingParams.model_validate(sampling)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
-        raise OpenAIError(400, f"{param}: {err['msg']}", param) from None
+        error = validation_error(e)
+        raise OpenAIError(400, str(error), error.field) from None
     return sampling
 
 

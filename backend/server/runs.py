@@ -19,36 +19,31 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from backend.engine.request import RequestError
+from backend.errors import KvscopeError
 from backend.events.bus import EventBus
 from backend.events.state import RunState
-from backend.events.trace import TraceError
-from backend.model.loader import ModelLoadError
 from backend.run import ScenarioRun
-from backend.scenario import Scenario, ScenarioError
+from backend.scenario import Scenario
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 WATCHER_QUEUE_LIMIT = 4096  # events a watcher may lag behind before it is resynced instead
 T = TypeVar("T")
 
 
-class RunError(ValueError):
+class RunError(KvscopeError):
     """A control or request a run cannot take; becomes a 400 with this message."""
 
 
 # Already user errors with a message of their own (each becomes a 400 as it is).
-USER_ERRORS = (RunError, ScenarioError, RequestError, ModelLoadError, TraceError)
-
-
 def build_run(build: Callable[[], T]) -> T:
     """build(); any other failure (the engine refusing its config, memory, a file) as a RunError naming it."""
     try:
         return build()
-    except USER_ERRORS:
+    except KvscopeError:
         raise
     except Exception as e:  # the edge: a run that cannot start is the user's to fix, never a 500
         reason = (str(e).strip().splitlines() or [""])[0]
-        raise RunError(f"the run could not start: {type(e).__name__}: {reason}") from e
+        raise RunError(None, f"the run could not start: {type(e).__name__}: {reason}") from e
 
 
 @dataclass
@@ -174,16 +169,16 @@ class ServedRun:
                 self.steps_requested += int(value or 1)
             elif action == "speed":
                 if value is None or value < 0:
-                    raise RunError("value: speed must be a number of iterations per second >= 0 (0 = unpaced)")
+                    raise RunError("value", "speed must be a number of iterations per second >= 0 (0 = unpaced)")
                 self.speed = float(value)
             elif action == "seek":
                 pass  # below, on the worker thread: it rebuilds the state the worker is using
             else:
-                raise RunError(f"action: unknown action {action!r} (pause, resume, step, speed, seek)")
+                raise RunError("action", f"unknown action {action!r} (pause, resume, step, speed, seek)")
             self.wakeup.notify_all()
         if action == "seek":
             if value is None or value < 0:
-                raise RunError("value: seek needs a step number >= 0")
+                raise RunError("value", "seek needs a step number >= 0")
             self.call(lambda: self._seek(int(value)))
         self._emit_control(action, value)
 
@@ -256,7 +251,7 @@ class ServedRun:
         raise NotImplementedError
 
     def _seek(self, step: int) -> None:
-        raise RunError("action: seek works on replays only")
+        raise RunError("action", "seek works on replays only")
 
     def _emit_control(self, action: str, value: Any) -> None:
         """Recorded as an event so that a replay shows when the class paused."""
