@@ -562,6 +562,14 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     static, continuous = (f.state.step for f in feeds)
     assert static > continuous  # the lesson: static batching needs more iterations
     assert len({c.views["timeline"].chart.id for c in compare.columns}) == 2
+    side = compare.side_by_side
+    await until(lambda: side.titles[1].content == "batching: continuous")
+    assert side.titles[0].content == "batching: static"  # from the headers' diff, not from the form
+    iterations = [f'<td class="kv-differs">{n + 1}</td>' for n in (static, continuous)]
+    await until(lambda: all(cell in side.differences.content for cell in iterations))
+    assert "<th>prefill tokens computed</th>" in side.differences.content
+    # both columns' per-iteration charts end at the longer run's last iteration
+    assert set(side.sent.values()) == {(-0.5, static + 0.5)} and len(side.sent) == 6
 
 
 # ---- explanations, calculator, export -------------------------------------------------------------------
