@@ -119,6 +119,10 @@ class Dashboard:
             ui.space()
             if show_lag:  # /?lag=1: the latency probe's recent p95 (docs/dashboard.md)
                 ui.html('<span id="kvscope-lag" class="kv-lag"></span>', sanitize=False)
+            # client side only: the switch works at once, and sessionStorage remembers it (kvscope.js)
+            ui.button(icon="co_present").props("flat round dense color=white data-kv=projector") \
+                .on("click", js_handler="() => kvscope.toggleProjector()").mark("projector") \
+                .tooltip("projector mode: large type for a lecture hall")
             for feed in feeds:
                 self.exports.append(ExportMenu(self.backend, feed.run_id))
 
