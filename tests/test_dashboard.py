@@ -583,6 +583,13 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
                   "Sampling: from logits to the chosen token", "KV memory calculator"):
         await dash.user.should_see(title)
         dash.user.find(marker=f"help-{title}").click()
+    # every view's legend, under its title (tests/test_legends.py checks they name every colour)
+    from frontend.views import attention, batch, block_pool, block_table, sampling, timeline
+    with dash.user.client:
+        legends = [h.content for h in ElementFilter(kind=ui.html, local_scope=False) if "kv-legend" in h.content]
+    for items in (timeline.legend_items(), batch.LEGEND, block_pool.LEGEND, block_pool.RING_LEGEND,
+                  block_table.LEGEND, attention.LEGEND, sampling.LEGEND):
+        assert any(all(label in shown for _, label in items) for shown in legends), items
     await dash.user.should_see("paged attention")
     await dash.user.should_see("block diagonal")
     await dash.user.should_see("2 · L · N_kv · D_h · bytes")

@@ -9,7 +9,7 @@ from nicegui.events import EChartPointClickEventArguments
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import Column, RunHistory
 from frontend.selection import Selection
-from frontend.palette import BUDGET_COLOR, SLOT_COLORS, request_color
+from frontend.palette import BUDGET_COLOR, MANY_REQUESTS_COLOR, SLOT_COLORS, request_color
 from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
@@ -35,6 +35,10 @@ PHASE = {"decode": 0, "prefill": 1, "verify": 2}
 
 MERGED = 999  # colour index of "many decodes in one segment" (grey)
 MAX_DECODE_SEGMENTS = 12  # more decoding requests than this share one segment per iteration
+LEGEND = [(request_color(0), "prefill tokens (solid, colour = request)"),
+          (request_color(0) + "80", "decode / verify tokens (pale)"),
+          (MANY_REQUESTS_COLOR, "many decodes in one segment"), (BUDGET_COLOR, "--- token budget"),
+          (SLOT_COLORS["used"], "slot used"), (SLOT_COLORS["idle"], "slot idle")]
 
 
 def column_segments(col: Column, history: RunHistory) -> list[list[Any]]:
@@ -96,9 +100,7 @@ class BatchView(FeedView):
         self.tallest = 0  # most tokens in one iteration so far: the y scale, so decodes stay visible
         with view_card("Batch composition per iteration", EXPLANATION, "w-full"):
             self.caption = LiveText().classes("kv-caption").mark("batch-caption")
-            legend([(request_color(0), "prefill tokens (solid)"), (request_color(0) + "80", "decode tokens (pale)"),
-                    (BUDGET_COLOR, "--- token budget"), (SLOT_COLORS["used"], "slot used"),
-                    (SLOT_COLORS["idle"], "slot idle")])
+            legend(LEGEND)
             self.chart = make_chart(self._options(), height, "batch")
         self.chart.on_point_click(self._on_click)
         super().__init__(feed)
