@@ -163,7 +163,7 @@ def status_step(page) -> int:
 # ---- the tests ------------------------------------------------------------------------------------------
 
 
-def test_live_views_step_export_and_screenshot(page, backend_url, dashboard_url, tiny_dir, tmp_path):
+def test_live_views_step_and_export(page, backend_url, dashboard_url, tiny_dir, tmp_path):
     run_id = start(backend_url, scenario(tiny_dir, "arrivals", 256, 6, 14, (24, 80), (20, 60),
                                          {"process": "poisson", "rate_per_step": 0.6}), speed=12, paused=True)
     page.goto(f"{dashboard_url}/?run={run_id}")
@@ -190,12 +190,6 @@ def test_live_views_step_export_and_screenshot(page, backend_url, dashboard_url,
     time.sleep(0.5)
     assert status_step(page) == step + 1
     wait_until(lambda: probe(page)["timeline_end"] == step + 1.5, 5, "the timeline did not draw the stepped iteration")
-
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.mouse.move(800, 5)  # no tooltip in the picture
-    time.sleep(0.3)
-    page.screenshot(path=str(SCREENSHOT), full_page=False)
-    assert 20_000 < SCREENSHOT.stat().st_size < 500_000
 
     page.locator("[data-kv=export]").click()
     with page.expect_download(timeout=60_000) as download:
@@ -310,8 +304,9 @@ def shared_prefix_run(base: str, model: str, caching: bool, steps: int) -> str:
     """The shared-prefix lesson with the tiny model, stopped mid-way after `steps` iterations."""
     run_id = api(base, "/api/runs", {"scenario": "shared-prefix", "speed": 0, "paused": True,
                                      "overrides": {"model": model, "engine.prefix_caching": caching}})["run_id"]
-    api(base, f"/api/runs/{run_id}/control", {"action": "step", "value": steps})
-    wait_until(lambda: api(base, f"/api/runs/{run_id}")["step"] >= steps - 1, 30, "the run did not step")
+    if steps:
+        api(base, f"/api/runs/{run_id}/control", {"action": "step", "value": steps})
+        wait_until(lambda: api(base, f"/api/runs/{run_id}")["step"] >= steps - 1, 30, "the run did not step")
     return run_id
 
 
@@ -362,3 +357,22 @@ def test_nothing_overflows_at_1280_and_projector_mode_makes_every_label_16px(pag
     time.sleep(0.8)
     m = page.evaluate(MEASURE)
     assert not m["projector"] and m["small"]  # back to the normal, smaller type
+
+
+def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url, dashboard_url):
+    """docs/images/dashboard.png: the demo model's shared-prefix run, 14 iterations in, at 1600x1000."""
+    run_id = shared_prefix_run(backend_url, "demo", True, 0)
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
+    page.get_by_text("lesson mode").click()  # the picture is of the run, not of a lesson's pause
+    # stepped while watched: the figures come from the events (a snapshot has no past throughput)
+    api(backend_url, f"/api/runs/{run_id}/control", {"action": "step", "value": 14})
+    wait_until(lambda: status_step(page) == 13, 30, "the run did not step")
+    page.wait_for_function(f"""() => {{ const c = {COMPONENT};
+        return c('timeline').chart.getOption().series.some((s) => (s.data || []).length > 0); }}""")
+    time.sleep(1.0)
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(800, 5)  # no tooltip in the picture
+    time.sleep(0.8)  # the lesson switch's tooltip fades
+    page.screenshot(path=str(SCREENSHOT), full_page=False)
+    assert 20_000 < SCREENSHOT.stat().st_size < 500_000
