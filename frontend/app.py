@@ -18,12 +18,13 @@ from urllib.parse import urlencode
 from nicegui import app, ui
 
 from frontend.client import Backend, BackendError, FeedHub, RunFeed
-from frontend.column import RunColumn, sync_zoom
+from frontend.column import RunColumn
 from frontend.compare import ComparePanel
 from frontend.controls import RunControls
 from frontend.export_menu import ExportMenu
 from frontend.new_run import NewRunPanel
 from frontend.palette import for_js
+from frontend.side_by_side import SideBySide
 
 STATIC = Path(__file__).parent / "static"
 
@@ -66,6 +67,7 @@ class Dashboard:
         self.compare: ComparePanel | None = None
         self.exports: list[ExportMenu] = []
         self.gone_check: ui.timer | None = None
+        self.side_by_side: SideBySide | None = None
 
     async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
         ui.add_head_html(head_html())
@@ -92,12 +94,8 @@ class Dashboard:
             elif len(feeds) == 1:
                 self.columns.append(RunColumn(self.backend, feeds[0], compact=False))
             else:
-                with ui.element("div").classes("kv-compare w-full"):
-                    for feed in feeds:
-                        with ui.column().classes("gap-3 w-full min-w-0"):
-                            self.columns.append(RunColumn(self.backend, feed, compact=True))
-                for name in ("timeline", "batch"):
-                    sync_zoom([c.views[name].chart for c in self.columns])
+                self.side_by_side = SideBySide(self.backend, feeds)
+                self.columns.extend(self.side_by_side.columns)
         if feeds:
             self.gone_check = ui.timer(0.5, lambda: self._reload_if_gone(feeds))
         await self.panel.load()
@@ -121,6 +119,10 @@ class Dashboard:
             ui.space()
             if show_lag:  # /?lag=1: the latency probe's recent p95 (docs/dashboard.md)
                 ui.html('<span id="kvscope-lag" class="kv-lag"></span>', sanitize=False)
+            # client side only: the switch works at once, and sessionStorage remembers it (kvscope.js)
+            ui.button(icon="co_present").props("flat round dense color=white data-kv=projector") \
+                .on("click", js_handler="() => kvscope.toggleProjector()").mark("projector") \
+                .tooltip("projector mode: large type for a lecture hall")
             for feed in feeds:
                 self.exports.append(ExportMenu(self.backend, feed.run_id))
 

@@ -44,6 +44,14 @@ FOCUS_COLOR = "#111827"  # lesson mode's lasting ring (with a white inner line) 
 MASK_COLORS = {"cached": PHASE_COLORS["decode"], "computed": PHASE_COLORS["prefill"], "masked": "#eceff3"}
 # Batch slots (max_num_seqs): holding a sequence, or idle.
 SLOT_COLORS = {"used": "#6b7280", "idle": "#fde2e2", "idle_edge": "#e8a0a0"}
+# The block table's chips: the ring of a shared block and the last block's fill (static/kvscope.css
+# .kv-chip-shared and .kv-chip-fill draw them).
+CHIP_COLORS = {"shared": FLASH_COLORS["share"], "fill": "#fef3c7"}
+# The sampling panel's token axis: the chosen token and end-of-sequence tokens.
+TOKEN_MARK_COLORS = {"chosen": "#d62728", "eos": "#8c564b"}
+# A drafted token's fate in the speculative rows (static/kvscope.css .kv-tok-acc and the rest).
+SPEC_COLORS = {"accepted": "#59a14f", "rejected": "#e15759", "discarded": "#cbd5e1", "resampled": "#f28e2b",
+               "bonus": "#4e79a7"}
 
 
 def request_color(index: int) -> str:

@@ -163,7 +163,7 @@ def status_step(page) -> int:
 # ---- the tests ------------------------------------------------------------------------------------------
 
 
-def test_live_views_step_export_and_screenshot(page, backend_url, dashboard_url, tiny_dir, tmp_path):
+def test_live_views_step_and_export(page, backend_url, dashboard_url, tiny_dir, tmp_path):
     run_id = start(backend_url, scenario(tiny_dir, "arrivals", 256, 6, 14, (24, 80), (20, 60),
                                          {"process": "poisson", "rate_per_step": 0.6}), speed=12, paused=True)
     page.goto(f"{dashboard_url}/?run={run_id}")
@@ -190,12 +190,6 @@ def test_live_views_step_export_and_screenshot(page, backend_url, dashboard_url,
     time.sleep(0.5)
     assert status_step(page) == step + 1
     wait_until(lambda: probe(page)["timeline_end"] == step + 1.5, 5, "the timeline did not draw the stepped iteration")
-
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.mouse.move(800, 5)  # no tooltip in the picture
-    time.sleep(0.3)
-    page.screenshot(path=str(SCREENSHOT), full_page=False)
-    assert 20_000 < SCREENSHOT.stat().st_size < 500_000
 
     page.locator("[data-kv=export]").click()
     with page.expect_download(timeout=60_000) as download:
@@ -264,3 +258,121 @@ def test_an_unknown_run_says_no_such_run_and_links_home(page, dashboard_url):
     page.get_by_text("← all runs").click()
     page.get_by_text("Watch an LLM inference engine think").wait_for()
     assert page.url.rstrip("/") == dashboard_url
+
+
+# ---- layout: nothing overflows, projector mode ---------------------------------------------------------
+
+VIEWPORTS = ((1280, 800), (1600, 1000), (1920, 1080))
+SHOTS = os.environ.get("KVSCOPE_SHOTS")  # a folder: every layout checked below is saved there to look at
+PROJECTOR_PX = 16
+MEASURE = """() => {
+    const inner = window.innerWidth;
+    const visible = (el) => el.getClientRects().length && getComputedStyle(el).visibility !== "hidden";
+    const own = (el) => Array.from(el.childNodes).some((n) => n.nodeType === 3 && n.textContent.trim());
+    const small = [];
+    for (const el of document.body.querySelectorAll("*")) {
+        if (!own(el) || !visible(el) || el.closest(".q-icon, .material-icons")) continue;
+        const px = parseFloat(getComputedStyle(el).fontSize);
+        if (px < %d) small.push(`${el.className || el.tagName}: ${el.textContent.trim().slice(0, 30)} (${px}px)`);
+    }
+    const outside = [];
+    for (const el of document.querySelectorAll(".kv-header .q-btn, .kv-header [data-kv], .kv-header .q-select")) {
+        const r = el.getBoundingClientRect();
+        if (visible(el) && (r.left < 0 || r.right > inner)) outside.push(el.dataset.kv || el.className);
+    }
+    const drawer = document.querySelector(".kv-drawer");
+    const edge = drawer && drawer.getBoundingClientRect().right;
+    for (const el of (drawer && edge > 0 ? drawer.querySelectorAll(".q-btn, .q-field, .kv-legend-item") : [])) {
+        if (visible(el) && el.getBoundingClientRect().right > edge + 1) outside.push(el.textContent.trim().slice(0, 30));
+    }
+    const fonts = [];
+    for (const el of document.querySelectorAll("[data-kv]")) {
+        const c = window.getElement && getElement(el.id.slice(1));
+        const o = c && c.chart && c.chart.getOption();
+        if (!o) continue;
+        for (const a of [...o.xAxis, ...o.yAxis]) fonts.push(a.axisLabel.fontSize, a.nameTextStyle.fontSize || 12);
+        for (const l of o.legend || []) fonts.push(l.textStyle.fontSize);
+    }
+    const pool = document.querySelector("[data-kv=block-pool]");
+    const geom = pool && getElement(pool.id.slice(1)).geom;
+    return {scroll: document.documentElement.scrollWidth, inner, small, outside, chart_font: Math.min(...fonts),
+            pool_numbers: geom ? geom.numbers : null, projector: document.documentElement.classList.contains("kv-projector")};
+}""" % PROJECTOR_PX
+
+
+def shared_prefix_run(base: str, model: str, caching: bool, steps: int) -> str:
+    """The shared-prefix lesson with the tiny model, stopped mid-way after `steps` iterations."""
+    run_id = api(base, "/api/runs", {"scenario": "shared-prefix", "speed": 0, "paused": True,
+                                     "overrides": {"model": model, "engine.prefix_caching": caching}})["run_id"]
+    if steps:
+        api(base, f"/api/runs/{run_id}/control", {"action": "step", "value": steps})
+        wait_until(lambda: api(base, f"/api/runs/{run_id}")["step"] >= steps - 1, 30, "the run did not step")
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def midway(backend_url: str, tiny_dir: str) -> tuple[str, str]:
+    return shared_prefix_run(backend_url, tiny_dir, True, 14), shared_prefix_run(backend_url, tiny_dir, False, 14)
+
+
+@pytest.mark.parametrize("layout", ["home", "single", "side-by-side"])
+def test_nothing_overflows_at_1280_and_projector_mode_makes_every_label_16px(page, backend_url, dashboard_url, midway,
+                                                                             layout):
+    path = {"home": "/", "single": f"/?run={midway[0]}", "side-by-side": f"/?run={midway[0]}&compare={midway[1]}"}
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.goto(dashboard_url + path[layout])
+    if layout != "home":
+        page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
+    time.sleep(1.0)
+    for projector in (False, True):
+        if projector:
+            page.locator("[data-kv=projector]").click()
+            time.sleep(0.8)  # the charts' fonts, the block pool's layout
+        for width, height in VIEWPORTS:
+            page.set_viewport_size({"width": width, "height": height})
+            time.sleep(0.5)
+            if SHOTS:
+                if layout == "home":  # the drawer's compare section, the bottom of the panel
+                    page.get_by_text("Side by side").scroll_into_view_if_needed()
+                page.mouse.move(width - 2, height - 2)
+                page.screenshot(path=f"{SHOTS}/{layout}-{width}x{height}{'-projector' if projector else ''}.png")
+            m = page.evaluate(MEASURE)
+            assert m["projector"] == projector
+            assert m["scroll"] <= m["inner"], f"{width}x{height}: the page is wider than the window"
+            assert m["outside"] == [], f"{width}x{height}: outside the window or the panel: {m['outside']}"
+            if projector:
+                assert m["small"] == [], f"{width}x{height}: text under {PROJECTOR_PX} px: {m['small'][:8]}"
+                if layout != "home":
+                    assert m["chart_font"] >= PROJECTOR_PX
+                    assert m["pool_numbers"] == 0 or m["pool_numbers"] >= PROJECTOR_PX  # else the tooltip names it
+    if layout == "side-by-side":  # one x scale for both columns: the longer run's iterations so far
+        ends = page.evaluate("""() => Array.from(document.querySelectorAll("[data-kv=timeline], [data-kv=batch]"))
+            .map((el) => getElement(el.id.slice(1)).chart.getOption().xAxis.map((a) => a.max)).flat()""")
+        last = max(api(backend_url, f"/api/runs/{r}")["step"] for r in midway)
+        assert ends == [last + 0.5] * 6
+    page.reload()  # remembered for the session
+    time.sleep(1.0)
+    assert page.evaluate(MEASURE)["projector"]
+    page.locator("[data-kv=projector]").click()
+    time.sleep(0.8)
+    m = page.evaluate(MEASURE)
+    assert not m["projector"] and m["small"]  # back to the normal, smaller type
+
+
+def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url, dashboard_url):
+    """docs/images/dashboard.png: the demo model's shared-prefix run, 14 iterations in, at 1600x1000."""
+    run_id = shared_prefix_run(backend_url, "demo", True, 0)
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
+    page.get_by_text("lesson mode").click()  # the picture is of the run, not of a lesson's pause
+    # stepped while watched: the figures come from the events (a snapshot has no past throughput)
+    api(backend_url, f"/api/runs/{run_id}/control", {"action": "step", "value": 14})
+    wait_until(lambda: status_step(page) == 13, 30, "the run did not step")
+    page.wait_for_function(f"""() => {{ const c = {COMPONENT};
+        return c('timeline').chart.getOption().series.some((s) => (s.data || []).length > 0); }}""")
+    time.sleep(1.0)
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(800, 5)  # no tooltip in the picture
+    time.sleep(0.8)  # the lesson switch's tooltip fades
+    page.screenshot(path=str(SCREENSHOT), full_page=False)
+    assert 20_000 < SCREENSHOT.stat().st_size < 500_000

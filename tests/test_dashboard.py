@@ -562,6 +562,14 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     static, continuous = (f.state.step for f in feeds)
     assert static > continuous  # the lesson: static batching needs more iterations
     assert len({c.views["timeline"].chart.id for c in compare.columns}) == 2
+    side = compare.side_by_side
+    await until(lambda: side.titles[1].content == "batching: continuous")
+    assert side.titles[0].content == "batching: static"  # from the headers' diff, not from the form
+    iterations = [f'<td class="kv-differs">{n + 1}</td>' for n in (static, continuous)]
+    await until(lambda: all(cell in side.differences.content for cell in iterations))
+    assert "<th>prefill tokens computed</th>" in side.differences.content
+    # both columns' per-iteration charts end at the longer run's last iteration
+    assert set(side.sent.values()) == {(-0.5, static + 0.5)} and len(side.sent) == 6
 
 
 # ---- explanations, calculator, export -------------------------------------------------------------------
@@ -575,6 +583,13 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
                   "Sampling: from logits to the chosen token", "KV memory calculator"):
         await dash.user.should_see(title)
         dash.user.find(marker=f"help-{title}").click()
+    # every view's legend, under its title (tests/test_legends.py checks they name every colour)
+    from frontend.views import attention, batch, block_pool, block_table, sampling, timeline
+    with dash.user.client:
+        legends = [h.content for h in ElementFilter(kind=ui.html, local_scope=False) if "kv-legend" in h.content]
+    for items in (timeline.legend_items(), batch.LEGEND, block_pool.LEGEND, block_pool.RING_LEGEND,
+                  block_table.LEGEND, attention.LEGEND, sampling.LEGEND):
+        assert any(all(label in shown for _, label in items) for shown in legends), items
     await dash.user.should_see("paged attention")
     await dash.user.should_see("block diagonal")
     await dash.user.should_see("2 · L · N_kv · D_h · bytes")

@@ -139,7 +139,50 @@
       return xs.length ? xs[Math.min(xs.length - 1, Math.floor(0.95 * xs.length))] : null;
     },
   };
+  // Projector mode: large type everywhere (the page's CSS under html.kv-projector, and here the
+  // charts' canvas text, which CSS cannot reach), remembered for the tab's session.
+  const PROJECTOR_KEY = "kvscope-projector";
+  const PROJECTOR_FONT = 16;
+  const root = document.documentElement;
+  function chartFonts(chart, on) {
+    const o = chart.getOption();
+    if (!o) return;
+    if (!chart.__kvNormal) { // the sizes the view chose, to go back to
+      const of = (list, key) => (list || []).map((item) => (item[key] || {}).fontSize || 12);
+      chart.__kvNormal = { x: of(o.xAxis, "axisLabel"), xn: of(o.xAxis, "nameTextStyle"),
+                           y: of(o.yAxis, "axisLabel"), yn: of(o.yAxis, "nameTextStyle"),
+                           legend: of(o.legend, "textStyle") };
+    }
+    const n = chart.__kvNormal;
+    const size = (normal, i) => (on ? Math.max(PROJECTOR_FONT, normal[i] || 0) : normal[i]);
+    const axes = (list, labels, names) => (list || []).map((_, i) => ({
+      axisLabel: { fontSize: size(labels, i) }, nameTextStyle: { fontSize: size(names, i) } }));
+    chart.setOption({ xAxis: axes(o.xAxis, n.x, n.xn), yAxis: axes(o.yAxis, n.y, n.yn),
+                      legend: (o.legend || []).map((_, i) => ({ textStyle: { fontSize: size(n.legend, i) } })) });
+    chart.__kvProjector = on;
+  }
+  function charts() {
+    const out = [];
+    for (const el of document.querySelectorAll("[data-kv]")) {
+      const component = window.getElement && getElement(el.id.slice(1));
+      if (component && component.chart && !component.chart.isDisposed()) out.push(component.chart);
+    }
+    return out;
+  }
+  kv.projector = () => root.classList.contains("kv-projector");
+  kv.setProjector = (on) => {
+    root.classList.toggle("kv-projector", on);
+    sessionStorage.setItem(PROJECTOR_KEY, on ? "1" : "");
+    for (const chart of charts()) chartFonts(chart, on);
+    window.dispatchEvent(new Event("kvscope-projector")); // the block pool lays its cells out again
+  };
+  kv.toggleProjector = () => kv.setProjector(!kv.projector());
+  root.classList.toggle("kv-projector", sessionStorage.getItem(PROJECTOR_KEY) === "1");
   window.kvscope = kv;
+  setInterval(() => { // charts mounted after the switch (a page opened in projector mode) catch up
+    const on = kv.projector();
+    for (const chart of charts()) if (chart.__kvProjector !== on && (on || chart.__kvNormal)) chartFonts(chart, on);
+  }, 500);
   setInterval(() => {
     const el = document.getElementById("kvscope-lag");
     const p = kv.p95(200, 10000); // the last ten seconds: the page load's first paint is not "lag"

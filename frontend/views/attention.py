@@ -32,6 +32,9 @@ kernels never compute the white area; this is why batching requests of different
 padding.
 """
 
+LEGEND = [(MASK_COLORS["cached"], "key from the KV cache"), (MASK_COLORS["computed"], "key computed now (causal)"),
+          (MASK_COLORS["masked"], "masked: future"), ("#ffffff", "other sequence: never computed")]
+
 ROW_PX = 22  # tallest a query row is drawn
 MAX_ROWS = 600  # rows drawn; beyond this every k-th query row is drawn (the picture is the same)
 MASK_SERIES = {"id": "mask", "type": "custom", "renderItem": Js("kvscope.maskRow"), "encode": {"x": [1, 4], "y": 0},
@@ -88,9 +91,7 @@ class AttentionView(FeedView):
                 ui.button("latest", on_click=lambda: self.selection.select_mask_step(None)) \
                     .props("flat dense size=sm").mark("mask-latest")
             self.caption = LiveText().classes("kv-caption").mark("mask-caption")
-            legend([(MASK_COLORS["cached"], "key from the KV cache"),
-                    (MASK_COLORS["computed"], "key computed now (causal)"),
-                    (MASK_COLORS["masked"], "masked: future"), ("#ffffff", "other sequence: never computed")])
+            legend(LEGEND)
             self.chart = make_chart(self._options(), height, "attention")
         selection.on_change(self.invalidate)
         super().__init__(feed)

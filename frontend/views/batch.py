@@ -9,7 +9,7 @@ from nicegui.events import EChartPointClickEventArguments
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import Column, RunHistory
 from frontend.selection import Selection
-from frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
+from frontend.palette import BUDGET_COLOR, MANY_REQUESTS_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
 from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from frontend.views.charts import make_chart
 from frontend.views.chunks import Chunks
@@ -72,9 +72,10 @@ def _focus(request_id: str | None, selected: str | None) -> int:
 def legend_items(kv_cache: bool = True) -> list[tuple[str, str]]:
     """(swatch CSS, label): decode tokens, or without a KV cache the recomputed context."""
     color = request_color(0)
-    computed = (f"{color}80", "decode tokens (pale)") if kv_cache else \
+    computed = (f"{color}80", "decode / verify tokens (pale)") if kv_cache else \
         (f"{color};outline:2px solid {RECOMPUTE_COLOR};outline-offset:-2px", "recompute: whole context, no KV cache")
-    return [(color, "prefill tokens (solid)"), computed, (BUDGET_COLOR, "--- token budget"),
+    return [(color, "prefill tokens (solid, colour = request)"), computed,
+            (MANY_REQUESTS_COLOR, "many decodes in one segment"), (BUDGET_COLOR, "--- token budget"),
             (SLOT_COLORS["used"], "slot used"), (SLOT_COLORS["idle"], "slot idle")]
 
 

@@ -4,6 +4,9 @@
 const FLASH_MS = 900;
 const SHARED = 1, DRAFT = 2, PICKED = 4; // bits of a cell's marks (block_pool.py)
 const DIMMED = 0.3; // opacity of the blocks of other requests while one is selected
+// Block numbers are drawn only as large as a reader can read them (projector mode: 16 px, the
+// page's smallest type there); in smaller cells the hover tooltip names the block instead.
+const MIN_NUMBER_PX = 11, PROJECTOR_NUMBER_PX = 16;
 
 export default {
   template: `<div style="position:relative;width:100%;height:100%">
@@ -31,9 +34,12 @@ export default {
     });
     this.resizeObserver = new ResizeObserver(() => this.layout());
     this.resizeObserver.observe(this.$el);
+    this.onProjector = () => this.layout();
+    window.addEventListener("kvscope-projector", this.onProjector);
   },
   unmounted() {
     this.resizeObserver?.disconnect();
+    window.removeEventListener("kvscope-projector", this.onProjector);
     if (this.frame) cancelAnimationFrame(this.frame);
   },
   methods: {
@@ -85,7 +91,10 @@ export default {
       const n = Math.max(this.n, 1);
       let cell = Math.min(44, Math.floor(Math.sqrt((w * h) / n)));
       while (cell > 3 && Math.floor(w / cell) * Math.floor(h / cell) < n) cell--;
-      this.geom = { cell: Math.max(cell, 2), cols: Math.max(1, Math.floor(w / Math.max(cell, 2))), dpr };
+      const projector = document.documentElement.classList.contains("kv-projector");
+      const font = Math.min(Math.floor(cell * 0.42), 20); // "2047" fits a cell at this size
+      const numbers = font >= (projector ? PROJECTOR_NUMBER_PX : MIN_NUMBER_PX) ? font : 0;
+      this.geom = { cell: Math.max(cell, 2), cols: Math.max(1, Math.floor(w / Math.max(cell, 2))), dpr, numbers };
       this.all = true;
       this.schedule();
     },
@@ -97,9 +106,9 @@ export default {
     draw() {
       this.frame = null;
       const ctx = this.$refs.canvas.getContext("2d");
-      const { cell, dpr } = this.geom;
+      const { cell, dpr, numbers } = this.geom;
       ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-      ctx.font = `${Math.floor(cell / 3)}px sans-serif`;
+      ctx.font = `600 ${numbers}px sans-serif`;
       ctx.textAlign = "center";
       ctx.textBaseline = "middle";
       const now = performance.now();
@@ -150,7 +159,7 @@ export default {
         ctx.lineTo(x + cell - gap - cell * 0.45, y + gap);
         ctx.fill();
       }
-      if (cell >= 24) {
+      if (this.geom.numbers) {
         ctx.fillStyle = state === 1 ? "#fff" : "#64748b";
         ctx.fillText(String(b), x + cell / 2, y + cell / 2);
       }

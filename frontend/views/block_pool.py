@@ -37,6 +37,14 @@ Hover a block for its owners and how many of its token slots are filled; click i
 request in the other views. While a request is selected its blocks are outlined and the others fade.
 """
 
+STRIPES = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5px)"
+LEGEND = [(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = request)"),
+          (BLOCK_COLORS["cached"], "free, cached prefix"), (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"),
+          (STRIPES, "stripes: draft model")]
+RING_LEGEND = [(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
+               for kind, color in FLASH_COLORS.items()] + \
+              [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR}", "lesson: look here")]
+
 
 class BlockPoolCanvas(ui.element, component="block_pool.js"):
     """The canvas component; Python sends `reset` / `apply` and answers `hover` with `tip`."""
@@ -91,13 +99,8 @@ class BlockPoolView(FeedView):
             self.caption = LiveText().classes("kv-caption")
             self.canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark("block-pool") \
                 .props("data-kv=block-pool")
-            stripes = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5px)"
-            legend([(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = request)"),
-                    (BLOCK_COLORS["cached"], "free, cached prefix"),
-                    (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"), (stripes, "stripes: draft model")])
-            legend([(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
-                    for kind, color in FLASH_COLORS.items()] +
-                   [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR}", "lesson: look here")])
+            legend(LEGEND)
+            legend(RING_LEGEND)
         self.canvas.on("hover", self._on_hover, ["block"])
         self.canvas.on("pick", self._on_pick, ["block"])
         selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw

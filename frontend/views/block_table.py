@@ -9,8 +9,8 @@ from backend.events.state import RunState
 from frontend.client import RunFeed
 from backend.events.history import RunHistory
 from frontend.selection import Selection
-from frontend.palette import request_color
-from frontend.views.base import FeedView, view_card
+from frontend.palette import CHIP_COLORS, request_color
+from frontend.views.base import FeedView, legend, view_card
 from frontend.views.live_text import LiveText
 
 EXPLANATION = """
@@ -22,6 +22,10 @@ several sequences (a cached prefix or a fork) and is copied before anyone writes
 (copy-on-write). With n > 1 or beam search a request has several sequences, forked from one
 another; with a draft model, the draft keeps its own, smaller KV in a sequence of its own.
 """
+
+LEGEND = [(request_color(0), "L → physical block (colour = request)"),
+          (f"transparent;box-shadow:0 0 0 2px {CHIP_COLORS['shared']}", "ring: shared ×n (ref count)"),
+          (CHIP_COLORS["fill"], "n/size: the last block's fill")]
 
 
 def table_html(state: RunState, history: RunHistory, request_id: str | None, current: int | None = None) -> str:
@@ -73,6 +77,7 @@ class BlockTableView(FeedView):
     def __init__(self, feed: RunFeed, selection: Selection) -> None:
         self.selection = selection
         with view_card("Block table of the selected request", EXPLANATION, "w-full"):
+            legend(LEGEND)
             self.html = LiveText(html=True).classes("w-full").mark("block-table")
         self.last = ""
         selection.on_change(self.invalidate)

@@ -10,7 +10,8 @@ from nicegui.events import GenericEventArguments
 from frontend.client import LogEntry, RunFeed
 from frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, knobs_of
 from frontend.selection import Selection
-from frontend.views.base import FeedView, view_card
+from frontend.palette import TOKEN_MARK_COLORS
+from frontend.views.base import FeedView, legend, view_card
 from frontend.views.charts import make_chart, probability_bars
 from frontend.views.live_text import LiveText
 from frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
@@ -42,6 +43,8 @@ STAGE_COLORS = {"raw": "#bab0ac", "temperature": "#4e79a7", "top_k": "#76b7b2", 
 BEAM_COLORS = {"picked": "#d62728", "other": "#9aa5b1"}
 CLICK_JS = ("(e) => { const d = e.target.dataset; "
             "if (d && d.i !== undefined) emit([Number(d.i), d.s === undefined ? null : Number(d.s)]); }")
+# What colours the token axis (the bars are named by the chart's own legend).
+LEGEND = [(TOKEN_MARK_COLORS["chosen"], "▶ the chosen token"), (TOKEN_MARK_COLORS["eos"], "EOS: end of sequence")]
 
 
 def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
@@ -49,9 +52,9 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
     for token_id, text in zip(stages.token_ids, stages.texts):
         style: dict = {}
         if token_id == chosen:
-            style = {"color": "#d62728", "fontWeight": "bold"}
+            style = {"color": TOKEN_MARK_COLORS["chosen"], "fontWeight": "bold"}
         elif token_id in eos:
-            style = {"color": "#8c564b", "fontStyle": "italic"}
+            style = {"color": TOKEN_MARK_COLORS["eos"], "fontStyle": "italic"}
         name = "EOS" if token_id in eos else token_label(text)
         labels.append({"value": ("▶ " if token_id == chosen else "") + name, "textStyle": style})
     labels.append({"value": f"other (~{stages.tail_count})", "textStyle": {"color": "#888"}})
@@ -73,6 +76,7 @@ class SamplingView(FeedView):
             self.seq_picker.set_visibility(False)
             self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
+            legend(LEGEND)
             self.chart = make_chart(probability_bars(), height, "sampling")
             self._sliders()
         selection.on_change(self.invalidate)

@@ -11,6 +11,7 @@ from nicegui.events import GenericEventArguments
 
 from backend.events.state import RunState
 from frontend.client import LogEntry, RunFeed
+from frontend.palette import SPEC_COLORS
 from frontend.selection import Selection
 from frontend.views.base import FeedView, legend, view_card
 from frontend.views.charts import make_chart, probability_bars
@@ -38,6 +39,9 @@ ROWS = 12  # verifies shown, newest first
 CLICK_JS = ("(e) => { const d = e.target.closest('[data-i]'); "
             "if (d) emit(Number(d.dataset.v), Number(d.dataset.i)); }")
 P_COLOR, Q_COLOR = "#4e79a7", "#f28e2b"
+LEGEND = [(SPEC_COLORS["accepted"], "accepted draft"), (SPEC_COLORS["rejected"], "rejected draft"),
+          (SPEC_COLORS["discarded"], "discarded (after a rejection)"), (SPEC_COLORS["resampled"], "resampled"),
+          (SPEC_COLORS["bonus"], "bonus")]
 
 
 def expected_tokens_per_verify(alpha: float, k: int) -> float:
@@ -135,8 +139,7 @@ class SpeculativeView(FeedView):
         with view_card("Speculative decoding: draft, verify, accept", EXPLANATION, "w-full"):
             self.caption = LiveText().classes("kv-caption").mark("spec-caption")
             with ui.column().classes("w-full gap-1") as self.body:  # hidden in runs without speculation
-                legend([("#59a14f", "accepted draft"), ("#e15759", "rejected draft"),
-                        ("#cbd5e1", "discarded (after a rejection)"), ("#f28e2b", "resampled"), ("#4e79a7", "bonus")])
+                legend(LEGEND)
                 self.rows = LiveText(html=True).classes("w-full").mark("spec-rows")
                 self.rows.on("click", self._on_click, js_handler=CLICK_JS)
                 self.pq_caption = LiveText().classes("kv-caption").mark("spec-pq-caption") \

@@ -1,0 +1,85 @@
+"""Two runs side by side: which settings differ (from their headers) and how their figures differ.
+
+Both answers come from what any reader of the events has (a RunRecord), so the dashboard's compare
+view, a test on two recorded traces and a script agree on them. Times are engine time (RunHistory's
+`Finish`), never the paced wall clock, so a run watched at 4 iterations a second compares fairly
+with an unpaced one.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from backend.events.record import RunRecord
+
+# Scenario fields (besides the engine) that a comparison may vary: the workload's arrival rate.
+SCENARIO_FIELDS = ("generate.arrival.rate_per_step",)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of both runs; `unit` says how to print it ("" a count, "ms" engine milliseconds)."""
+
+    label: str
+    a: float | None
+    b: float | None
+    unit: str = ""
+
+
+def prefill_tokens(record: RunRecord) -> int:
+    """Prompt tokens the model computed: a prefix found in the cache is not computed again."""
+    return sum(c.tokens for col in record.history.columns for c in col.cells if c.kind == "prefill")
+
+
+def peak_blocks(record: RunRecord) -> int:
+    """The most KV blocks held at once (the metrics' usage share times the pool size)."""
+    usage = max((p.kv_usage for p in record.history.metrics), default=0.0)
+    return round(usage * (record.state.num_blocks or 0))
+
+
+def mean_ms(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(1000 * statistics.fmean(known), 2) if known else None
+
+
+def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
+    """The figures a comparison is about, for run a and run b so far."""
+    figures = [(r, [f.ttft_s for f in r.history.finishes], [f.tpot_s for f in r.history.finishes]) for r in (a, b)]
+    (ra, ttft_a, tpot_a), (rb, ttft_b, tpot_b) = figures
+    return [
+        Row("iterations", ra.state.step + 1, rb.state.step + 1),
+        Row("prefill tokens computed", prefill_tokens(ra), prefill_tokens(rb)),
+        Row("peak KV blocks", peak_blocks(ra), peak_blocks(rb)),
+        Row("preemptions", ra.state.num_preemptions, rb.state.num_preemptions),
+        Row("finished requests", len(ra.history.finishes), len(rb.history.finishes)),
+        Row("mean TTFT (engine)", mean_ms(ttft_a), mean_ms(ttft_b), "ms"),
+        Row("mean TPOT (engine)", mean_ms(tpot_a), mean_ms(tpot_b), "ms"),
+    ]
+
+
+def settings(record: RunRecord) -> dict[str, Any]:
+    """A run's settings as dotted paths (the overrides' names, CONTRACT §3), from its header."""
+    state = record.state
+    flat = {f"engine.{key}": value for key, value in state.config.items()}  # speculative stays one setting
+    flat["model"] = state.model.get("name")
+    scenario = dict(_flatten("", state.scenario or {}))
+    flat.update({path: scenario.get(path) for path in SCENARIO_FIELDS if path in scenario})
+    return flat
+
+
+def setting_differences(a: RunRecord, b: RunRecord) -> list[tuple[str, Any, Any]]:
+    """(dotted path, a's value, b's value) of every setting the two runs' headers disagree on."""
+    sa, sb = settings(a), settings(b)
+    return [(path, sa.get(path), sb.get(path)) for path in sorted(sa.keys() | sb.keys())
+            if sa.get(path) != sb.get(path)]
+
+
+def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _flatten(f"{prefix}.{key}" if prefix else key, inner)
+    else:
+        yield prefix, value

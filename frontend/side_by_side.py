@@ -1,0 +1,117 @@
+"""Two runs side by side: titles that say what differs, a row of differences, one x scale.
+
+The titles come from a diff of the two runs' header settings (backend/events/compare.py), never
+from what the compare form asked for, so a pair opened from a link or two replays is titled just
+as truthfully. The per-iteration charts of both columns share one x range, the longer run's
+iterations so far: a run that needs more iterations visibly reaches further right.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from nicegui import ui
+
+from backend.events.compare import Row, compare_rows, setting_differences
+from backend.events.record import RunRecord
+from frontend.client import Backend, RunFeed
+from frontend.column import RunColumn, sync_zoom
+from frontend.compare import AXES
+from frontend.new_run import MODELS
+from frontend.views.live_text import LiveText
+
+LABELS = {axis.path: axis.label for axis in AXES.values()}
+TICK_S = 0.5
+
+
+def setting_label(path: str) -> str:
+    """How the page names a setting: the compare form's name, else its last part in words."""
+    return LABELS.get(path) or path.rsplit(".", 1)[-1].replace("_", " ")
+
+
+def value_name(path: str, value: Any) -> str:
+    """A setting's value in words (on / off, a model's variant, a speculative method with its k)."""
+    if path == "model":
+        return MODELS.get(value, str(value))
+    if isinstance(value, dict) and "method" in value:  # engine.speculative
+        drafter = f"draft model {value.get('draft_model')}" if value["method"] == "draft" else "n-gram"
+        return f"{drafter}, k = {value.get('num_tokens')}"
+    if isinstance(value, bool) or value is None:
+        return "on" if value else "off"
+    return str(value)
+
+
+def side_titles(a: RunRecord, b: RunRecord) -> tuple[str, str]:
+    """Each run's title: the settings in which it differs from the other ("prefix caching: on")."""
+    diffs = setting_differences(a, b)
+    if not diffs:
+        return "same settings", "same settings"
+    return tuple(" · ".join(f"{setting_label(p)}: {value_name(p, v[i])}" for p, *v in diffs) for i in (0, 1))
+
+
+def figure_text(value: float | None, unit: str) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.1f} {unit}" if unit else f"{value:,.0f}"
+
+
+def differences_html(rows: list[Row], titles: tuple[str, str]) -> str:
+    """The row of differences: a figure per column, a line per run; figures that differ in bold."""
+    head = "".join(f"<th>{html.escape(r.label)}</th>" for r in rows)
+    lines = []
+    for i, title in enumerate(titles):
+        cells = "".join(f'<td class="{"kv-differs" if r.a != r.b else ""}">'
+                        f"{figure_text((r.a, r.b)[i], r.unit)}</td>" for r in rows)
+        lines.append(f'<tr><th class="kv-side-run">{html.escape(title)}</th>{cells}</tr>')
+    return f'<table class="kv-side-table"><tr><th></th>{head}</tr>{"".join(lines)}</table>'
+
+
+def shared_x(records: list[RunRecord]) -> dict[str, Any]:
+    """The x range in iterations both columns' charts show: every run's iterations so far."""
+    last = max((r.state.step for r in records), default=0)
+    return {"min": -0.5, "max": max(last, 0) + 0.5}
+
+
+class SideBySide:
+    """The compare layout: titles, the differences, then a column per run (compact views)."""
+
+    def __init__(self, backend: Backend, feeds: list[RunFeed]) -> None:
+        self.feeds = feeds
+        self.sent: dict[int, tuple] = {}  # chart id -> the x range it was last given
+        with ui.element("div").classes("kv-compare w-full"):
+            self.titles = [LiveText(f.run_id).classes("kv-side-title").mark(f"side-title-{i}")
+                           for i, f in enumerate(feeds)]
+            self.differences = LiveText(html=True).classes("kv-side-diff").mark("side-differences")
+            self.columns: list[RunColumn] = []
+            for feed in feeds:
+                with ui.column().classes("gap-3 w-full min-w-0"):
+                    self.columns.append(RunColumn(backend, feed, compact=True))
+        for name in ("timeline", "batch"):
+            sync_zoom([c.views[name].chart for c in self.columns])
+        self.timer = ui.timer(TICK_S, self.refresh)
+
+    def refresh(self) -> None:
+        records = [f.record for f in self.feeds]
+        if any(r is None for r in records):
+            return
+        titles = side_titles(*records)
+        for label, title in zip(self.titles, titles):
+            label.set(title)
+        self.differences.set(differences_html(compare_rows(*records), titles))
+        self._share_x(shared_x(records))
+
+    def _share_x(self, x: dict[str, Any]) -> None:
+        """Give every per-iteration chart the shared range (the timeline only while in iterations)."""
+        for column in self.columns:
+            timeline = column.views["timeline"]
+            self._set_x(timeline.chart, x if not timeline.seconds else {"min": "dataMin", "max": "dataMax"}, 1)
+            self._set_x(column.views["batch"].chart, x, 2)
+            self._set_x(column.views["metrics"].chart, x, 2)
+
+    def _set_x(self, chart: ui.echart, x: dict[str, Any], axes: int) -> None:
+        key = (x["min"], x["max"])
+        if self.sent.get(chart.id) == key:
+            return
+        self.sent[chart.id] = key
+        chart.run_chart_method("setOption", {"xAxis": x if axes == 1 else [x] * axes})

@@ -1,0 +1,83 @@
+"""Comparing two runs on real traces: shared-prefix with prefix caching on and off, a tiny model.
+
+What the side-by-side page shows under its two columns (the titles and the row of differences) is
+computed here from the events alone, so it must hold for any recorded pair of runs.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from backend.events.bus import EventBus
+from backend.events.compare import compare_rows, setting_differences
+from backend.events.record import RunRecord
+from backend.run import ScenarioRun
+from backend.scenario import load_scenario
+from frontend.side_by_side import differences_html, shared_x, side_titles
+
+
+@cache
+def _trace(model: str, *overrides: str) -> tuple[dict, ...]:
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(load_scenario("shared-prefix", [*overrides, f"model={model}"]), bus=bus).run()
+    return tuple(events)
+
+
+@pytest.fixture
+def caching(tiny_dir: str) -> tuple[RunRecord, RunRecord, tuple[dict, ...], tuple[dict, ...]]:
+    on = _trace(tiny_dir, "engine.prefix_caching=true")
+    off = _trace(tiny_dir, "engine.prefix_caching=false")
+    return RunRecord.from_events(on), RunRecord.from_events(off), on, off
+
+
+def rows_of(a: RunRecord, b: RunRecord) -> dict:
+    return {row.label: (row.a, row.b) for row in compare_rows(a, b)}
+
+
+def test_without_prefix_caching_every_prompt_token_is_computed_and_with_it_the_hits_are_not(caching):
+    on, off, on_events, off_events = caching
+    rows = rows_of(on, off)
+    prompts = sum(len(e["prompt_token_ids"]) for e in off_events if e["type"] == "request_arrived")
+    hits = sum(e["num_cached_prompt_tokens"] or 0 for e in on_events if e["type"] == "request_finished")
+    on_tokens, off_tokens = rows["prefill tokens computed"]
+    assert off_tokens == prompts
+    assert hits > 0 and on_tokens == prompts - hits  # the shared prefix was computed once, then found
+    peak_on, peak_off = rows["peak KV blocks"]
+    assert peak_on < peak_off  # shared prefix blocks are held once
+    assert rows["iterations"] == (on.state.step + 1, off.state.step + 1)
+    assert rows["finished requests"] == (10, 10) and rows["preemptions"] == (0, 0)
+    ttft, tpot = rows["mean TTFT (engine)"], rows["mean TPOT (engine)"]
+    assert all(v is not None and v > 0 for v in (*ttft, *tpot))
+
+
+def test_the_only_setting_that_differs_names_both_titles(caching):
+    on, off, *_ = caching
+    assert setting_differences(on, off) == [("engine.prefix_caching", True, False)]
+    assert side_titles(on, off) == ("prefix caching: on", "prefix caching: off")
+    assert side_titles(on, on) == ("same settings", "same settings")
+
+
+def test_a_run_that_has_not_started_compares_as_empty():
+    empty = RunRecord()
+    rows = rows_of(empty, empty)
+    assert rows["iterations"] == (0, 0) and rows["prefill tokens computed"] == (0, 0)
+    assert rows["mean TTFT (engine)"] == (None, None)
+
+
+
+
+def test_the_row_of_differences_bolds_what_differs_and_both_columns_share_the_longer_x_range(caching):
+    on, off, on_events, _ = caching
+    table = differences_html(compare_rows(on, off), side_titles(on, off))
+    assert '<th class="kv-side-run">prefix caching: off</th>' in table
+    off_tokens = rows_of(on, off)["prefill tokens computed"][1]
+    assert f'<td class="kv-differs">{off_tokens:,}</td>' in table  # the lesson's figure, in bold
+    assert '<td class="">10</td>' in table  # finished requests: the same in both
+    early = RunRecord.from_events(e for e in on_events if e["step"] <= 5)
+    assert early.state.step == 5 < off.state.step
+    assert shared_x([early, off]) == {"min": -0.5, "max": off.state.step + 0.5}
+    assert shared_x([RunRecord(), RunRecord()]) == {"min": -0.5, "max": 0.5}
