@@ -15,7 +15,9 @@ from frontend.views import attention, batch, block_pool, block_table, metrics, s
 
 # view -> (its legend as (swatch css, label) pairs, the colours its marks are drawn in)
 VIEWS = {
-    "timeline": (timeline.legend_items(), [*PHASE_COLORS.values(), "#111"]),
+    "timeline": (timeline.legend_items(), [c for kind, c in PHASE_COLORS.items() if kind != "recompute"] + ["#111"]),
+    "timeline without a KV cache": (timeline.legend_items(kv_cache=False),
+                                    [c for kind, c in PHASE_COLORS.items() if kind != "decode"] + ["#111"]),
     "batch": (batch.legend_items(), [request_color(0), MANY_REQUESTS_COLOR, BUDGET_COLOR, SLOT_COLORS["used"],
                              SLOT_COLORS["idle"]]),
     "block pool": (block_pool.LEGEND + block_pool.RING_LEGEND,
