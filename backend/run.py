@@ -9,11 +9,16 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from backend.engine.engine import Engine
+from dataclasses import replace
+
+from backend.config import EngineConfig
+from backend.engine.engine import Engine, Runtime
 from backend.engine.request import RequestError
 from backend.events.bus import EventBus
 from backend.model.loader import LoadedModel, load_model
-from backend.scenario import PlannedRequest, Scenario, check_available, plan_requests
+from backend.perf.errors import PerfError
+from backend.perf.simulate import ShapeOnlyModel, simulated_sampling, simulation
+from backend.scenario import PlannedRequest, Scenario, ScenarioError, check_available, plan_requests
 
 _MODEL_CACHE: dict[str, LoadedModel] = {}
 
@@ -28,14 +33,22 @@ def cached_model(name: str) -> LoadedModel:
 class ScenarioRun:
     def __init__(self, scenario: Scenario, bus: EventBus | None = None, loaded: LoadedModel | None = None) -> None:
         self.scenario = scenario
-        check_available(scenario)
-        self.loaded = loaded or cached_model(scenario.model)
-        self.engine = Engine(self.loaded, scenario.engine, bus, seed=scenario.seed)
+        if scenario.simulate is not None:  # a shape on a GPU type: no weights, modelled time
+            self.loaded, config, runtime = simulated(scenario)
+            bus = bus or EventBus(level=config.events)
+            bus.use_clock(runtime.clock)
+        else:
+            check_available(scenario)
+            self.loaded, config, runtime = loaded or cached_model(scenario.model), scenario.engine, None
+        self.engine = Engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime)
         self.bus = self.engine.bus
-        self.pending: deque[PlannedRequest] = deque(plan_requests(scenario, self.loaded))
+        planned = plan_requests(scenario, self.loaded)
+        if runtime is not None:
+            planned = [replace(p, sampling=simulated_sampling(p.sampling)) for p in planned]
+        self.pending: deque[PlannedRequest] = deque(planned)
         self.total = len(self.pending)
         self.rejected: dict[str, str] = {}
-        self.engine.emit_header(scenario.model_dump(mode="json"), scenario.model)
+        self.engine.emit_header(scenario.model_dump(mode="json"), self.loaded.name if runtime else scenario.model)
         # A bound on iterations so that no bug can loop forever (a prompt's characters bound its tokens).
         self.max_steps = 64 + sum(4 * (len(p.prompt) + p.max_tokens) for p in self.pending) + \
             (self.pending[-1].arrival_step if self.pending else 0)
@@ -102,7 +115,19 @@ class ScenarioRun:
                                            "e2e_s": r.times.e2e(), "output_text": r.output_text}
                             for r in reqs},
             "rejections": self.rejected,
+            "simulated": self.engine.runtime.header.get("simulated"),
         }
+
+
+def simulated(scenario: Scenario) -> tuple[ShapeOnlyModel, EngineConfig, Runtime]:
+    """The scenario's simulate section as a shape-only model, its engine config and runtime."""
+    spec = scenario.simulate
+    try:
+        return simulation(spec.model_shape, spec.hardware, spec.tp, spec.link, spec.gpu_memory_utilization,
+                          scenario.engine, scenario.seed)
+    except PerfError as e:
+        field = e.field if e.field.startswith(("engine", "simulate")) else f"simulate.{e.field}"
+        raise ScenarioError(field, e.reason) from None
 
 
 def _stats(values: list[float | None]) -> dict:

@@ -27,6 +27,8 @@ from backend.events.moments import MomentKind
 from backend.engine.sampling_params import SamplingParams
 from backend.model.chat import render_chat
 from backend.model.tokenizer import Tokenizer, read_corpus
+from backend.perf.hardware import HARDWARE_NAMES, LINKS
+from backend.perf.shapes import SHAPES
 
 if TYPE_CHECKING:
     from backend.model.loader import LoadedModel
@@ -103,6 +105,38 @@ class LessonStep(_Strict):
     text: str = Field(min_length=1, max_length=1000)
 
 
+class SimulateSpec(_Strict):
+    """Simulate mode (docs/perf_model.md): a model shape on a GPU type, each iteration priced, no weights run."""
+
+    model_shape: str = Field(description="a shape of backend/perf/shapes.py, e.g. llama-3-8b")
+    hardware: str = Field(default="h100", description="a GPU profile of backend/perf/hardware.py, or this-machine")
+    tp: Literal[1, 2, 4, 8] = Field(default=1, description="tensor-parallel GPUs")
+    link: str | None = Field(default=None, description="replace the GPUs' link (nvlink4, nvlink3, pcie5, pcie4)")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0,
+                                          description="share of GPU memory for weights plus the KV pool")
+
+    @field_validator("model_shape")
+    @classmethod
+    def _known_shape(cls, value: str) -> str:
+        return _known(value, sorted(SHAPES))
+
+    @field_validator("hardware")
+    @classmethod
+    def _known_hardware(cls, value: str) -> str:
+        return _known(value, HARDWARE_NAMES)
+
+    @field_validator("link")
+    @classmethod
+    def _known_link(cls, value: str | None) -> str | None:
+        return value if value is None else _known(value, list(LINKS))
+
+
+def _known(name: str, valid: list[str]) -> str:
+    if name not in valid:
+        raise ValueError(f"unknown name {name!r}; valid: {', '.join(valid)}")
+    return name
+
+
 class Scenario(_Strict):
     name: str = Field(pattern=NAME_PATTERN, max_length=64)
     description: str = ""
@@ -112,6 +146,7 @@ class Scenario(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     requests: list[RequestSpec] = Field(default_factory=list, max_length=10_000)
     generate: GenerateSpec | None = None
+    simulate: SimulateSpec | None = Field(default=None, description="run on a model shape and GPU, in modelled time")
 
     @field_validator("lesson", mode="before")
     @classmethod
@@ -284,12 +319,13 @@ def read_yaml(path: Path) -> Any:
         raise ScenarioError(str(path), f"cannot read ({e.strerror})") from None
 
 
-def load_scenario(name_or_path: str, overrides: list[str] = ()) -> Scenario:
-    """A scenario file (or bundled name) with `--set KEY=VALUE` overrides applied, validated."""
+def load_scenario(name_or_path: str, overrides: list[str] = (),
+                  flags: list[tuple[str, Any, str]] = ()) -> Scenario:
+    """A scenario file (or bundled name) with `--set KEY=VALUE` overrides, then flags' (key, value, label), validated."""
     path = resolve_path(name_or_path)
     data = read_yaml(path)
     _require_mapping(data, str(path))
-    blame = apply_overrides(data, [(*parse_assignment(a), f"--set {a}") for a in overrides])
+    blame = apply_overrides(data, [(*parse_assignment(a), f"--set {a}") for a in overrides] + list(flags))
     return validate(data, str(path), blame)
 
 

@@ -203,7 +203,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     from backend.report import print_summary, progress_bar
     from backend.server.runs import build_run
 
-    scenario = load_scenario(args.scenario, args.set or [])
+    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args))
+    if args.simulate and scenario.simulate is None:
+        raise UserError("--simulate", f"needs --model-shape ({args.scenario} has no simulate section)")
     bus = EventBus(level=scenario.engine.events)
     writer = TraceWriter(args.trace) if args.trace else None
     if writer:
@@ -216,9 +218,27 @@ def cmd_run(args: argparse.Namespace) -> None:
         if writer:
             writer.close()
     print_summary(summary)
+    if summary["simulated"]:
+        sim = summary["simulated"]
+        print(f"simulated: {sim['model_shape']} on {sim['tp']} x {sim['hardware_label']}; times are the roofline "
+              f"cost model's (docs/perf_model.md), tokens a seeded stand-in")
     if args.report:
         with open(args.report, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+SIMULATE_FLAGS = {"model_shape": "--model-shape", "hardware": "--hardware", "tp": "--tp",
+                  "gpu_memory_utilization": "--gpu-memory-utilization"}
+
+
+def simulate_flags(args: argparse.Namespace) -> list[tuple[str, object, str]]:
+    """--simulate and its flags as scenario overrides (key, value, the flag to blame for a bad value)."""
+    given = {key: getattr(args, key) for key in SIMULATE_FLAGS if getattr(args, key) is not None}
+    if not args.simulate:
+        if given:
+            raise UserError(SIMULATE_FLAGS[next(iter(given))], "only with --simulate")
+        return []
+    return [(f"simulate.{key}", value, f"{SIMULATE_FLAGS[key]} {value}") for key, value in given.items()]
 
 
 # ---- kvscope export ----------------------------------------------------------------------------
@@ -334,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report", help="write the summary to this JSON file")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
+    r.add_argument("--simulate", action="store_true",
+                   help="no weights: the scheduler runs, each iteration is priced by the roofline cost model")
+    r.add_argument("--model-shape", help="simulate: e.g. llama-3-8b, llama-3-70b, deepseek-v2-lite")
+    r.add_argument("--hardware", help="simulate: h100 (default), h200, a100-80gb, l4, rtx-4090 or this-machine")
+    r.add_argument("--tp", type=int, help="simulate: tensor-parallel GPUs, 1 (default), 2, 4 or 8")
+    r.add_argument("--gpu-memory-utilization", type=float,
+                   help="simulate: share of GPU memory for weights plus KV pool (default 0.9)")
     r.set_defaults(func=cmd_run)
 
     ls = sub.add_parser("scenarios", help="list the bundled scenarios (run one with `kvscope run NAME`)")

@@ -28,6 +28,7 @@ LESSONS = {"parallel-sampling", "beam-search", "long-prompt", "continuous-batchi
 LESSONS |= {"quantization"}
 LESSONS |= {"speculative-draft", "speculative-ngram"}
 LESSONS |= {"real-chat", "real-sampling"}
+LESSONS |= {"roofline"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -518,3 +519,33 @@ def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature(
     assert max(raw for *_, raw, _ in creative) < 0.1
     assert sum(raw for *_, raw, _ in creative) < 0.6
     assert _final_entropy(factual) < 0.5 * _final_entropy(creative)
+
+
+def test_roofline_decode_turns_compute_bound_with_the_batch_and_int8_kv_moves_the_knee():
+    base = run("roofline")
+    int8 = run("roofline", "engine.kv_cache_dtype=int8")
+    sim = base.header["simulated"]
+    assert (base.header["model"]["name"], sim["hardware"]) == ("llama-3-8b", "h100")
+    assert sim["ridge"] == pytest.approx(295, rel=0.01)
+
+    def decodes(trace: Trace) -> list[dict]:
+        return [it for it in trace.iterations if it["batch"] and all(b["phase"] == "decode" for b in it["batch"])]
+
+    drain = decodes(base)
+    sizes, intensity = [len(it["batch"]) for it in drain], [it["intensity"] for it in drain]
+    # After the prompts, the batch only shrinks as requests finish, and the intensity falls with it.
+    assert sizes[0] == 512 and sizes == sorted(sizes, reverse=True) and intensity == sorted(intensity, reverse=True)
+    assert drain[0]["bound"] == "compute" and drain[0]["intensity"] > sim["ridge"]
+    last = drain[-1]
+    assert len(last["batch"]) <= 4 and last["bound"] == "memory" and last["intensity"] < 0.05 * sim["ridge"]
+    # Every weight but the embedding (a lookup, 1 of 16 GB) is read for these few tokens.
+    assert last["duration_s"] > 0.9 * sim["weights_bytes_per_gpu"] / sim["mem_bandwidth"]
+
+    # int8 KV: the very same batches, fewer bytes each, so more of them sit above the ridge.
+    assert [it["batch"] for it in int8.iterations] == [it["batch"] for it in base.iterations]
+    assert all(a["intensity"] > b["intensity"] for a, b in zip(decodes(int8), drain, strict=True))
+
+    def knee(trace: Trace) -> int:
+        return min(len(it["batch"]) for it in decodes(trace) if it["bound"] == "compute")
+
+    assert knee(int8) < knee(base)

@@ -11,6 +11,8 @@ import importlib.util
 import os
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,37 +65,65 @@ def check_kv_dtype(kv_dtype: str, config: ModelConfig, attention_backend: str) -
                            "(kernels/mla_decode.py) reads no int8 scales")
 
 
+@dataclass
+class Runtime:
+    """What the step runs the model with: KV storage, a runner, a clock, and what the header says of them.
+
+    A real run builds it from the weights (`load_runtime`). Simulate mode (backend/perf/simulate.py)
+    injects its own: a cache with no tensors, a runner that prices each batch with the cost model
+    instead of computing it, and the modelled clock that runner advances. The step never asks which.
+    """
+
+    cache: KVCache  # or anything with its sizes: num_blocks, block_size, dtype, storage_dtype, bytes_per_*
+    runner: ModelRunner  # execute(batch, block_copies) -> logits [rows, V]
+    device: str
+    attention_backend: str
+    weights: dict | None = None  # the header's `weights`
+    clock: Callable[[], float] = time.perf_counter  # times iterations and requests (TTFT, TPOT)
+    header: dict = field(default_factory=dict)  # extra header fields (simulate mode: `simulated`)
+    iteration_fields: Callable[[], dict] = dict  # extra fields of the next `iteration` event
+
+
+def load_runtime(loaded: LoadedModel, config: EngineConfig) -> Runtime:
+    """The real runtime: weights (quantized as configured) on the device, a KV cache of real tensors."""
+    try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
+        loaded, weights = quantize_loaded(loaded, config.weight_quant, config.quant_group_size)
+    except QuantError as e:
+        raise RequestError(e.field, e.reason) from None
+    dtype = next(loaded.model.parameters()).dtype
+    device = pick_device(config)
+    attention_backend = pick_attention_backend(config, device)
+    check_kv_dtype(config.kv_cache_dtype, loaded.config, attention_backend)
+    kv_dtype = "int8" if config.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
+    num_blocks = config.num_blocks or num_blocks_for_budget(
+        loaded.config, config.block_size, config.kv_cache_memory_mb, kv_dtype)
+    cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
+    return Runtime(cache, ModelRunner(loaded.model.to(device), cache, attention_backend), str(device),
+                   attention_backend, weights)
+
+
 class Engine:
     """One model, one KV cache, one queue of requests, composed of one object per stage of the step."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
-                 draft: LoadedModel | None = None) -> None:
+                 draft: LoadedModel | None = None, runtime: Runtime | None = None) -> None:
         if config.speculative is not None and not config.kv_cache:
             raise RequestError("engine.speculative", "speculative decoding verifies against the KV cache: "
                                                      "it needs kv_cache: true")
-        try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
-            loaded, self.weights = quantize_loaded(loaded, config.weight_quant, config.quant_group_size)
-        except QuantError as e:
-            raise RequestError(e.field, e.reason) from None
+        self.runtime = runtime or load_runtime(loaded, config)
         self.loaded, self.config, self.seed = loaded, config, seed
         self.bus = bus or EventBus(level=config.events)
         self.bus.level = config.events
-        dtype = next(loaded.model.parameters()).dtype
-        self.device = pick_device(config)
-        self.attention_backend = pick_attention_backend(config, self.device)
-        check_kv_dtype(config.kv_cache_dtype, loaded.config, self.attention_backend)
-        kv_dtype = "int8" if config.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
-        num_blocks = config.num_blocks or num_blocks_for_budget(
-            loaded.config, config.block_size, config.kv_cache_memory_mb, kv_dtype)
-        self.cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, self.device, config.kv_cache_dtype)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
+        self.cache, self.runner, self.clock = self.runtime.cache, self.runtime.runner, self.runtime.clock
+        self.device, self.attention_backend = self.runtime.device, self.runtime.attention_backend
+        self.weights = self.runtime.weights
+        self.blocks = BlockManager(self.cache.num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
                                    self.bus.emit)
-        self.runner = ModelRunner(loaded.model.to(self.device), self.cache, self.attention_backend)
         self.events = StepEvents(self.bus, config, loaded.tokenizer, loaded.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(config, self.blocks, self._on_preempt,
                                    self._num_draft if config.speculative else None)
         self.tracker = RequestTracker(config, self.blocks, self.scheduler, self.events, loaded.tokenizer,
-                                      loaded.config.vocab_size, self._on_seq_end)
+                                      loaded.config.vocab_size, self._on_seq_end, self.clock)
         self.spec = SpecDecoder(make_proposer(config, loaded.config.vocab_size, draft, self.cache,
                                               self.attention_backend, self.blocks, self.events.eos_ids,
                                               self.tracker.new_seq_id),
@@ -107,13 +137,13 @@ class Engine:
     def step(self) -> None:
         """One iteration: schedule -> draft -> run the model -> logits to tokens -> metrics."""
         self.bus.step = self.step_no
-        started = time.perf_counter()
+        started = self.clock()
         self.tracker.abort_impossible(self.cache.num_blocks)
         plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens
         batch = self.spec.propose(plan.scheduled) if self.spec else StepBatch(plan.scheduled, [])
         logits = self.runner.execute(batch.items, plan.block_copies) if batch.items else None
-        now = time.perf_counter()
-        self.events.iteration(batch.items, now - started, self.scheduler, self.blocks)
+        now = self.clock()
+        self.events.iteration(batch.items, now - started, self.scheduler, self.blocks, self.runtime.iteration_fields())
         generated = self.outputs.process(batch, logits, now)  # tokens appended, sequences ended, requests finished
         self.metrics.on_iteration(now, batch.num_prefill_tokens, generated)
         kv = self.metrics.observe_kv(self.live_sequences(), self.blocks.num_used_blocks, self.cache.num_blocks,
@@ -186,7 +216,7 @@ class Engine:
         dtype, kv_dtype = DTYPE_NAMES[self.cache.dtype], DTYPE_NAMES[self.cache.storage_dtype]
         self.bus.emit(
             "header", schema_version=SCHEMA_VERSION, run_id=uuid.uuid4().hex[:12], scenario=scenario,
-            config=self.config.model_dump(), attention_backend=self.attention_backend, device=str(self.device),
+            config=self.config.model_dump(), attention_backend=self.attention_backend, device=self.device,
             model={"name": model_name or self.loaded.name, "n_layers": c.num_hidden_layers,
                    "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                    "attention": c.attention, "vocab_size": c.vocab_size, "dtype": dtype,
@@ -194,5 +224,5 @@ class Engine:
             cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size, "dtype": kv_dtype,
                    "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
             weights=self.weights,
-            **(self.spec.header() if self.spec else {}),
+            **(self.spec.header() if self.spec else {}), **self.runtime.header,
         )

@@ -30,8 +30,10 @@ from backend.model.tokenizer import Tokenizer
 
 class RequestTracker:
     def __init__(self, config: EngineConfig, blocks: BlockManager, scheduler: Scheduler, events: StepEvents,
-                 tokenizer: Tokenizer, vocab_size: int, on_seq_end: Callable[[Sequence], None]) -> None:
+                 tokenizer: Tokenizer, vocab_size: int, on_seq_end: Callable[[Sequence], None],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config, self.blocks, self.scheduler, self.events = config, blocks, scheduler, events
+        self.clock = clock  # the engine's: wall time, or simulate mode's modelled seconds
         self.tokenizer, self.eos_ids, self.vocab_size = tokenizer, events.eos_ids, vocab_size
         self.on_seq_end = on_seq_end  # the speculative decoder lets go of the sequence's draft
         self.requests: dict[str, Request] = {}
@@ -70,7 +72,7 @@ class RequestTracker:
         seq = Sequence(self.new_seq_id(), request_id, list(ids), len(ids))
         seed = params.seed if params.seed is not None else seed * 1_000_003 + seq.seq_id
         req = Request(request_id, ids, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                      max_tokens, params, seed, step_no, RequestTimes(time.perf_counter()), seq,
+                      max_tokens, params, seed, step_no, RequestTimes(self.clock()), seq,
                       beam=BeamState(params.beam_width, params.length_penalty) if params.beam_width else None,
                       draft_generator=torch.Generator().manual_seed((seed + 0x5EED) % 2**63))
         self.requests[request_id] = req
@@ -157,7 +159,7 @@ class RequestTracker:
         # An aborted request says so, even if one of its beams had already found EOS.
         req.finish_reason = "abort" if req.abort_reason is not None else best["finish_reason"]
         req.output_text = best["output_text"]
-        req.times.finish = time.perf_counter()
+        req.times.finish = self.clock()
         self.events.request_finished(req)
 
     def _outputs(self, req: Request) -> list[dict]:

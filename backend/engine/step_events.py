@@ -72,7 +72,8 @@ class StepEvents:
     # ---- the iteration ----------------------------------------------------------------------------
 
     def iteration(self, batch: list[ScheduledSeq], duration: float, scheduler: Scheduler,
-                  blocks: BlockManager) -> None:
+                  blocks: BlockManager, extra: dict | None = None) -> None:
+        """extra: fields the runtime adds (simulate mode: the iteration's roofline `intensity` and `bound`)."""
         self.bus.emit(
             "iteration",
             batch=[{"request_id": i.seq.request_id, "seq_id": i.seq.seq_id, "phase": i.phase,
@@ -81,6 +82,7 @@ class StepEvents:
             num_batched_tokens=sum(i.num_tokens for i in batch), token_budget=self.config.max_num_batched_tokens,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             kv_blocks_used=blocks.num_used_blocks, duration_s=duration, max_num_seqs=self.config.max_num_seqs,
+            **(extra or {}),
         )
         if self.bus.wants("attention_mask"):
             for i in batch:

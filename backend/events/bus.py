@@ -59,6 +59,10 @@ class EventBus:
             return type not in SUMMARY_DROPPED
         return type in OFF_KEPT
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Time events by another clock from now on, from 0 (simulate mode: modelled seconds)."""
+        self._clock, self._start = clock, clock()
+
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
         """Call fn(event) for every emitted event; returns a function that unsubscribes it."""
         with self._subscribers_lock:

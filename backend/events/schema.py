@@ -46,6 +46,24 @@ class CacheInfo(_Exact):
     formula: dict[str, Any] | None = None  # how bytes_per_block was computed, for the UI to show
 
 
+class SimulationInfo(_Exact):
+    """Simulate mode (docs/perf_model.md): no weights ran; times are the cost model's, tokens a seeded stand-in."""
+
+    model_shape: str
+    hardware: str
+    hardware_label: str
+    tp: int
+    link: str | None
+    gpu_memory_utilization: float
+    weights_bytes_per_gpu: float
+    kv_pool_bytes_per_gpu: float  # memory x utilization - weights, what the block pool was sized from
+    kv_bytes_per_token_per_gpu: float  # one rank's share of a token (KV heads split across ranks)
+    peak_flops: float
+    mem_bandwidth: float
+    ridge: float  # FLOP per byte where the roofs meet
+    stand_in_vocab: int  # token ids come from a seeded table over this many ids of the stand-in tokenizer
+
+
 class BatchEntry(_Exact):
     request_id: str
     seq_id: int
@@ -100,6 +118,7 @@ class HeaderEvent(_Event):
     attention_backend: str | None = None  # which attention implementation ran (torch, triton, ...)
     device: str | None = None
     draft_model: DraftModelInfo | None = None  # speculative decoding with a draft model
+    simulated: SimulationInfo | None = None  # simulate mode: modelled time, stand-in tokens
 
 
 class RequestArrivedEvent(_Event):
@@ -131,6 +150,10 @@ class IterationEvent(_Event):
     kv_blocks_used: int
     duration_s: float
     max_num_seqs: int  # the batch's slot count, for the idle-slot view
+    # Simulate mode only (duration_s is then the modelled time): the iteration's FLOPs per byte of
+    # memory traffic, and which roof it sits under (the cost model's IterationCost).
+    intensity: float | None = None
+    bound: Literal["memory", "compute"] | None = None
 
 
 class BlockAllocEvent(_Event):

@@ -1,5 +1,6 @@
 """Hardware what-if: a roofline cost model of one engine iteration (docs/perf_model.md).
 
 shapes.py: models without weights · hardware.py: GPU profiles · calibrate.py: this machine measured ·
-cost_model.py: FLOPs, bytes and time of an iteration's batch · whatif.py: `kvscope whatif`.
+cost_model.py: FLOPs, bytes and time of an iteration's batch · whatif.py: `kvscope whatif` ·
+simulate.py: the engine on a shape, each iteration priced (`kvscope run --simulate`).
 """
