@@ -28,8 +28,8 @@ def busy_scenario(model: str, count: int = 4, max_tokens: int = 8) -> dict:
 
 
 @pytest.fixture
-def server():
-    manager = RunManager(watcher_queue_limit=256)  # small, so that the stall surely overflows it
+def server(tiny_dir):
+    manager = RunManager(default_model=tiny_dir, watcher_queue_limit=256)  # small, so that the stall surely overflows it
     with serve_in_thread(create_app(manager)) as url:
         yield url, manager
     manager.stop_all()

@@ -3,6 +3,10 @@
 The worker thread only appends to each watcher's bounded queue and, when the queue was empty,
 wakes this coroutine through the event loop. A watcher that cannot keep up is never waited for: its
 queue is dropped and the next thing it receives is a fresh snapshot (`type: snapshot`).
+
+Viewers share one send budget (events a second, all of them together), so that many viewers, or
+slow ones, cannot take the event loop (and the GIL) from the engine and the OpenAI routes: past
+the budget viewers fall behind and resync. A run takes at most --max-viewers (close code 4429).
 """
 
 from __future__ import annotations
@@ -13,7 +17,26 @@ from litestar import WebSocket, websocket
 from litestar.params import FromPath
 from litestar.exceptions import WebSocketDisconnect
 
-from backend.server.runs import ServedRun
+from backend.server.runs import RunBusy, ServedRun
+
+SNAPSHOT_COST = 32  # a snapshot, in events of the send budget
+MAX_BURST_S = 0.25  # the budget saved up while idle
+
+
+class SendBudget:
+    """A token bucket shared by every viewer of the server: at most `rate` events a second in all."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.next_free = 0.0  # the loop's clock when the budget is spent up to
+
+    async def spend(self, events: int) -> None:
+        """Wait until `events` more may be sent (first come, first served)."""
+        now = asyncio.get_running_loop().time()
+        start = max(self.next_free, now - MAX_BURST_S)
+        self.next_free = start + events / self.rate
+        if self.next_free > now:
+            await asyncio.sleep(self.next_free - now)
 
 
 @websocket("/ws/runs/{run_id:str}")
@@ -26,11 +49,19 @@ async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
         return
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
-    watcher = run.attach(lambda: loop.call_soon_threadsafe(ready.set))
+    try:
+        watcher = run.attach(lambda: loop.call_soon_threadsafe(ready.set))
+    except RunBusy as e:
+        await socket.send_json({"type": "error", "error": str(e)})
+        await socket.close(code=4429)
+        return
+    budget: SendBudget = socket.app.state.viewer_budget
     closed = asyncio.create_task(_wait_closed(socket))
     try:
         while not closed.done():
-            snapshot, events = run.take(watcher)
+            snapshot, events = run.take(watcher, max_events=64)
+            if snapshot is not None or events:
+                await budget.spend(len(events) + (SNAPSHOT_COST if snapshot is not None else 0))
             if snapshot is not None:
                 await socket.send_json(snapshot)
             for line in events:
