@@ -149,7 +149,7 @@ class RunManager:
         lim = self.limits
         if kv > lim.run_kv_ceiling_mb * MB:
             raise RunError(f"{kv_field}: this run's KV cache would take {kv / MB:.1f} MB; the server allows "
-                           f"{lim.run_kv_ceiling_mb:.0f} MB per run (--max-run-kv-memory-mb)", kv_field)
+                           f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)", kv_field)
         self._sweep_locked()
         finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
         while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB):
@@ -158,7 +158,7 @@ class RunManager:
             raise RunError(f"too many runs at once (at most {lim.max_runs}, --max-runs); let one finish first")
         if self._kv_held() + kv > lim.max_kv_memory_mb * MB:
             raise RunError(f"{kv_field}: this run's KV cache would take {kv / MB:.1f} MB, and the runs held now "
-                           f"take {self._kv_held() / MB:.1f} of the server's {lim.max_kv_memory_mb:.0f} MB "
+                           f"take {self._kv_held() / MB:.1f} of the server's {lim.max_kv_memory_mb:g} MB "
                            "(--max-kv-memory-mb); let a run finish first", kv_field)
 
     def _kv_held(self) -> int:
