@@ -113,7 +113,7 @@ def _limits(args: argparse.Namespace):
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
     given = {name: getattr(args, name) for name in (
         "max_kv_memory_mb", "max_run_kv_memory_mb", "max_runs", "max_waiting", "request_timeout_s", "max_viewers",
-        "paused_ttl_s", "history", "trace_window", "trace_dir") if getattr(args, name) is not None}
+        "viewer_events_per_s", "paused_ttl_s", "history", "trace_window", "trace_dir") if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
 
@@ -370,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument("--max-waiting", type=positive(int), help="requests waiting in a run; more get 429 (default 64)")
         lim.add_argument("--request-timeout-s", type=positive(float), help="a /v1 request is aborted after this (600)")
         lim.add_argument("--max-viewers", type=positive(int), help="websocket viewers per run (default 32)")
+        lim.add_argument("--viewer-events-per-s", type=positive(float),
+                         help="sent to all websocket viewers together, so that they cannot starve the engine (4000)")
         lim.add_argument("--paused-ttl-s", type=positive(float),
                          help="a run left paused this long expires; the api run resumes (default 900)")
         lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")

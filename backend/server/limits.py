@@ -32,7 +32,7 @@ class ServiceLimits:
     max_waiting: int = 64  # requests queued in one run before /v1 answers 429
     request_timeout_s: float = 600.0  # a /v1 request is aborted after this long
     max_viewers: int = 32  # websocket viewers per run
-    viewer_events_per_s: float = 4000.0  # all viewers together: the engine and /v1 keep the rest of the CPU
+    viewer_events_per_s: float = 4000.0  # sent to all viewers together: the engine and /v1 keep the CPU
     paused_ttl_s: float = 900.0  # a paused run untouched this long expires (the api run resumes instead)
     history: int = 256  # finished requests a run keeps in memory (and in its snapshot)
     trace_window: int = 20_000  # events a run keeps in memory for /trace (the whole trace: trace_dir)

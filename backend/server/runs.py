@@ -105,6 +105,22 @@ class Watcher:
         self.wake()
 
 
+@dataclass
+class ResyncCache:
+    """A resync message and the events after it: together, exactly the state now."""
+
+    text: str
+    since: list[str] = field(default_factory=list)
+    stale: bool = False  # too many events since: a fresh snapshot is cheaper than replaying them
+
+    def add(self, line: str, limit: int) -> None:
+        if self.stale:
+            return
+        self.since.append(line)
+        if len(self.since) > limit:
+            self.stale, self.since = True, []
+
+
 class ServedRun:
     """A run the server hosts (an engine or a replay): the reducer, watchers, trace so far, pacing, controls."""
 
@@ -124,6 +140,9 @@ class ServedRun:
         keeps_file = retention.trace_dir is not None and self.keeps_trace
         self.trace_path = Path(retention.trace_dir) / f"{run_id}.jsonl" if keeps_file else None
         self._trace_file = self.trace_path.open("w", encoding="utf-8") if self.trace_path else None
+        # A resync message (JSON) and the events published since: resyncing watchers share it, so that
+        # many viewers falling behind cost one snapshot, not one each. None: build a fresh one.
+        self._resync_cache: ResyncCache | None = None
         self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
         self.speed = speed
         self.paused = paused
@@ -147,6 +166,8 @@ class ServedRun:
                 self._record(line, event["type"] == "header")
             for w in self.watchers:
                 w.offer(line)
+            if self._resync_cache is not None:
+                self._resync_cache.add(line, self.queue_limit // 2)
         rid = event.get("request_id")
         if rid is not None and rid in self.listeners:
             self.listeners[rid](event)
@@ -174,14 +195,15 @@ class ServedRun:
             if watcher in self.watchers:
                 self.watchers.remove(watcher)
 
-    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[dict | None, list[str]]:
-        """What a watcher should send next: a snapshot (if it must resync) and queued events (JSON text)."""
+    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[str | None, list[str]]:
+        """What a watcher should send next: a snapshot (if it must resync) and queued events, as JSON text."""
         with self.lock:
             snapshot = None
             if watcher.needs_snapshot:
-                snapshot = self._resync_message_locked()
+                cache = self._resync_locked()
+                snapshot = cache.text
                 watcher.needs_snapshot = False
-                watcher.queue.clear()
+                watcher.queue = deque(cache.since)
             events = [watcher.queue.popleft() for _ in range(min(max_events, len(watcher.queue)))]
         return snapshot, events
 
@@ -199,8 +221,14 @@ class ServedRun:
         """What a watcher starts (again) from: the snapshot; a replay adds the events before it."""
         return self._snapshot_locked()
 
+    def _resync_locked(self) -> ResyncCache:
+        if self._resync_cache is None or self._resync_cache.stale:
+            self._resync_cache = ResyncCache(json.dumps(self._resync_message_locked(), separators=(",", ":")))
+        return self._resync_cache
+
     def resync_all(self) -> None:
         with self.lock:
+            self._resync_cache = None
             for w in self.watchers:
                 w.needs_snapshot = True
                 w.queue.clear()
@@ -222,6 +250,8 @@ class ServedRun:
     # ---- control (any thread) ---------------------------------------------------------------------
 
     def control(self, action: str, value: float | int | None = None) -> None:
+        with self.lock:
+            self._resync_cache = None  # it tells paused and speed as they were
         with self.wakeup:
             self.touched = time.monotonic()
             if action == "pause":

@@ -32,7 +32,9 @@ class Server(uvicorn.Server):
         self.manager = app.state.manager
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.manager.abort_all()
+        # A signal handler runs on the main thread between any two bytecodes, maybe inside a run's
+        # lock: the aborts take those locks, so they go on a thread of their own.
+        threading.Thread(target=self.manager.abort_all, name="abort-all", daemon=True).start()
         super().handle_exit(sig, frame)
 
     def stop(self) -> None:

@@ -4,7 +4,8 @@ The worker thread only appends to each watcher's bounded queue and, when the que
 wakes this coroutine through the event loop. A watcher that cannot keep up is never waited for: its
 queue is dropped and the next thing it receives is a fresh snapshot (`type: snapshot`).
 
-Viewers share one send budget (events a second, all of them together), so that many viewers, or
+Viewers share one send budget (events a second, all of them together; a snapshot counts one per
+SNAPSHOT_BYTES_PER_EVENT of its JSON, about what it costs to build and send), so that many viewers, or
 slow ones, cannot take the event loop (and the GIL) from the engine and the OpenAI routes: past
 the budget viewers fall behind and resync. A run takes at most --max-viewers (close code 4429).
 """
@@ -19,8 +20,8 @@ from litestar.exceptions import WebSocketDisconnect
 
 from backend.server.runs import RunBusy, ServedRun
 
-SNAPSHOT_COST = 32  # a snapshot, in events of the send budget
 MAX_BURST_S = 0.25  # the budget saved up while idle
+SNAPSHOT_BYTES_PER_EVENT = 4096  # encoding 4 KiB of JSON costs about what sending one event does
 
 
 class SendBudget:
@@ -30,13 +31,12 @@ class SendBudget:
         self.rate = rate
         self.next_free = 0.0  # the loop's clock when the budget is spent up to
 
-    async def spend(self, events: int) -> None:
-        """Wait until `events` more may be sent (first come, first served)."""
+    def reserve(self, events: int) -> float:
+        """Book `events` (first come, first served); returns the seconds to wait before sending them."""
         now = asyncio.get_running_loop().time()
         start = max(self.next_free, now - MAX_BURST_S)
         self.next_free = start + events / self.rate
-        if self.next_free > now:
-            await asyncio.sleep(self.next_free - now)
+        return self.next_free - now
 
 
 @websocket("/ws/runs/{run_id:str}")
@@ -60,10 +60,14 @@ async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
     try:
         while not closed.done():
             snapshot, events = run.take(watcher, max_events=64)
-            if snapshot is not None or events:
-                await budget.spend(len(events) + (SNAPSHOT_COST if snapshot is not None else 0))
+            cost = len(events) + (len(snapshot) // SNAPSHOT_BYTES_PER_EVENT + 1 if snapshot is not None else 0)
+            delay = budget.reserve(cost) if cost else 0.0
+            if delay > 0:
+                await asyncio.wait({closed}, timeout=delay)  # a viewer that leaves meanwhile is not waited for
+                if closed.done():
+                    break
             if snapshot is not None:
-                await socket.send_json(snapshot)
+                await socket.send_text(snapshot)
             for line in events:
                 await socket.send_text(line)
             if snapshot is None and not events:
