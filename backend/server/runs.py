@@ -405,6 +405,8 @@ class EngineRun(ServedRun):
             super()._expire()
             return
         self.paused = False  # the API's run is the service: it resumes rather than leave requests waiting
+        with self.lock:
+            self._resync_cache = None
         self.bus.emit("control", action="resume", value=None)
 
     def abort_in_flight(self, reason: str) -> None:
