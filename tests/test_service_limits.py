@@ -81,6 +81,19 @@ def test_the_api_run_keeps_a_bounded_window_and_streams_the_whole_trace_to_a_fil
     manager.stop_all()
 
 
+def test_a_scenario_run_keeps_its_own_requests_and_a_window_of_live_ones(tiny_dir):
+    client, manager = serving(tiny_dir, history=2)
+    with client:
+        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+        for _ in range(4):
+            assert client.post(f"/api/runs/{run_id}/requests", json={"prompt": "ab", "max_tokens": 1}).status_code == 201
+        run = manager.get(run_id)
+        wait_for(lambda: sum(r.status == "finished" for r in run.state.requests.values()) == 3 and not run.state.waiting
+                 and not run.state.running)
+        assert len(client.get(f"/api/runs/{run_id}").json()["requests"]) == 3  # 1 planned + 2 live
+    manager.stop_all()
+
+
 # ---- 2. resource limits ----------------------------------------------------------------------------
 
 
@@ -253,3 +266,30 @@ def test_sigterm_aborts_in_flight_requests_and_exits_within_5_s_while_paused(tin
             proc.kill()
             proc.wait()
     assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+def test_the_official_client_sees_a_full_queue_as_a_rate_limit(tiny_dir):
+    import openai
+
+    manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(max_waiting=1))
+    with serve_in_thread(create_app(manager)) as url:
+        api = manager.api_run()
+        api.control("pause")
+        api.add_request("ab", 1, None)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=tiny_dir, prompt="ab", max_tokens=1)
+    manager.stop_all()
+
+
+def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):
+    from kvscope.cli import _limits, build_parser
+
+    args = build_parser().parse_args(["serve", "--no-ui", "--max-kv-memory-mb", "512", "--max-waiting", "3",
+                                      "--request-timeout-s", "2.5", "--max-viewers", "4", "--allow-paths"])
+    limits = _limits(args)
+    assert (limits.max_kv_memory_mb, limits.max_waiting, limits.request_timeout_s, limits.max_viewers) == (512, 3, 2.5, 4)
+    assert limits.allow_paths and limits.served_models == ("demo",) and limits.max_runs == ServiceLimits().max_runs
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--max-waiting", "0"])
+    assert refused.value.code == 2 and "--max-waiting: '0' is not a number > 0" in capsys.readouterr().err

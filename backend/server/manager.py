@@ -12,6 +12,7 @@ import re
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from backend.config import EngineConfig
@@ -45,10 +46,11 @@ class RunManager:
             self._sweep_locked()
             return list(self.runs.values())
 
-    def retention(self, open_ended: bool = False) -> Retention:
-        """What runs keep: a window for the open-ended API run, everything for runs that end."""
+    def retention(self, open_ended: bool = False, planned: int = 0) -> Retention:
+        """What runs keep: windows for the open-ended API run; a scenario keeps its own requests (and up to
+        --history live ones besides) and its whole trace; a replay keeps everything it was given."""
         lim = self.limits
-        return Retention(history=lim.history if open_ended else None,
+        return Retention(history=lim.history if open_ended else lim.history + planned,
                          trace_window=lim.trace_window if open_ended else None, trace_dir=lim.trace_dir,
                          paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers)
 
@@ -56,11 +58,14 @@ class RunManager:
                        speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
         resolved = self.resolve(scenario, overrides)
         kv = self.kv_bytes_of(resolved)
-        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=self.retention()), kv,
+        planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
+        retention = self.retention(planned=planned)
+        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention), kv,
                          "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb")
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
-        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=self.retention()), 0)
+        retention = replace(self.retention(), history=None)
+        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention), 0)
 
     def api_run(self) -> EngineRun:
         """The open-ended run that OpenAI-compatible requests join (created on first use)."""
