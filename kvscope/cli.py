@@ -111,9 +111,9 @@ def _limits(args: argparse.Namespace):
 
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
-    given = {name: getattr(args, name) for name in (
-        "max_kv_memory_mb", "max_run_kv_memory_mb", "max_runs", "max_waiting", "request_timeout_s", "max_viewers",
-        "viewer_events_per_s", "paused_ttl_s", "history", "trace_window", "trace_dir") if getattr(args, name) is not None}
+    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_runs", "max_waiting", "request_timeout_s", "max_viewers",
+             "viewer_events_per_s", "paused_ttl_s", "history", "trace_window", "trace_dir")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
 

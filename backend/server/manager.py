@@ -117,9 +117,10 @@ class RunManager:
         named = [("model", scenario.model)]
         if spec is not None and spec.method == "draft":
             named.append(("engine.speculative.draft_model", spec.draft_model))
+        offered = ", ".join(dict.fromkeys(allowed))
         for field, name in named:
             if name not in allowed:
-                raise RunError(f"{field}: {name!r} is not a model this server offers ({', '.join(dict.fromkeys(allowed))}); "
+                raise RunError(f"{field}: {name!r} is not a model this server offers ({offered}); "
                                "model folders need a server started with --allow-paths", field)
 
     # ---- limits -------------------------------------------------------------------------------------
