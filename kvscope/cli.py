@@ -89,12 +89,42 @@ def cmd_serve(args: argparse.Namespace) -> None:
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         dashboard = None if args.no_ui else f"http://{local}:{args.ui_port}"
         app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None,
-                         host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard)
+                         host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard,
+                         limits=_limits(args))
         if args.no_ui:
             _print_api(args, token)  # the socket listens already: clients that connect now are served
             serve_forever(app, api_socket)
             return
         _serve_with_dashboard(app, api_socket, args, token, run_id)
+
+
+def _limits(args: argparse.Namespace):
+    """The service's limits from the flags (limits.py has the defaults)."""
+    from pathlib import Path
+
+    from backend.server.limits import ServiceLimits
+
+    if args.trace_dir and not Path(args.trace_dir).is_dir():
+        raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
+    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_runs", "max_waiting", "request_timeout_s", "max_viewers",
+             "viewer_events_per_s", "paused_ttl_s", "history", "trace_window", "trace_dir")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
+
+
+def positive(kind: type):
+    """argparse type: a number > 0."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+        return value
+
+    return parse
 
 
 def _start_manager(args: argparse.Namespace, events: list[dict] | None):
@@ -346,6 +376,23 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")
         v.add_argument("--max-body-bytes", type=int, default=2_000_000, help="larger request bodies get 413")
+        lim = v.add_argument_group("limits of a server left running (docs/api.md)")
+        lim.add_argument("--max-kv-memory-mb", type=positive(float),
+                         help="KV cache memory of all runs together (default: a quarter of physical memory)")
+        lim.add_argument("--max-run-kv-memory-mb", type=positive(float), help="KV cache memory of one run")
+        lim.add_argument("--max-runs", type=positive(int), help="runs held at once (default 16)")
+        lim.add_argument("--max-waiting", type=positive(int), help="requests waiting in a run; more get 429 (default 64)")
+        lim.add_argument("--request-timeout-s", type=positive(float), help="a /v1 request is aborted after this (600)")
+        lim.add_argument("--max-viewers", type=positive(int), help="websocket viewers per run (default 32)")
+        lim.add_argument("--viewer-events-per-s", type=positive(float),
+                         help="sent to all websocket viewers together, so that they cannot starve the engine (4000)")
+        lim.add_argument("--paused-ttl-s", type=positive(float),
+                         help="a run left paused this long expires; the api run resumes (default 900)")
+        lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")
+        lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
+        lim.add_argument("--trace-dir", help="write every run's whole trace to DIR/<run_id>.jsonl")
+        lim.add_argument("--allow-paths", action="store_true",
+                         help="let clients name scenario files and model folders on this machine")
         v.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("run", help="run a scenario headless and print its metrics")

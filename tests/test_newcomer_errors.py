@@ -159,7 +159,7 @@ def test_a_model_that_cannot_load_fails_at_start(capsys, never_serves, tmp_path)
 @pytest.fixture
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as c:
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as c:  # a loopback Host (guards.py)
         yield c
     manager.stop_all()
 
@@ -178,9 +178,10 @@ def test_run_start_failures_are_4xx_naming_the_cause_and_logged(client, monkeypa
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"model": "no-such-model"}, "no-such-model: no such model folder"),
+    ({"model": "no-such-model"}, "model: 'no-such-model' is not a model this server offers"),
     ({"engine.max_num_seq": 4}, "overrides engine.max_num_seq=4: unknown field; did you mean engine.max_num_seqs?"),
-    ({"engine.num_blocks": None, "engine.kv_cache_memory_mb": 1e9}, ""),  # a petabyte KV cache
+    ({"engine.num_blocks": None, "engine.kv_cache_memory_mb": 1e9}, "engine.kv_cache_memory_mb: this run's KV cache "
+                                                                     "would take 1000000000.0 MB"),  # a petabyte
 ])
 def test_real_run_start_failures_are_4xx(client, overrides, needle):
     r = client.post("/api/runs", json={"scenario": "shared-prefix", "overrides": overrides})

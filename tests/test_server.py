@@ -21,8 +21,8 @@ def scenario(model: str, **engine) -> dict:
 
 
 @pytest.fixture
-def client():
-    manager = RunManager()
+def client(tiny_dir):
+    manager = RunManager(default_model=tiny_dir)  # the server's own model: clients may name it
     with TestClient(create_app(manager), base_url=LOCAL) as c:
         yield c
     manager.stop_all()
@@ -123,7 +123,7 @@ def test_bad_input_gets_4xx_naming_the_problem(client, tiny_dir):
 
 
 def test_token_guards_changes_but_not_watching(tiny_dir):
-    manager = RunManager()
+    manager = RunManager(default_model=tiny_dir)
     with TestClient(create_app(manager, token="s3cret"), base_url=LOCAL) as c:
         body = {"scenario": scenario(tiny_dir), "paused": True}
         assert c.post("/api/runs", json=body).status_code == 401
@@ -201,7 +201,7 @@ def test_on_a_loopback_bind_the_host_must_be_a_loopback_name(client):
 
 
 def test_a_cross_site_origin_may_not_change_runs(tiny_dir):
-    manager = RunManager()
+    manager = RunManager(default_model=tiny_dir)
     app = create_app(manager, cors_origins=["http://ok.example"], dashboard_origin="http://127.0.0.1:8080")
     body = {"scenario": scenario(tiny_dir), "paused": True}
     with TestClient(app, base_url=LOCAL) as c:
@@ -225,7 +225,7 @@ def test_a_cross_site_origin_may_not_change_runs(tiny_dir):
 def test_off_loopback_watching_needs_the_token_unless_public_watch(tiny_dir):
     auth = {"Authorization": "Bearer s3cret"}
     for public_watch in (False, True):
-        manager = RunManager()
+        manager = RunManager(default_model=tiny_dir)
         with TestClient(create_app(manager, token="s3cret", host="0.0.0.0", public_watch=public_watch),
                         base_url="http://my.server:8000") as c:
             run_id = c.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True},

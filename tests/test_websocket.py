@@ -14,6 +14,7 @@ from websockets.sync.client import connect
 
 from backend.events.state import RunState
 from backend.server.app import create_app
+from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
 from backend.server.serve import serve_in_thread
 
@@ -27,12 +28,30 @@ def busy_scenario(model: str, count: int = 4, max_tokens: int = 8) -> dict:
                           "sampling": {"temperature": 0, "ignore_eos": True}} for i in range(count)]}
 
 
-@pytest.fixture
-def server():
-    manager = RunManager(watcher_queue_limit=256)  # small, so that the stall surely overflows it
+def serving(tiny_dir: str, **limits):
+    manager = RunManager(default_model=tiny_dir, watcher_queue_limit=256,  # small: a stall surely overflows it
+                         limits=ServiceLimits(**limits))
     with serve_in_thread(create_app(manager)) as url:
         yield url, manager
     manager.stop_all()
+
+
+@pytest.fixture
+def server(tiny_dir):
+    yield from serving(tiny_dir)
+
+
+@pytest.fixture
+def slow_server(tiny_dir):
+    """Viewers get 500 events a second: a run of the tiny model surely leaves one behind."""
+    yield from serving(tiny_dir, viewer_events_per_s=500)
+
+
+@pytest.fixture
+def unbudgeted_server(tiny_dir):
+    """No viewer send budget to speak of: a client that stops reading fills its socket's buffers within
+    seconds, and only the queue and the resync stand between it and the engine."""
+    yield from serving(tiny_dir, viewer_events_per_s=1e9)
 
 
 def ws_url(url: str, run_id: str) -> str:
@@ -139,8 +158,8 @@ def step_rates(url: str, run_id: str, seconds: int) -> list[float]:
     return rates
 
 
-def test_a_stalled_client_does_not_slow_the_engine(server):
-    url, manager = server
+def test_a_stalled_client_does_not_slow_the_engine(unbudgeted_server):
+    url, manager = unbudgeted_server
     # The demo model: real per-step work, as in class (the tiny model emits events faster than
     # anything a person watches, and mostly measures the cost of encoding them). One run, measured
     # before, during and after the stall, so that nothing but the client differs.
@@ -164,15 +183,17 @@ def test_a_stalled_client_does_not_slow_the_engine(server):
     assert stalled >= 0.95 * reference, f"{stalled:.1f} steps/s with a stalled client vs {reference:.1f}"
 
 
-def test_a_client_that_falls_behind_resyncs_to_the_engines_state(server, tiny_dir):
-    url, manager = server
+def test_a_client_that_falls_behind_resyncs_to_the_engines_state(slow_server, tiny_dir):
+    url, manager = slow_server
     run_id = httpx.post(f"{url}/api/runs", json={"scenario": busy_scenario(tiny_dir, count=8, max_tokens=300),
                                                  "speed": 0}).json()["run_id"]
     with connect(ws_url(url, run_id), max_queue=4) as ws:
         ws.recv(timeout=10)
         time.sleep(3)  # fall far behind (the queue limit is 256 events)
         seen: list[str] = []
-        state = follow(ws, None, until=lambda m: seen.append(m["type"]) or m["type"] == "run_finished")
+        # The end: run_finished, or a resync snapshot taken after it.
+        state = follow(ws, None, until=lambda m: seen.append(m["type"]) or m["type"] == "run_finished"
+                       or m["type"] == "snapshot" and m["finished"])
     assert "snapshot" in seen, "falling behind must have brought a fresh snapshot"
     final = httpx.get(f"{url}/api/runs/{run_id}").json()
     assert comparable(state.snapshot()) == comparable(final)

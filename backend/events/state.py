@@ -80,8 +80,9 @@ class SpecTotals:
 class RunState:
     """Block tables, free list, queues, requests and metrics, as the events say they are."""
 
-    def __init__(self, max_iterations: int = 256):
+    def __init__(self, max_iterations: int = 256, max_finished: int | None = None):
         self.max_iterations = max_iterations
+        self.max_finished = max_finished  # finished requests kept (oldest forgotten first); None: all
         self._handlers = {
             name.removeprefix("_on_"): getattr(self, name) for name in dir(self) if name.startswith("_on_")
         }
@@ -103,6 +104,7 @@ class RunState:
         self.cached_blocks: set[int] = set()  # free blocks still findable by prefix hash
         self.seq_request: dict[int, str] = {}
         self.requests: dict[str, RequestView] = {}
+        self._finished_ids: deque[str] = deque()  # finished and rejected requests, oldest first
         self.sequences: dict[int, SeqView] = {}  # only the sequences of multi-sequence requests
         self.draft_seqs: dict[int, int] = {}  # draft model's sequence -> the target sequence it drafts for
         self.spec = SpecTotals()
@@ -198,6 +200,7 @@ class RunState:
         view.status = "rejected"
         view.reason = f"{e['field']}: {e['reason']}"
         self._leave_queues(rid)
+        self._retire(rid)
 
     def _mark_running(self, rid: str) -> None:
         view = self.requests.get(rid)
@@ -244,6 +247,21 @@ class RunState:
         view.ttft_s, view.tpot_s, view.e2e_s = e["ttft_s"], e["tpot_s"], e["e2e_s"]
         view.outputs = e.get("outputs")
         self._leave_queues(rid)
+        self._retire(rid)
+
+    def _retire(self, rid: str) -> None:
+        """A run that lives forever keeps only the newest max_finished finished requests."""
+        if self.max_finished is None:
+            return
+        self._finished_ids.append(rid)
+        while len(self._finished_ids) > self.max_finished:
+            old = self.requests.pop(self._finished_ids.popleft(), None)
+            if old is None:
+                continue
+            self.last_token_by_request.pop(old.id, None)
+            for seq in old.seq_ids:  # their blocks went back with request_finished
+                self.seq_request.pop(seq, None)
+                self.sequences.pop(seq, None)
 
     def _leave_queues(self, rid: str) -> None:
         if rid in self.waiting:

@@ -13,19 +13,22 @@ import re
 import secrets
 from typing import Annotated, Any, Literal
 
+import yaml
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
 from litestar.params import FromPath, JSONBody
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi import OpenAPIConfig
+from litestar.response import File
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.errors import KvscopeError
 from backend.events.trace import parse_trace
 from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, list_scenarios, load_scenario
 from backend.server.guards import require_token
+from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
-from backend.server.runs import EngineRun, RunError, ServedRun
+from backend.server.runs import EngineRun, RunBusy, RunError, ServedRun
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,9 @@ class _Body(BaseModel):
 
 
 class StartRun(_Body):
-    scenario: str | dict[str, Any] | None = Field(default=None, description="a scenario name or an inline scenario")
+    scenario: str | dict[str, Any] | None = Field(default=None, description="a bundled scenario's name or an "
+                                                                           "inline scenario")
+    yaml: str | None = Field(default=None, max_length=100_000, description="an inline scenario as YAML text")
     overrides: dict[Annotated[str, Field(max_length=128)], Any] = \
         Field(default_factory=dict, max_length=64, description="dotted paths, e.g. engine.block_size")
     trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay (bounded by "
@@ -74,6 +79,12 @@ def _error(status: int, message: str, field: str | None = None) -> Response:
 
 def user_error(_: Request, exc: KvscopeError) -> Response:
     return _error(400, str(exc), exc.field)
+
+
+def busy_error(_: Request, exc: RunBusy) -> Response:
+    response = _error(429, str(exc))
+    response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
 
 
 def http_error(_: Request, exc: HTTPException) -> Response:
@@ -123,7 +134,7 @@ def scenario(name: FromPath[str]) -> dict:
 
 @get("/api/runs")
 async def list_runs(request: Request) -> list[dict]:
-    return [run.describe() for run in request.app.state.manager.runs.values()]
+    return [run.describe() for run in request.app.state.manager.list()]
 
 
 @post("/api/runs", guards=[require_token], sync_to_thread=True, status_code=201)
@@ -139,9 +150,26 @@ def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
 def _start(manager: RunManager, data: StartRun) -> ServedRun:
     if data.trace is not None:
         return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
+    if data.yaml is not None:
+        return manager.start_scenario(inline_yaml(data.yaml), data.overrides, data.speed, data.paused)
     if data.scenario is not None:
         return manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
-    raise RunError("scenario", "give a scenario (name or object) or a trace")
+    raise RunError("scenario", "give a scenario (name or object), yaml or a trace")
+
+
+def inline_yaml(text: str) -> dict[str, Any]:
+    """A scenario sent as YAML text; a syntax error names its line and column, nothing else."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RunError("yaml", f"not valid YAML{where}") from None
+    except yaml.YAMLError:
+        raise RunError("yaml", "not valid YAML") from None
+    if not isinstance(data, dict):
+        raise RunError("yaml", "a scenario is a mapping (name:, engine:, requests: ...)")
+    return data
 
 
 @get("/api/runs/{run_id:str}", sync_to_thread=True)
@@ -165,8 +193,13 @@ def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddReque
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)
-def run_trace(request: Request, run_id: FromPath[str]) -> str:
-    return run_or_404(request, run_id).trace_jsonl()
+def run_trace(request: Request, run_id: FromPath[str]) -> str | File:
+    """The whole trace when the server writes trace files (--trace-dir), else what the run keeps."""
+    run = run_or_404(request, run_id)
+    path = run.flush_trace()
+    if path is not None:
+        return File(path, media_type="application/x-ndjson", content_disposition_type="inline")
+    return run.trace_jsonl()
 
 
 # ---- the application ------------------------------------------------------------------------------------
@@ -174,8 +207,10 @@ def run_trace(request: Request, run_id: FromPath[str]) -> str:
 
 def create_app(manager: RunManager | None = None, token: str | None = None, max_body_bytes: int = 2_000_000,
                cors_origins: list[str] | None = None, host: str = "127.0.0.1", public_watch: bool = False,
-               dashboard_origin: str | None = None) -> Litestar:
+               dashboard_origin: str | None = None, limits: ServiceLimits | None = None) -> Litestar:
     """The whole service. `token`: required on changing routes (set it for non-loopback binds).
+
+    `limits`: KV memory, runs, queues, viewers, timeouts and paths (limits.py); they replace the manager's.
 
     `host`: the bind address (on loopback the Host header must be a loopback name); `public_watch`:
     off loopback, watching runs needs no token; `dashboard_origin`: a browser origin trusted like a
@@ -183,13 +218,16 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     from backend.server.guards import CONNECTION_GUARDS
     from backend.server.openai_api import openai_errors_under_v1, openai_routes
     from backend.server.serve import is_loopback
-    from backend.server.ws import run_socket
+    from backend.server.ws import SendBudget, run_socket
 
-    manager = manager or RunManager()
+    manager = manager or RunManager(limits=limits)
+    if limits is not None:
+        manager.limits = limits
     app = Litestar(
         route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
-        exception_handlers={KvscopeError: user_error, HTTPException: openai_errors_under_v1(http_error)},
+        exception_handlers={KvscopeError: user_error, RunBusy: busy_error,
+                            HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,
@@ -198,6 +236,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         debug=False,
     )
     app.state.manager = manager
+    app.state.viewer_budget = SendBudget(manager.limits.viewer_events_per_s)
     app.state.token = token
     app.state.loopback = is_loopback(host)
     app.state.public_watch = public_watch

@@ -86,6 +86,8 @@ class Generation:
         self.choice_of_seq: dict[int, Choice] = {}  # a request's first sequence is its first choice, forks follow
         self.seqs_seen: dict[str, int] = {}
         self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.timed_out = False
+        self._timer: asyncio.TimerHandle | None = None
 
     def choices_of(self, request_id: str) -> list[Choice]:
         k = self.prompt_of[request_id]
@@ -154,6 +156,14 @@ class Generation:
         for choice in self.choices:
             choice.prompt_tokens, choice.finish_reason = prompt_lengths[choice.index // self.n], "length"
 
+    def limit_time(self, seconds: float) -> None:
+        """Abort the requests still running after `seconds` (the server's time limit per request)."""
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._time_out)
+
+    def _time_out(self) -> None:
+        self.timed_out = True
+        self.close()
+
     async def wait(self) -> None:
         async for _ in self.updates():
             pass
@@ -162,6 +172,8 @@ class Generation:
         """Abort the requests that still run (the client went away); does not wait for the worker.
 
         A submission cancelled half-way may still reach the engine: the abort queues behind it."""
+        if self._timer is not None and not self.timed_out:
+            self._timer.cancel()
         for rid in self.request_ids:
             if any(c.finish_reason is None for c in self.choices_of(rid)):
                 asyncio.get_running_loop().run_in_executor(None, _abort, self.run, rid)

@@ -1,18 +1,29 @@
-"""The runs a server holds: start them from scenarios or traces, find them, and the API's own run."""
+"""The runs a server holds: start them from scenarios or traces, find them, and the API's own run.
+
+Every start is checked against the server's limits (limits.py) before anything is built: the KV
+bytes its engine would allocate, per run and for all runs together, and how many runs are held.
+Finished and expired runs are forgotten first to make room.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from backend.config import EngineConfig
 from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package
-from backend.scenario import Scenario, apply_overrides, load_scenario, validate
+from backend.run import cached_model
+from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, load_scenario,
+                              validate)
+from backend.server.limits import MB, ServiceLimits, kv_cache_bytes
 from backend.server.replay import ReplayRun
-from backend.server.runs import DEFAULT_SPEED, EngineRun, RunError, ServedRun, build_run
+from backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
 
-MAX_RUNS = 16  # finished runs beyond this are forgotten, oldest first
 API_RUN_ID = "api"  # the server's own model; another model named by an API request gets "api-<name>"
 # A model outside the shipped demos gets its KV cache by bytes: SmolLM2 in fp32 (46 KB per token)
 # holds ~5,800 tokens in 256 MB, where a fixed 1024 blocks would take 755 MB.
@@ -28,22 +39,44 @@ def api_engine(model: str) -> EngineConfig:
 
 
 class RunManager:
-    def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None) -> None:
+    def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
+                 limits: ServiceLimits | None = None) -> None:
         self.default_model = default_model
         self.watcher_queue_limit = watcher_queue_limit
+        self.limits = limits or ServiceLimits()
         self.runs: dict[str, ServedRun] = {}
+        self.kv_bytes: dict[str, int] = {}  # run id -> the KV cache bytes it holds (or is being built with)
         self._lock = threading.Lock()
+        self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
 
+    def list(self) -> list[ServedRun]:
+        with self._lock:
+            self._sweep_locked()
+            return list(self.runs.values())
+
+    def retention(self, open_ended: bool = False, planned: int = 0) -> Retention:
+        """What runs keep: windows for the open-ended API run; a scenario keeps its own requests (and up to
+        --history live ones besides) and its whole trace; a replay keeps everything it was given."""
+        lim = self.limits
+        return Retention(history=lim.history if open_ended else lim.history + planned,
+                         trace_window=lim.trace_window if open_ended else None, trace_dir=lim.trace_dir,
+                         paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers)
+
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
         resolved = self.resolve(scenario, overrides)
-        return self._add(build_run(lambda: EngineRun(resolved, speed, paused)))
+        kv = self.kv_bytes_of(resolved)
+        planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
+        retention = self.retention(planned=planned)
+        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention), kv,
+                         "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb")
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
-        return self._add(build_run(lambda: ReplayRun(events, speed, paused)))
+        retention = replace(self.retention(), history=None)
+        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention), 0)
 
     def api_models(self) -> list[str]:
         """Models the OpenAI API serves by name: the server's first, then the shipped ones and smollm2 when present."""
@@ -55,41 +88,123 @@ class RunManager:
         """The open-ended run that OpenAI-compatible requests for `model` join (created on first use)."""
         model = model or self.default_model
         run_id = API_RUN_ID if model == self.default_model else f"{API_RUN_ID}-{model}"
-        with self._lock:
-            run = self.runs.get(run_id)
-            if run is None:
-                # No requests of its own, which a scenario file may not have: built, not validated.
-                scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.",
-                                                    lesson="", model=model, seed=0, engine=api_engine(model),
-                                                    requests=[], generate=None)
-                run = EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True).start()
-                self.runs[run_id] = run
-            assert isinstance(run, EngineRun)
-            return run
+        with self._api_lock:
+            with self._lock:
+                self._sweep_locked()
+                run = self.runs.get(run_id)
+            return run if run is not None else self._start_api_run(model, run_id)
+
+    def _start_api_run(self, model: str, run_id: str) -> EngineRun:
+        # No requests of its own, which a scenario file may not have: built, not validated.
+        scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.", lesson="",
+                                            model=model, seed=0, engine=api_engine(model), requests=[],
+                                            generate=None)
+        run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
+                                            retention=self.retention(open_ended=True)),
+                        self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id)
+        assert isinstance(run, EngineRun)
+        return run
+
+    # ---- what a client may name -------------------------------------------------------------------
 
     def resolve(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None) -> Scenario:
-        """A scenario name or inline object, with dotted overrides applied, validated."""
+        """A scenario name or inline object, with dotted overrides applied, validated, its models allowed."""
         if isinstance(scenario, str):
-            base = load_scenario(scenario).model_dump(mode="json")
+            base = self._named_scenario(scenario).model_dump(mode="json")
             source = f"scenario {scenario}"
         else:
             base, source = dict(scenario), "scenario"
         items = [(key, value, f"overrides {key}={json.dumps(value)}") for key, value in (overrides or {}).items()]
-        return validate(base, source, apply_overrides(base, items))
+        resolved = validate(base, source, apply_overrides(base, items))
+        self._check_models(resolved)
+        return resolved
 
-    def _add(self, run: ServedRun) -> ServedRun:
+    def _named_scenario(self, name: str) -> Scenario:
+        """A bundled scenario by name; a path only with --allow-paths (the answer never tells what exists)."""
+        if self.limits.allow_paths:
+            return load_scenario(name)
+        if not re.match(NAME_PATTERN, name) or not (SCENARIOS_DIR / f"{name}.yaml").is_file():
+            raise RunError("scenario", f"{name!r} is not a bundled scenario (GET /api/scenarios lists them); send "
+                                       "any other scenario inline (an object, or YAML text in `yaml`)")
+        return load_scenario(name)
+
+    def _check_models(self, scenario: Scenario) -> None:
+        if self.limits.allow_paths:
+            return
+        allowed = (*self.limits.model_names(), self.default_model)
+        spec = scenario.engine.speculative
+        named = [("model", scenario.model)]
+        if spec is not None and spec.method == "draft":
+            named.append(("engine.speculative.draft_model", spec.draft_model))
+        offered = ", ".join(dict.fromkeys(allowed))
+        for field, name in named:
+            if name not in allowed:
+                raise RunError(field, f"{name!r} is not a model this server offers ({offered}); "
+                                      "model folders need a server started with --allow-paths")
+
+    # ---- limits -------------------------------------------------------------------------------------
+
+    def kv_bytes_of(self, scenario: Scenario) -> int:
+        """The KV bytes the scenario's engine would allocate (loads the model, never the cache)."""
+        spec = scenario.engine.speculative
+        draft = spec.draft_model if spec is not None and spec.method == "draft" else None
+        return build_run(lambda: kv_cache_bytes(scenario, cached_model(scenario.model),
+                                                cached_model(draft) if draft else None))
+
+    def _add(self, build: Callable[[str], ServedRun], kv: int, kv_field: str = "engine.num_blocks",
+             run_id: str | None = None) -> ServedRun:
+        """Reserve room (or refuse, naming kv_field), build the run outside the lock, then start it."""
+        run_id = run_id or uuid.uuid4().hex[:12]
         with self._lock:
-            finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
-            while len(self.runs) >= MAX_RUNS and finished:
-                self.runs.pop(finished.pop(0)).stop()
-            if len(self.runs) >= MAX_RUNS:
-                raise RunError(None, f"too many runs at once (at most {MAX_RUNS}); let one finish first")
-            self.runs[run.run_id] = run
+            self._make_room_locked(kv, kv_field)
+            self.kv_bytes[run_id] = kv
+        try:
+            run = build_run(lambda: build(run_id))
+        except BaseException:
+            with self._lock:
+                self.kv_bytes.pop(run_id, None)
+            raise
         if self.watcher_queue_limit:
             run.queue_limit = self.watcher_queue_limit
+        with self._lock:
+            self.runs[run_id] = run
         return run.start()
 
-    def stop_all(self) -> None:
-        for run in self.runs.values():
+    def _make_room_locked(self, kv: int, kv_field: str) -> None:
+        lim = self.limits
+        if kv > lim.run_kv_ceiling_mb * MB:
+            raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
+                                     f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)")
+        self._sweep_locked()
+        finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
+        while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB):
+            self._forget_locked(finished.pop(0))
+        if len(self.kv_bytes) >= lim.max_runs:
+            raise RunError(None, f"too many runs at once (at most {lim.max_runs}, --max-runs); let one finish first")
+        if self._kv_held() + kv > lim.max_kv_memory_mb * MB:
+            raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB, and the runs held now "
+                                     f"take {self._kv_held() / MB:.1f} of the server's {lim.max_kv_memory_mb:g} MB "
+                                     "(--max-kv-memory-mb); let a run finish first")
+
+    def _kv_held(self) -> int:
+        return sum(self.kv_bytes.values())
+
+    def _sweep_locked(self) -> None:
+        """Forget the runs that expired (paused and untouched too long)."""
+        for rid in [rid for rid, r in self.runs.items() if r.expired]:
+            self._forget_locked(rid)
+
+    def _forget_locked(self, run_id: str) -> None:
+        self.kv_bytes.pop(run_id, None)
+        run = self.runs.pop(run_id, None)
+        if run is not None:
             run.stop()
 
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """Every engine run ends its unfinished requests (finish_reason abort); does not wait."""
+        for run in list(self.runs.values()):
+            run.abort_in_flight(reason)
+
+    def stop_all(self) -> None:
+        for run in list(self.runs.values()):
+            run.stop()

@@ -5,6 +5,10 @@ Close enough to OpenAI's wire format that the official `openai` client works unc
 package is installed. Every request joins its model's open-ended run ("api" for the server's model,
 "api-NAME" for another), so the dashboard can watch it being scheduled, paged and sampled. The engine lives on that run's worker thread and reports through events; a
 request's listener (called on the worker thread) hands them to the request's asyncio queue.
+
+A service left running: a full waiting queue is a 429 with Retry-After; a request still running after
+--request-timeout-s is aborted (a stream ends with finish_reason "abort", a plain answer is a 504);
+a client that goes away has its requests aborted, streaming or not.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from backend.model.chat import ChatTemplateError, render_chat
 from backend.model.loader import ModelLoadError, missing_package
 from backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from backend.server.generation import Choice, Generation, prompt_logprobs
-from backend.server.runs import EngineRun
+from backend.server.runs import EngineRun, RunBusy, RunError
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
@@ -165,14 +169,15 @@ class ChatBody(_Sampling):
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
 
 
 def _error_response(e: OpenAIError) -> Response:
     body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-    return Response(body, status_code=e.status, media_type=MediaType.JSON)
+    return Response(body, status_code=e.status, media_type=MediaType.JSON, headers=e.headers)
 
 
 def _to_openai_error(_: Request, exc: Exception) -> Response:
@@ -181,6 +186,11 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
         return _error_response(exc)
     if isinstance(exc, RequestError):  # the engine's field names are "sampling.x" where OpenAI's are "x"
         return _error_response(OpenAIError(400, str(exc), exc.field.removeprefix("sampling.")))
+    if isinstance(exc, RunBusy):
+        return _error_response(OpenAIError(429, str(exc), None, "rate_limit_exceeded", "rate_limit_error",
+                                           {"Retry-After": str(exc.retry_after_s)}))
+    if isinstance(exc, RunError):  # the API's run could not start: the server's limits, not the request
+        return _error_response(OpenAIError(503, str(exc), type="server_error"))
     if isinstance(exc, ChatTemplateError):
         return _error_response(OpenAIError(400, str(exc), "messages"))
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
@@ -288,8 +298,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-async def api_run(request: Request, model: str) -> EngineRun:
-    return await asyncio.to_thread(request.app.state.manager.api_run, model)  # the first call loads the model
+async def api_run(request: Request, model: str, num_requests: int) -> EngineRun:
+    """The API's run for `model` (the first call loads it); RunBusy if its queue cannot take num_requests."""
+    run = await asyncio.to_thread(request.app.state.manager.api_run, model)
+    run.check_room(num_requests)
+    return run
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---- OpenAI's response shapes -----------------------------------------------------------------------------
@@ -402,7 +421,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
     prompts, n = data.prompts(), data.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
-    run = await api_run(request, model)
+    run = await api_run(request, model, len(prompts))
     sampling = sampling_for(data, data.logprobs or 0)
     ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
     if not all(ids):
@@ -415,7 +434,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
         gen.skip_generation([len(i) for i in ids])
     else:
         await gen.submit(list(zip(prompts, max_tokens)), sampling)
-    return await _respond(gen, data, model, "text", data.logprobs is not None)
+    return await _respond(request, gen, data, model, "text", data.logprobs is not None)
 
 
 @post("/chat/completions", guards=[require_token], status_code=200)
@@ -423,7 +442,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     data.refuse_unimplemented()
     model = check_model(request, data)
     messages = message_dicts(data.messages)
-    run = await api_run(request, model)
+    run = await api_run(request, model, 1)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
     prompt = await asyncio.to_thread(render_chat, messages, run.sim.loaded)  # reads the model folder
     prompt_len = len(await asyncio.to_thread(token_ids, run, prompt))
@@ -432,19 +451,31 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
     gen = Generation(run, data.n or 1, sampling["stop"], "chatcmpl")
     await gen.submit([(prompt, max_tokens)], sampling)
-    return await _respond(gen, data, model, "chat", bool(data.logprobs))
+    return await _respond(request, gen, data, model, "chat", bool(data.logprobs))
 
 
-async def _respond(gen: Generation, body: _Sampling, model: str, kind: Literal["text", "chat"],
+async def _respond(request: Request, gen: Generation, body: _Sampling, model: str, kind: Literal["text", "chat"],
                    logprobs: bool) -> Response:
+    timeout = request.app.state.manager.limits.request_timeout_s
+    gen.limit_time(timeout)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return ServerSentEvent(stream_events(gen, model, kind, logprobs, include_usage),
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    gone = asyncio.ensure_future(client_gone(request))
+    done = asyncio.ensure_future(gen.wait())
     try:
-        await gen.wait()
+        await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gen.close()  # cancelled (the client went away): abort; finished: nothing to do
+        gone.cancel()
+        done.cancel()
+        gen.close()  # the client went away (or the handler was cancelled): abort; finished: nothing to do
+    if not done.done() or done.cancelled():
+        return Response(None, status_code=499)  # nobody is listening: nginx's "client closed request"
+    done.result()
+    if gen.timed_out:
+        raise OpenAIError(504, f"the request ran past the server's time limit (--request-timeout-s {timeout:g}) "
+                               "and was aborted", None, "timeout", "timeout_error")
     build = completion_response if kind == "text" else chat_response
     return Response(build(gen, model, logprobs), media_type=MediaType.JSON)
 
@@ -453,6 +484,7 @@ openai_routes: list = [
     Router(path="/v1", route_handlers=[list_models, retrieve_model, completions, chat_completions],
            # Keyed like app.py's handlers, so that these (the nearer layer) win for /v1 routes.
            exception_handlers={exc: _to_openai_error for exc in (
-               OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, Exception)},
+               OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError,
+               Exception)},
            tags=["OpenAI-compatible"]),
 ]

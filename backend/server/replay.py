@@ -13,7 +13,7 @@ import uuid
 from itertools import accumulate
 
 from backend.events.state import RunState
-from backend.server.runs import DEFAULT_SPEED, ServedRun
+from backend.server.runs import DEFAULT_SPEED, Retention, ServedRun
 
 
 class ReplayRun(ServedRun):
@@ -21,8 +21,8 @@ class ReplayRun(ServedRun):
     keeps_trace = False  # seeking publishes steps again: the trace is the one given
 
     def __init__(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
-                 run_id: str | None = None) -> None:
-        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused)
+                 run_id: str | None = None, retention: Retention = Retention()) -> None:
+        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention)
         self.events = sorted(events, key=lambda e: e["step"])  # stable: the trace's order within a step
         self.steps = sorted({e["step"] for e in self.events})  # -1 (the header) first
         self.ends = list(accumulate(_counts(self.events, self.steps)))  # events up to and including steps[i]

@@ -5,6 +5,10 @@ resume / step / seek, and takes live requests between iterations. Every event it
 to the run's reducer and handed to each watcher's bounded queue under one lock, so that a snapshot
 plus the events after it is always exactly the state. A watcher that falls behind is not waited
 for: its queue is dropped and it is told to resync from a fresh snapshot.
+
+A run may live forever (the API's): it keeps a bounded window of finished requests (its reducer's
+`max_finished`) and of events (`Retention.trace_window`), so its memory and its snapshot stay
+bounded whatever its age; the whole trace can stream to a file instead (`Retention.trace_dir`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from backend.errors import KvscopeError
@@ -32,6 +37,26 @@ T = TypeVar("T")
 
 class RunError(KvscopeError):
     """A control or request a run cannot take; becomes a 400 with this message."""
+
+
+class RunBusy(Exception):
+    """A run (or the server) is full for now: a 429 with Retry-After, the client may try again."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What a served run keeps in memory, how long it may sit paused untouched, who may queue and watch."""
+
+    history: int | None = None  # finished requests kept in the reducer (None: all)
+    trace_window: int | None = None  # events kept for /trace besides the header (None: all)
+    trace_dir: str | None = None  # the whole trace, streamed to <trace_dir>/<run_id>.jsonl
+    paused_ttl_s: float | None = None  # paused and untouched this long: the run expires
+    max_waiting: int | None = None  # requests queued before add_request answers RunBusy
+    max_viewers: int | None = None  # websocket viewers at once
 
 
 # Already user errors with a message of their own (each becomes a 400 as it is).
@@ -71,22 +96,49 @@ class Watcher:
         self.wake()
 
 
+@dataclass
+class ResyncCache:
+    """A resync message and the events after it: together, exactly the state now."""
+
+    text: str
+    since: list[str] = field(default_factory=list)
+    stale: bool = False  # too many events since: a fresh snapshot is cheaper than replaying them
+
+    def add(self, line: str, limit: int) -> None:
+        if self.stale:
+            return
+        self.since.append(line)
+        if len(self.since) > limit:
+            self.stale, self.since = True, []
+
+
 class ServedRun:
     """A run the server hosts (an engine or a replay): the reducer, watchers, trace so far, pacing, controls."""
 
     kind = "run"
     keeps_trace = True  # a replay hands out the trace it was given instead
 
-    def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False) -> None:
+    def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
+                 retention: Retention = Retention()) -> None:
         self.run_id = run_id
-        self.state = RunState()
+        self.retention = retention
+        self.state = RunState(max_finished=retention.history)
         self.lock = threading.Lock()
         self.watchers: list[Watcher] = []
         self.queue_limit = WATCHER_QUEUE_LIMIT
-        self.trace_lines: list[str] = []
+        self.header_line: str | None = None  # the trace's first line, kept whatever the window
+        self.trace_lines: deque[str] = deque(maxlen=retention.trace_window)
+        keeps_file = retention.trace_dir is not None and self.keeps_trace
+        self.trace_path = Path(retention.trace_dir) / f"{run_id}.jsonl" if keeps_file else None
+        self._trace_file = self.trace_path.open("w", encoding="utf-8") if self.trace_path else None
+        # A resync message (JSON) and the events published since: resyncing watchers share it, so that
+        # many viewers falling behind cost one snapshot, not one each. None: build a fresh one.
+        self._resync_cache: ResyncCache | None = None
         self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
         self.speed = speed
         self.paused = paused
+        self.touched = time.monotonic()  # the last control: a paused run expires paused_ttl_s after it
+        self.expired = False
         self.steps_requested = 0
         self.finished = False
         self.commands: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -102,16 +154,30 @@ class ServedRun:
             self.state.apply(event)
             line = json.dumps(event, separators=(",", ":"))  # encoded once, for the trace and every watcher
             if self.keeps_trace:
-                self.trace_lines.append(line)
+                self._record(line, event["type"] == "header")
             for w in self.watchers:
                 w.offer(line)
+            if self._resync_cache is not None:
+                self._resync_cache.add(line, self.queue_limit // 2)
         rid = event.get("request_id")
         if rid is not None and rid in self.listeners:
             self.listeners[rid](event)
 
+    def _record(self, line: str, is_header: bool) -> None:
+        if is_header and self.header_line is None:
+            self.header_line = line
+        else:
+            self.trace_lines.append(line)
+        if self._trace_file is not None:
+            self._trace_file.write(line + "\n")
+
     def attach(self, wake: Callable[[], None]) -> Watcher:
+        """A new viewer's queue; RunBusy when the run has max_viewers already."""
         watcher = Watcher(wake, self.queue_limit)
+        limit = self.retention.max_viewers
         with self.lock:
+            if limit is not None and len(self.watchers) >= limit:
+                raise RunBusy(f"run {self.run_id!r} has {limit} viewers already (--max-viewers)", 5)
             self.watchers.append(watcher)
         return watcher
 
@@ -120,14 +186,15 @@ class ServedRun:
             if watcher in self.watchers:
                 self.watchers.remove(watcher)
 
-    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[dict | None, list[str]]:
-        """What a watcher should send next: a snapshot (if it must resync) and queued events (JSON text)."""
+    def take(self, watcher: Watcher, max_events: int = 512) -> tuple[str | None, list[str]]:
+        """What a watcher should send next: a snapshot (if it must resync) and queued events, as JSON text."""
         with self.lock:
             snapshot = None
             if watcher.needs_snapshot:
-                snapshot = self._resync_message_locked()
+                cache = self._resync_locked()
+                snapshot = cache.text
                 watcher.needs_snapshot = False
-                watcher.queue.clear()
+                watcher.queue = deque(cache.since)
             events = [watcher.queue.popleft() for _ in range(min(max_events, len(watcher.queue)))]
         return snapshot, events
 
@@ -145,21 +212,39 @@ class ServedRun:
         """What a watcher starts (again) from: the snapshot; a replay adds the events before it."""
         return self._snapshot_locked()
 
+    def _resync_locked(self) -> ResyncCache:
+        if self._resync_cache is None or self._resync_cache.stale:
+            self._resync_cache = ResyncCache(json.dumps(self._resync_message_locked(), separators=(",", ":")))
+        return self._resync_cache
+
     def resync_all(self) -> None:
         with self.lock:
+            self._resync_cache = None
             for w in self.watchers:
                 w.needs_snapshot = True
                 w.queue.clear()
                 w.wake()
 
     def trace_jsonl(self) -> str:
+        """The header and the newest trace_window events (all of them when nothing was dropped)."""
         with self.lock:
-            return "\n".join(self.trace_lines) + ("\n" if self.trace_lines else "")
+            lines = ([self.header_line] if self.header_line else []) + list(self.trace_lines)
+        return "\n".join(lines) + ("\n" if lines else "")
+
+    def flush_trace(self) -> Path | None:
+        """The whole trace's file, flushed to disk (None: the run keeps no file)."""
+        with self.lock:
+            if self._trace_file is not None:
+                self._trace_file.flush()
+        return self.trace_path
 
     # ---- control (any thread) ---------------------------------------------------------------------
 
     def control(self, action: str, value: float | int | None = None) -> None:
+        with self.lock:
+            self._resync_cache = None  # it tells paused and speed as they were
         with self.wakeup:
+            self.touched = time.monotonic()
             if action == "pause":
                 self.paused = True
             elif action == "resume":
@@ -198,6 +283,13 @@ class ServedRun:
         with self.wakeup:
             self.stopped = True
             self.wakeup.notify_all()
+        with self.lock:
+            if self._trace_file is not None:
+                self._trace_file.close()
+                self._trace_file = None
+
+    def abort_in_flight(self, reason: str) -> None:
+        """Ask the worker to end every unfinished request (shutdown); does not wait. A replay has none."""
 
     # ---- the worker ---------------------------------------------------------------------------------
 
@@ -207,6 +299,7 @@ class ServedRun:
             with self.wakeup:
                 while not self._may_step() and not self.commands and not self.stopped:
                     self.wakeup.wait(timeout=0.5)
+                    self._expire_if_idle()
                 if self.stopped:
                     return
                 commands = list(self.commands)
@@ -234,6 +327,15 @@ class ServedRun:
         with self.wakeup:
             while not self.stopped and time.perf_counter() < deadline and not self.paused and not self.commands:
                 self.wakeup.wait(timeout=deadline - time.perf_counter())
+
+    def _expire_if_idle(self) -> None:
+        """Paused and untouched for paused_ttl_s (holding self.wakeup): the run stops, its memory can go."""
+        ttl = self.retention.paused_ttl_s
+        if ttl is not None and self.paused and time.monotonic() - self.touched > ttl:
+            self._expire()
+
+    def _expire(self) -> None:
+        self.expired = self.stopped = True
 
     @staticmethod
     def _run_command(fn: Callable[[], Any], future: Future) -> None:
@@ -267,14 +369,15 @@ class EngineRun(ServedRun):
     kind = "scenario"
 
     def __init__(self, scenario: Scenario, speed: float = DEFAULT_SPEED, paused: bool = False,
-                 run_id: str | None = None, open_ended: bool = False) -> None:
-        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused)
+                 run_id: str | None = None, open_ended: bool = False, retention: Retention = Retention()) -> None:
+        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention)
         self.scenario = scenario
         self.open_ended = open_ended  # the API run waits for requests forever
         self.bus = EventBus(level=scenario.engine.events)
         self.bus.subscribe(self.publish)
         self.sim = ScenarioRun(scenario, self.bus)
         self._live_counter = 0
+        self.adds_pending = 0  # add_request calls on their way to the worker thread
         if open_ended:
             self.kind = "api"
 
@@ -290,11 +393,50 @@ class EngineRun(ServedRun):
     def _emit_control(self, action: str, value: Any) -> None:
         self.call(lambda: self.bus.emit("control", action=action, value=value))
 
+    def _expire(self) -> None:
+        if not self.open_ended:
+            super()._expire()
+            return
+        self.paused = False  # the API's run is the service: it resumes rather than leave requests waiting
+        with self.lock:
+            self._resync_cache = None
+        self.bus.emit("control", action="resume", value=None)
+
+    def abort_in_flight(self, reason: str) -> None:
+        with self.lock:
+            in_flight = [*self.state.waiting, *self.state.running]
+
+        def abort_all() -> None:
+            for rid in in_flight:
+                self.sim.engine.abort(rid, reason)
+
+        with self.wakeup:
+            self.commands.append((abort_all, Future()))
+            self.wakeup.notify_all()
+
+    def check_room(self, count: int = 1) -> None:
+        """RunBusy if the waiting queue cannot take `count` more requests."""
+        with self.lock:
+            self._check_room_locked(count)
+
+    def _check_room_locked(self, count: int) -> None:
+        limit = self.retention.max_waiting
+        waiting = len(self.state.waiting) + self.adds_pending
+        if limit is not None and waiting + count > limit:
+            raise RunBusy(f"run {self.run_id!r} has {waiting} requests waiting, at most {limit} may wait "
+                          "(--max-waiting); try again shortly")
+
     def add_request(self, prompt: str, max_tokens: int, sampling: dict | None,
                     listener: Callable[[dict], None] | None = None, request_id: str | None = None) -> str:
-        """Add a request live (validated on the worker thread; RequestError if refused)."""
+        """Add a request live (validated on the worker thread; RequestError if refused, RunBusy if the
+        waiting queue is full)."""
+        with self.lock:
+            self._check_room_locked(1)
+            self.adds_pending += 1
 
         def add() -> str:
+            with self.lock:
+                self.adds_pending -= 1
             self._live_counter += 1
             rid = request_id or f"live-{self._live_counter}"
             if listener is not None:
@@ -308,7 +450,10 @@ class EngineRun(ServedRun):
                 self.finished = False
             return rid
 
-        return self.call(add)
+        try:
+            return self.call(add)
+        except TimeoutError:
+            raise RunBusy(f"run {self.run_id!r} did not take the request in time; try again shortly") from None
 
     def forget_listener(self, request_id: str) -> None:
         self.listeners.pop(request_id, None)

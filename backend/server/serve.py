@@ -2,6 +2,10 @@
 
 The caller binds the socket (`listen`) and hands it to uvicorn, so that a busy port is an OSError
 at the call site, before anything starts, and an address is printed only once it listens.
+
+On SIGTERM or Ctrl-C every run first aborts its in-flight requests (finish_reason "abort"), so that
+streams end and the server exits within seconds, paused runs included; a connection still open
+after SHUTDOWN_GRACE_S is cut.
 """
 
 from __future__ import annotations
@@ -16,6 +20,27 @@ import uvicorn
 from litestar import Litestar
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SHUTDOWN_GRACE_S = 3  # then uvicorn cancels what is left: exit well within 5 s
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which aborts the app's in-flight requests as soon as it is told to exit."""
+
+    def __init__(self, app: Litestar, **config) -> None:
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                                        **config))
+        self.manager = app.state.manager
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # A signal handler runs on the main thread between any two bytecodes, maybe inside a run's
+        # lock: the aborts take those locks, so they go on a thread of their own.
+        threading.Thread(target=self.manager.abort_all, name="abort-all", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+    def stop(self) -> None:
+        """The same, from another thread."""
+        self.manager.abort_all()
+        self.should_exit = True
 
 
 def is_loopback(host: str) -> bool:
@@ -44,8 +69,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve_forever(app: Litestar, sock: socket.socket) -> None:
     """Serve on a listening socket until Ctrl-C (uvicorn handles the signals)."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_ping_interval=20))
-    server.run(sockets=[sock])
+    Server(app, ws_ping_interval=20).run(sockets=[sock])
 
 
 @contextmanager
@@ -53,7 +77,7 @@ def serve_in_thread(app: Litestar, sock: socket.socket | None = None) -> Iterato
     """A real server (on sock, else a free loopback port) for the duration of the block; yields its URL."""
     sock = sock or listen("127.0.0.1", 0)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = Server(app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -64,7 +88,7 @@ def serve_in_thread(app: Litestar, sock: socket.socket | None = None) -> Iterato
     try:
         yield f"http://{f'[{host}]' if ':' in host else host}:{port}"
     finally:
-        server.should_exit = True
+        server.stop()
         thread.join(timeout=10)
         sock.close()
 
