@@ -18,8 +18,8 @@ from typing import Any
 from backend.config import EngineConfig
 from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package
 from backend.run import cached_model
-from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, load_scenario,
-                              validate)
+from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
+                              load_scenario, validate)
 from backend.server.limits import MB, ServiceLimits, kv_cache_bytes
 from backend.server.replay import ReplayRun
 from backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
@@ -96,7 +96,7 @@ class RunManager:
 
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
         # No requests of its own, which a scenario file may not have: built, not validated.
-        scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.", lesson="",
+        scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.", lesson=[],
                                             model=model, seed=0, engine=api_engine(model), requests=[],
                                             generate=None)
         run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
@@ -117,6 +117,7 @@ class RunManager:
         items = [(key, value, f"overrides {key}={json.dumps(value)}") for key, value in (overrides or {}).items()]
         resolved = validate(base, source, apply_overrides(base, items))
         self._check_models(resolved)
+        check_available(resolved)  # before kv_bytes_of loads the model: the install command, not a load error
         return resolved
 
     def _named_scenario(self, name: str) -> Scenario:
