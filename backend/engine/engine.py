@@ -169,6 +169,10 @@ class Engine:
         if req is not None and req.finish_reason is None:
             self.tracker.abort(req, reason)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request from `requests` (its events are out; the open-ended API run calls this)."""
+        self.tracker.forget(request_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.tracker.unfinished)
 

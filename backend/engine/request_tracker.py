@@ -55,6 +55,14 @@ class RequestTracker:
         requests = {id(r): r for r in self.unfinished.values()}.values()
         return [s for r in requests for s in r.seqs if s.seq_id in self.unfinished]
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request (a server that lives forever must not keep them all); unknown ids are fine."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        assert req.finish_reason is not None, f"request {request_id!r} is not finished"
+        del self.requests[request_id]
+
     # ---- admission --------------------------------------------------------------------------------
 
     def admit(self, request_id: str, prompt: str | list[int], max_tokens: int,

@@ -378,14 +378,23 @@ class EngineRun(ServedRun):
         self.sim = ScenarioRun(scenario, self.bus)
         self._live_counter = 0
         self.adds_pending = 0  # add_request calls on their way to the worker thread
+        self.finished_ids: list[str] = []  # requests finished this step: the open-ended run forgets them after it
         if open_ended:
             self.kind = "api"
 
     def has_work(self) -> bool:
         return not self.sim.done
 
+    def publish(self, event: dict) -> None:
+        super().publish(event)
+        if self.open_ended and event["type"] == "request_finished":
+            self.finished_ids.append(event["request_id"])
+
     def _advance(self) -> None:
         self.sim.step()
+        for rid in self.finished_ids:  # after the step: the engine may still read a request it just finished
+            self.sim.engine.forget(rid)
+        self.finished_ids.clear()
         if self.sim.done and not self.open_ended and not self.finished:
             self.finished = True
             self.sim.finish()
