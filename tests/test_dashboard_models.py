@@ -10,6 +10,7 @@ and skips without its package.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -52,9 +53,11 @@ def backend_url(tiny_dir: str) -> Iterator[str]:
 
 
 @pytest.fixture
-async def dash(backend_url: str, tiny_dir: str) -> AsyncIterator[Dash]:
+async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
     async with simulated(backend_url, tiny_dir) as dash:
         yield dash
+    errors = [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
+    assert not errors, f"{len(errors)} error logs, the first: {errors[:3]}"
 
 
 @pytest.fixture
@@ -118,7 +121,7 @@ def test_an_added_request_takes_messages_or_a_chat_prompt_and_the_server_writes_
 async def test_the_model_picker_offers_the_demos_smollm2_and_a_path_typed_in(dash: Dash, tiny_dir: str) -> None:
     page = await dash.open("/")
     select = page.panel.model_select
-    await until(lambda: SMOLLM2 in select.options)  # the backend answered GET /api/models
+    await until(lambda: SMOLLM2 in select.options, timeout=60)  # GET /api/models (a first GGUF conversion: ~10 s)
     for name, kind in ATTENTION.items():
         assert select.options[name].startswith(f"{name} — {kind} · ")
     assert select.value == tiny_dir and tiny_dir in select.options  # the session's model, a folder
