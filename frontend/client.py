@@ -67,6 +67,9 @@ class Backend:
     async def scenarios(self) -> list[dict]:
         return await self.request("GET", "/api/scenarios")
 
+    async def models(self) -> list[dict]:
+        return await self.request("GET", "/api/models")
+
     async def scenario(self, name: str) -> dict:
         return await self.request("GET", f"/api/scenarios/{name}")
 
@@ -85,8 +88,10 @@ class Backend:
     async def control(self, run_id: str, action: str, value: float | None = None) -> dict:
         return await self.request("POST", f"/api/runs/{run_id}/control", {"action": action, "value": value})
 
-    async def add_request(self, run_id: str, prompt: str, max_tokens: int, sampling: dict) -> str:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling}
+    async def add_request(self, run_id: str, prompt: str, max_tokens: int, sampling: dict, chat: bool = False) -> str:
+        """`chat`: the prompt is a user message, which the server writes with the model's chat template."""
+        text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        body = {**text, "max_tokens": max_tokens, "sampling": sampling}
         return (await self.request("POST", f"/api/runs/{run_id}/requests", body))["request_id"]
 
     async def trace(self, run_id: str) -> str:

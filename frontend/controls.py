@@ -114,19 +114,35 @@ def _status(feed: RunFeed) -> str:
 
 
 class PromptBox:
-    """Type a prompt and add it to the live run (POST /api/runs/{id}/requests)."""
+    """Type a prompt and add it to the live run (POST /api/runs/{id}/requests).
+
+    With "chat" on, the text is a user message that the server writes with the run's model's chat
+    template; the switch starts on for a model that has one (an instruct model expects its template)."""
 
     def __init__(self, backend: Backend, feed: RunFeed) -> None:
         self.backend = backend
         self.feed = feed
+        self.chat = False
         with ui.row().classes("items-end gap-2 w-full no-wrap"):
             self.prompt = ui.input("add a prompt to this run", placeholder="ROMEO:\n").classes("grow") \
                 .props("dense clearable").mark("prompt").on("keydown.enter", self.send)
+            self.chat_switch = ui.switch("chat").bind_value(self, "chat").props("dense").mark("prompt-chat") \
+                .tooltip("send it as a user message, written with the model's chat template")
             self.max_tokens = ui.number("max tokens", value=32, min=1, max=1024, precision=0).classes("w-24") \
                 .props("dense").mark("prompt-max-tokens")
             self.temperature = ui.number("T", value=0.8, min=0, max=2, step=0.1).classes("w-16").props("dense") \
                 .mark("prompt-temperature")
             ui.button("add", icon="send", on_click=self.send).props("dense").mark("prompt-send")
+        ui.timer(0.0, self.load_chat_default, once=True)
+
+    async def load_chat_default(self) -> None:
+        """Chat on when the run's model has a chat template (GET /api/runs says so)."""
+        try:
+            runs = await self.backend.runs()
+        except BackendError:
+            return  # off, as for a model without a template; the user can still switch it on
+        run = next((r for r in runs if r["run_id"] == self.feed.run_id), {})
+        self.chat_switch.set_value(bool(run.get("chat_template")))
 
     async def send(self) -> str | None:
         text = (self.prompt.value or "").replace("\\n", "\n")
@@ -135,7 +151,7 @@ class PromptBox:
             return None
         try:
             rid = await self.backend.add_request(self.feed.run_id, text, int(self.max_tokens.value or 32),
-                                                 {"temperature": float(self.temperature.value or 0.0)})
+                                                 {"temperature": float(self.temperature.value or 0.0)}, self.chat)
         except BackendError as e:
             ui.notify(f"Not added: {e}", type="negative", multi_line=True)
             return None

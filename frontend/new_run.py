@@ -1,4 +1,10 @@
-"""Starting runs: scenario picker, engine config form, trace upload (comparisons: frontend/compare.py)."""
+"""Starting runs: scenario picker, engine config form, trace upload (comparisons: frontend/compare.py).
+
+The model picker lists what the backend says it has (GET /api/models): the shipped demos, smollm2
+when its package is installed (else shown disabled, with the install command), and any model
+folder or .gguf path typed in. A scenario whose model is not installed shows the install command
+instead of a start button.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from frontend.client import Backend, BackendError
 from frontend.lesson import lesson_markdown, lesson_steps
 from frontend.text import md_escape
 
+# The attention variants (the compare panel's axis); the model picker's labels come from the backend.
 MODELS = {"demo": "demo (GQA)", "demo-mha": "demo-mha (MHA)", "demo-mqa": "demo-mqa (MQA)",
           "demo-mla": "demo-mla (MLA)"}
 SPEEDS = {0.5: "0.5 it/s", 1.0: "1 it/s", 2.0: "2 it/s", 4.0: "4 it/s", 8.0: "8 it/s", 16.0: "16 it/s",
@@ -88,6 +95,34 @@ def overrides_of(form: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def model_label(model: dict[str, Any]) -> str:
+    """How the picker names a model from GET /api/models: its one-line description (or how to install it)."""
+    chat = " · chat template" if model["chat_template"] else ""
+    return f"{model['name']} — {model['description']}{chat}"
+
+
+def scenario_label(scenario: dict[str, Any]) -> str:
+    """A scenario as the picker names it: one whose model is not installed says how to install it."""
+    if scenario.get("available", True):
+        return scenario["name"]
+    return f"{scenario['name']} — {scenario['unavailable']}"
+
+
+class ModelSelect(ui.select):
+    """A select some of whose options are shown disabled (Quasar's `disable` on an option): models not installed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.disabled: set[str] = set()
+        super().__init__(*args, **kwargs)
+
+    def _update_options(self) -> None:
+        # NiceGUI builds Quasar's option objects here ({value: index, label}); a disabled one gets `disable`.
+        super()._update_options()
+        for option, value in zip(self._props["options"], self._values):
+            if value in self.disabled:
+                option["disable"] = True
+
+
 class NewRunPanel:
     """The drawer's content. `navigate(run_id, compare_id)` opens the started run(s)."""
 
@@ -98,6 +133,7 @@ class NewRunPanel:
         self.default_model = default_model
         self.form: dict[str, Any] = {"model": default_model} if default_model else {}
         self.scenarios: list[dict] = []
+        self.model_labels: dict[str, str] = dict(MODELS)  # until the backend answers GET /api/models
         self.speed = 4.0
         self.paused = False
         self._build()
@@ -108,10 +144,14 @@ class NewRunPanel:
         self.about = ui.markdown("").classes("kv-small kv-lesson").mark("scenario-about")
         with ui.expansion("Engine configuration", icon="tune").classes("w-full").props("dense"):
             self._engine_form()
+        ui.timer(0.0, self.load_models, once=True)  # not awaited by the page: a first GGUF conversion takes ~10 s
         with ui.row().classes("items-center gap-2 w-full"):
             ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed")
             ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
-        ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full").mark("start-run")
+        self.start_button = ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full") \
+            .mark("start-run")
+        self.install = ui.label("").classes("kv-small").mark("scenario-install")
+        self.install.set_visibility(False)
         ui.separator()
         ui.label("Replay a trace").classes("kv-drawer-title")
         ui.upload(label="trace .jsonl", auto_upload=True, on_upload=self._on_upload, max_file_size=200_000_000) \
@@ -119,9 +159,9 @@ class NewRunPanel:
 
     def _engine_form(self) -> None:
         f = self.form
-        self.model_select = ui.select(self._model_options(f.get("model")), label="model", with_input=True,
-                                      new_value_mode="add-unique").bind_value(f, "model").classes("w-full") \
-            .mark("cfg-model").tooltip("a shipped model, or type the path of a model folder")
+        self.model_select = ModelSelect(self._model_options(f.get("model")), label="model", with_input=True,
+                                        new_value_mode="add-unique").bind_value(f, "model").classes("w-full") \
+            .mark("cfg-model").tooltip("a model by name, or type the path of a model folder or a .gguf file")
         with ui.row().classes("gap-2 no-wrap"):
             ui.number("block size", min=1, max=256, precision=0).bind_value(f, "block_size").classes("w-24") \
                 .mark("cfg-block_size")
@@ -176,9 +216,19 @@ class NewRunPanel:
                 .mark("cfg-length_penalty").tooltip("beam score = log p / length ** penalty"),
             ]
 
-    @staticmethod
-    def _model_options(*extra: str | None) -> dict[str, str]:
-        return {**MODELS, **{m: m for m in extra if m and m not in MODELS}}
+    def _model_options(self, *extra: str | None) -> dict[str, str]:
+        return {**self.model_labels, **{m: m for m in extra if m and m not in self.model_labels}}
+
+    async def load_models(self) -> None:
+        """The picker's models from the backend (a timer's: a GGUF file's first conversion takes seconds)."""
+        try:
+            models = await self.backend.models()
+        except BackendError as e:
+            ui.notify(str(e), type="negative")
+            return
+        self.model_labels = {m["name"]: model_label(m) for m in models}
+        self.model_select.disabled = {m["name"] for m in models if not m["installed"]}
+        self.model_select.set_options(self._model_options(self.form.get("model")))
 
     # -- scenarios -----------------------------------------------------------------------------
 
@@ -188,7 +238,7 @@ class NewRunPanel:
         except BackendError as e:
             ui.notify(str(e), type="negative")
             return
-        self.picker.set_options({s["name"]: s["name"] for s in self.scenarios})
+        self.picker.set_options({s["name"]: scenario_label(s) for s in self.scenarios})
         if self.scenarios and not self.picker.value:
             self.picker.set_value(self.scenarios[0]["name"])
 
@@ -197,6 +247,7 @@ class NewRunPanel:
         if not name:
             return
         info = next((s for s in self.scenarios if s["name"] == name), {})
+        self._show_install(info.get("unavailable"))
         steps = lesson_steps(info)
         self.about.set_content(f"{md_escape(info.get('description', ''))}\n\n**Lesson.**\n\n{lesson_markdown(steps)}"
                                if steps else md_escape(info.get("description", "")))
@@ -213,6 +264,12 @@ class NewRunPanel:
         self.model_select.set_options(self._model_options(model, self.form.get("model")))
         self.form.update(self.base)
         self.form["model"] = model
+
+    def _show_install(self, unavailable: str | None) -> None:
+        """A scenario that cannot run here: the install command where the start button was."""
+        self.install.set_text(f"Cannot start: {unavailable}" if unavailable else "")
+        self.install.set_visibility(unavailable is not None)
+        self.start_button.set_visibility(unavailable is None)
 
     def _has_lesson(self) -> bool:
         """Whether the picked scenario's lesson stops during the run: it then starts paused on the lesson's

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend.errors import KvscopeError
 from backend.events.trace import parse_trace
-from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, list_scenarios, load_scenario
+from backend.model.chat import render_chat
+from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ChatMessage, list_scenarios, load_scenario
 from backend.server.guards import require_token
 from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
@@ -65,7 +66,10 @@ class Control(_Body):
 
 
 class AddRequest(_Body):
-    prompt: str = Field(min_length=1, max_length=100_000)
+    prompt: str | None = Field(default=None, min_length=1, max_length=100_000)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=64,
+                                               description="a chat, written with the run's model's chat template")
+    chat: bool = Field(default=False, description="the prompt is one user message of a chat")
     max_tokens: int = Field(default=32, ge=1, le=100_000)
     sampling: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
 
@@ -122,6 +126,12 @@ def scenarios() -> list[dict]:
         listed.append({"name": s.name, "description": s.description, "lesson": [step.model_dump() for step in s.lesson], "model": s.model,
                        "available": reason is None, "unavailable": reason})
     return listed
+
+
+@get("/api/models", sync_to_thread=True)  # looks for packages and model folders on disk
+def models(request: Request) -> list[dict]:
+    """Models to start runs with: installed or the install command, a one-line description, chat template or not."""
+    return request.app.state.manager.models()
 
 
 @get("/api/scenarios/{name:str}", sync_to_thread=True)
@@ -189,7 +199,18 @@ def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddReque
     run = run_or_404(request, run_id)
     if not isinstance(run, EngineRun):
         raise RunError("run_id", "a replay cannot take new requests")
-    return {"request_id": run.add_request(data.prompt, data.max_tokens, data.sampling)}
+    return {"request_id": run.add_request(prompt_of(data, run), data.max_tokens, data.sampling)}
+
+
+def prompt_of(data: AddRequest, run: EngineRun) -> str:
+    """The request's prompt: as given, or its chat written with the run's model's chat template."""
+    if (data.prompt is None) == (data.messages is None):
+        raise RunError("prompt", "give exactly one of prompt and messages")
+    if data.messages is not None and data.chat:
+        raise RunError("chat", "goes with a prompt (messages are a chat already)")
+    if data.messages is not None:
+        return render_chat([m.model_dump() for m in data.messages], run.sim.loaded)
+    return render_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)
@@ -224,7 +245,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     if limits is not None:
         manager.limits = limits
     app = Litestar(
-        route_handlers=[health, scenarios, scenario, list_runs, start_run, run_snapshot, control, add_request,
+        route_handlers=[health, scenarios, models, scenario, list_runs, start_run, run_snapshot, control, add_request,
                         run_trace, run_socket, *openai_routes],
         exception_handlers={KvscopeError: user_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},

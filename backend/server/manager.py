@@ -15,8 +15,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from backend.config import EngineConfig
-from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package
+from backend.config import EngineConfig, ModelConfig
+from backend.errors import ModelLoadError
+from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, read_config, \
+    resolve_model_dir
+from backend.model.tokenizer import read_chat_template
 from backend.run import cached_model
 from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
@@ -36,6 +39,33 @@ def api_engine(model: str) -> EngineConfig:
         return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512)
     return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
                         max_num_batched_tokens=512)
+
+
+def describe_config(config: ModelConfig) -> str:
+    """One line for a model picker: its attention variant and size, from its config."""
+    if config.mla is not None:
+        heads = f"{config.num_attention_heads} heads, latent KV of {config.mla.kv_lora_rank}"
+    else:
+        kv = config.num_key_value_heads
+        heads = f"{config.num_attention_heads} query / {kv} KV head{'s' if kv > 1 else ''}"
+    return f"{config.attention.upper()} · {config.num_hidden_layers} layers × {config.hidden_size} · {heads}"
+
+
+def model_entry(name: str, served: bool) -> dict:
+    """What GET /api/models says of one model: installed (else the install command), description, chat template."""
+    install = missing_package(name)
+    entry = {"name": name, "installed": served and install is None, "install": install, "chat_template": False,
+             "description": f"not installed (run: {install})" if install else "its weights are missing"}
+    if not entry["installed"]:
+        return entry
+    try:
+        # A GGUF file is converted here the first time (~10 s for SmolLM2): a run would convert it anyway.
+        model_dir = resolve_model_dir(name)
+        entry.update(description=describe_config(read_config(model_dir)),
+                     chat_template=read_chat_template(model_dir) is not None)
+    except ModelLoadError as e:  # the server's own model, named by a path that no longer loads
+        entry.update(installed=False, description=str(e))
+    return entry
 
 
 class RunManager:
@@ -83,6 +113,12 @@ class RunManager:
         shipped = [m for m in SHIPPED_MODELS if (SHIPPED_MODELS_DIR / m / "model.safetensors").is_file()]
         names = [self.default_model, *shipped, SMOLLM2]
         return [m for m in dict.fromkeys(names) if m == self.default_model or missing_package(m) is None]
+
+    def models(self) -> list[dict]:
+        """Every model known by name (the OpenAI API's, then the shipped ones and smollm2 if absent), for pickers."""
+        served = self.api_models()
+        names = dict.fromkeys([*served, *SHIPPED_MODELS, SMOLLM2])
+        return [model_entry(name, name in served) for name in names]
 
     def api_run(self, model: str | None = None) -> EngineRun:
         """The open-ended run that OpenAI-compatible requests for `model` join (created on first use)."""

@@ -464,6 +464,11 @@ class EngineRun(ServedRun):
         except TimeoutError:
             raise RunBusy(f"run {self.run_id!r} did not take the request in time; try again shortly") from None
 
+    def describe(self) -> dict:
+        """The summary, plus the run's model and whether it has a chat template (the dashboard's chat switch)."""
+        return {**super().describe(), "model": self.scenario.model,
+                "chat_template": self.sim.loaded.tokenizer.chat_template is not None}
+
     def forget_listener(self, request_id: str) -> None:
         self.listeners.pop(request_id, None)
 
