@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from backend.server.app import create_app
+from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
 from backend.server.serve import free_port, serve_in_thread
 
@@ -44,7 +45,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 @pytest.fixture(scope="module")
 def backend_url() -> Iterator[str]:
-    with serve_in_thread(create_app(RunManager())) as url:
+    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True)))) as url:
         yield url
 
 

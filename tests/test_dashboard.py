@@ -23,6 +23,7 @@ from nicegui.testing.user import User
 from nicegui.testing.user_simulation import user_simulation
 
 from backend.server.app import create_app
+from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
 from backend.server.serve import free_port, listen, serve_in_thread
 from frontend.app import Dashboard, make_root
@@ -33,7 +34,7 @@ STEP_TIMEOUT_S = 20.0
 
 @pytest.fixture(scope="module")
 def backend_url() -> str:
-    with serve_in_thread(create_app(RunManager())) as url:
+    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True)))) as url:
         yield url
 
 
@@ -170,13 +171,13 @@ async def test_a_feed_of_an_unknown_run_stops_at_once(dash: Dash) -> None:
 async def test_a_run_lost_to_a_server_restart_ends_on_no_such_run(tiny_dir: str) -> None:
     port = free_port()
     with ExitStack() as first, ExitStack() as second:
-        url = first.enter_context(serve_in_thread(create_app(RunManager()), listen("127.0.0.1", port)))
+        url = first.enter_context(serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True))), listen("127.0.0.1", port)))
         async with simulated(url, tiny_dir) as dash:
             run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=1), paused=True)
             page = await dash.open(f"/?run={run_id}")
             await until(lambda: page.columns[0].feed.state is not None)
             await asyncio.to_thread(first.close)  # the server stops, and comes back without its runs
-            await asyncio.to_thread(second.enter_context, serve_in_thread(create_app(RunManager()), listen("127.0.0.1", port)))
+            await asyncio.to_thread(second.enter_context, serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True))), listen("127.0.0.1", port)))
             await until(lambda: len(dash.built) == 2)
             await dash.user.should_see(f"No such run: {run_id}")
             assert dash.last.columns == []

@@ -21,6 +21,7 @@ from litestar.testing import TestClient
 from backend.model import loader
 from backend.model.loader import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL
 from backend.server.app import create_app
+from backend.server.limits import ServiceLimits
 from backend.server.manager import RunManager
 from backend.server.serve import serve_in_thread
 from frontend.views.sequences import seq_lines, tokens_html
@@ -46,7 +47,7 @@ def chat_dir(tmp_path_factory, tiny_dir: str) -> str:
 
 @pytest.fixture(scope="module")
 def backend_url(tiny_dir: str) -> Iterator[str]:
-    manager = RunManager(default_model=tiny_dir)
+    manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(allow_paths=True))
     with serve_in_thread(create_app(manager)) as url:
         yield url
     manager.stop_all()
