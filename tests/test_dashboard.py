@@ -617,12 +617,14 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
     await dash.open(f"/?run={run_id}")
     for title in ("Block pool (KV cache)", "Timeline: requests over iterations", "Batch composition per iteration",
                   "Metrics over time", "Block table of the selected request", "Attention mask",
-                  "Sampling: from logits to the chosen token", "KV memory calculator"):
+                  "Sampling: from logits to the chosen token", "Roofline on the chosen hardware",
+                  "KV memory calculator"):
         await dash.user.should_see(title)
         dash.user.find(marker=f"help-{title}").click()
     await dash.user.should_see("paged attention")
     await dash.user.should_see("block diagonal")
     await dash.user.should_see("2 · L · N_kv · D_h · bytes")
+    await dash.user.should_see("arithmetic intensity")
 
 
 async def test_kv_calculator_uses_the_header_and_answers_what_if(dash: Dash, tiny_dir: str) -> None:

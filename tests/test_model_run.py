@@ -124,6 +124,9 @@ def test_modelled_ttft_tpot_and_throughput_follow_the_engine_time_rules():
     assert latency.tpot_s == pytest.approx(2.0)
     assert latency.tokens_per_s == pytest.approx(2.0)  # 20 tokens over 10 s
     assert modelled_latency([], [], 0) == type(latency)(None, None, None)
+    # joined mid-run: the record starts at step 1, so the request that arrived at 0 is left out
+    partial = modelled_latency(steps[1:], requests, output_tokens=0, known_from=1)
+    assert partial.ttft_s == pytest.approx(5.0) and partial.tokens_per_s is None  # no token events on record
 
 
 # ---- the dashboard's side: priced columns, roofline points, this-machine -------------------------------
@@ -187,3 +190,20 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
     monkeypatch.setattr(hardware, "this_machine", lambda: pytest.fail("measured twice"))
     await choice.choose("this-machine", 1)
     assert choice.profile.mem_bandwidth == FIGURES["mem_bandwidth"]
+
+
+def test_a_simulated_run_is_kept_by_the_reducer_and_says_so_in_the_modelled_line():
+    from backend.events.state import RunState
+    from backend.perf.model_run import ModelledLatency
+    from frontend.views.metrics import modelled_text
+
+    header = {"type": "header", "seq": 0, "step": -1, "t": 0.0, "schema_version": 1, "run_id": "r", "scenario": None,
+              "config": {}, "model": {"name": "llama-3-8b", "dtype": "bfloat16"}, "cache": {"num_blocks": 4}}
+    for extra, simulated in (({"simulated": True}, True), ({}, False)):  # headers before simulate mode lack it
+        state = RunState()
+        state.apply({**header, **extra})
+        assert state.simulated is simulated and RunState.from_snapshot(state.snapshot()).simulated is simulated
+    latency = ModelledLatency(2.5e-4, 4e-5, 12_345.6)
+    assert modelled_text(latency, "NVIDIA L4 24GB", False) == \
+        "modelled on NVIDIA L4 24GB: mean TTFT 250 µs · mean TPOT 40 µs · 12,346 tokens/s"
+    assert modelled_text(latency, "NVIDIA L4 24GB", True).startswith("simulated run (no weights ran")

@@ -177,9 +177,13 @@ def is_simulated(header: dict) -> bool:
 
 # ---- latencies ------------------------------------------------------------------------------------
 
-def modelled_latency(steps: Sequence[ModelledStep], requests: Iterable[RequestSteps],
-                     output_tokens: int) -> ModelledLatency:
-    """Mean TTFT and TPOT and the throughput, in modelled seconds (the engine-time rules of RunHistory)."""
+def modelled_latency(steps: Sequence[ModelledStep], requests: Iterable[RequestSteps], output_tokens: int,
+                     known_from: int = 0) -> ModelledLatency:
+    """Mean TTFT and TPOT and the throughput, in modelled seconds (the engine-time rules of RunHistory).
+
+    `steps` are the iterations on record from step `known_from` on (a page that joined mid-run knows
+    only the last ones): a latency that began before it is left out, not understated.
+    """
     order = sorted(steps, key=lambda s: s.step)
     ends, total = [], 0.0
     for s in order:
@@ -194,11 +198,11 @@ def modelled_latency(steps: Sequence[ModelledStep], requests: Iterable[RequestSt
 
     ttfts, tpots = [], []
     for r in requests:
-        if r.first_token_step is None:
+        if r.first_token_step is None or r.arrival_step < known_from:
             continue
         first = end_of(r.first_token_step)
         ttfts.append(first - end_of(r.arrival_step - 1))
         if r.finish_step is not None and r.num_output_tokens > 1:
             tpots.append((end_of(r.finish_step) - first) / (r.num_output_tokens - 1))
     return ModelledLatency(sum(ttfts) / len(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None,
-                           output_tokens / total if total > 0 else None)
+                           output_tokens / total if total > 0 and output_tokens else None)

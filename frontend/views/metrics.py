@@ -218,5 +218,8 @@ class MetricsView(FeedView):
         if state is None or run is None:
             self.modelled.set(self.hardware.problem() or "")
             return
-        latency = modelled_latency(list(run.steps.values()), request_steps(state), self.feed.history.total_tokens)
+        history = self.feed.history
+        tokens = sum(history.tokens_at.get(step, 0) for step in run.steps)  # on record: none after a snapshot
+        known_from = history.columns[0].step if history.columns else 0
+        latency = modelled_latency(list(run.steps.values()), request_steps(state), tokens, known_from)
         self.modelled.set(modelled_text(latency, self.hardware.label, state.simulated))

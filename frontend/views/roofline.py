@@ -74,7 +74,7 @@ class RooflineView(FeedView):
 
     def _options(self) -> dict:
         return {
-            "grid": {"left": 64, "right": 24, "top": 16, "bottom": 44},
+            "grid": {"left": 64, "right": 24, "top": 30, "bottom": 44},
             "tooltip": {"trigger": "item", ":formatter": "kvscope.rooflineTip"},
             "xAxis": {"type": "log", "name": "FLOP per byte", "nameLocation": "middle", "nameGap": 24,
                       "axisLabel": {":formatter": "kvscope.si"}},
