@@ -148,7 +148,7 @@ class HardwarePicker:
     def __init__(self, choice: HardwareChoice) -> None:
         self.choice = choice
         self.hardware = ui.select(HARDWARE_NAMES, value=choice.name, label="modelled on",
-                                  on_change=self._on_change).classes("w-36").props("dense").mark("hardware")
+                                  on_change=self._on_change).classes("w-36").props("dense").mark("hardware-picker")
         self.tp = ui.select(list(TP_DEGREES), value=choice.tp, label="GPUs (tp)",
                             on_change=self._on_change).classes("w-20").props("dense").mark("hardware-tp")
         self.hardware.tooltip("the hardware the roofline chart, the timeline's modelled axis and the "

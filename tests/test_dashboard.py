@@ -588,7 +588,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     points = [p for chunks in roofline.chunks.values() for _, data in chunks.all() for p in data]
     assert sorted(p[2] for p in points) == sorted(column.hardware.modelled().steps)  # a point per iteration
     assert metrics.modelled.text.startswith(f"modelled on {DATASHEET['h100'].label}: mean TTFT ")
-    dash.user.find(marker="hardware").elements.pop().set_value("l4")  # memory-bound steps: slower on an L4
+    dash.user.find(marker="hardware-picker").elements.pop().set_value("l4")  # memory-bound steps: slower on an L4
     await until(lambda: timeline.step_t and timeline.step_t != on_h100)
     assert all(timeline.step_t[s] > on_h100[s] for s in on_h100)
     assert "modelled on l4" in timeline.axis_toggle.options.values()
@@ -604,7 +604,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     write_cache({"version": 1, "host": platform.node(), "device": "test CPU", "fp32_flops": 5e10,
                  "bf16_flops": 5e10, "mem_bandwidth": 2e10, "memory_bytes": 1e10, "measured_at": "today"})
     dash.user.find(marker="hardware-tp").elements.pop().set_value(1)
-    dash.user.find(marker="hardware").elements.pop().set_value("this-machine")
+    dash.user.find(marker="hardware-picker").elements.pop().set_value("this-machine")
     await until(lambda: timeline.axis_name() == "seconds modelled on test CPU (measured)")
     await until(lambda: roofline.roof_sent and roofline.roof_sent[-1][1] == 5e10)
 
