@@ -147,12 +147,13 @@ class HardwarePicker:
 
     def __init__(self, choice: HardwareChoice) -> None:
         self.choice = choice
-        self.hardware = ui.select(HARDWARE_NAMES, value=choice.name, label="modelled on",
-                                  on_change=self._on_change).classes("w-36").props("dense").mark("hardware-picker")
-        self.tp = ui.select(list(TP_DEGREES), value=choice.tp, label="GPUs (tp)",
-                            on_change=self._on_change).classes("w-20").props("dense").mark("hardware-tp")
+        self.hardware = ui.select(HARDWARE_NAMES, value=choice.name, label="hardware",
+                                  on_change=self._on_change).classes("w-28").style("flex-shrink: 0").props("dense").mark("hardware-picker")
+        self.tp = ui.select(list(TP_DEGREES), value=choice.tp, label="tp",
+                            on_change=self._on_change).classes("w-16").style("flex-shrink: 0").props("dense").mark("hardware-tp")
         self.hardware.tooltip("the hardware the roofline chart, the timeline's modelled axis and the "
-                              "modelled latencies price this run on (docs/perf_model.md)")
+                              "modelled latencies price this run on")
+        self.tp.tooltip("tensor parallelism: GPUs sharing each layer")
 
     async def _on_change(self) -> None:
         name, tp = self.hardware.value, int(self.tp.value or 1)
