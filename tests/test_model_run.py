@@ -108,6 +108,9 @@ def test_a_header_that_cannot_be_sized_says_why():
         run_shape(h["model"], None)
     with pytest.raises(PerfError, match="MLA"):
         run_shape({**h["model"], "attention": "mla"}, h["weights"])
+    with pytest.raises(PerfError, match="num_attention_heads"):
+        run_shape({**h["model"], "n_kv_heads": 4}, h["weights"])  # 9 heads, 4 KV heads: no model has that
+    assert run_shape({**h["model"], "name": ""}, h["weights"]).source == "estimated from the trace header"
     with pytest.raises(PerfError, match="model.dtype"):
         run_shape({**h["model"], "dtype": "float8"}, h["weights"])
 

@@ -17,8 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from backend.config import DTYPE_BYTES, ModelConfig
-from backend.errors import ModelLoadError
+from backend.errors import ModelLoadError, validation_error
 from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, read_config
 from backend.perf.cost_model import BatchItem, Deployment, iteration_cost
 from backend.perf.errors import PerfError
@@ -93,6 +95,8 @@ def run_shape(model: dict, weights: dict | None = None) -> RunShape:
 
 def folder_config(name: str) -> ModelConfig | None:
     """The config.json of a shipped model or a model folder on this machine; None when there is none."""
+    if not name:
+        return None  # Path("") is the working directory, not the run's model
     folder = SHIPPED_MODELS_DIR / name if name in SHIPPED_MODELS else Path(name)
     try:
         return read_config(folder) if (folder / "config.json").is_file() else None
@@ -123,9 +127,12 @@ def estimated_config(model: dict, weights: dict | None) -> ModelConfig:
     intermediate = round(per_layer_mlp / (3 * hidden))
     if intermediate < 1:
         raise PerfError("model", "the trace header's weight bytes leave no room for an MLP")
-    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim, tie_word_embeddings=True)
+    try:
+        return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           head_dim=head_dim, tie_word_embeddings=True)
+    except ValidationError as e:
+        raise validation_error(e, "model", PerfError) from None  # e.g. heads that KV heads do not divide
 
 
 def run_deployment(header: dict, hardware: str | HardwareProfile, tp: int = 1) -> tuple[Deployment, RunShape]:
