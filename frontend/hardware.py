@@ -133,7 +133,7 @@ class HardwareChoice:
 
 def run_header(state: RunState) -> dict:
     """The parts of the run's header the cost model reads, as the reducer keeps them."""
-    return {"model": state.model, "config": state.config, "weights": state.weights, "simulated": state.simulated}
+    return {"model": state.model, "config": state.config, "weights": state.weights}
 
 
 def request_steps(state: RunState) -> list[RequestSteps]:

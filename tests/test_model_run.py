@@ -12,7 +12,7 @@ from backend.events.history import Cell, Column
 from backend.perf.cost_model import BatchItem, iteration_cost
 from backend.perf.errors import PerfError
 from backend.perf.hardware import profile_from
-from backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, is_simulated, modelled_latency,
+from backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, modelled_latency,
                                     modelled_times, run_deployment, run_shape)
 from backend.perf.shapes import get_shape
 from backend.perf.whatif import deployment
@@ -78,11 +78,6 @@ def test_the_run_is_modelled_as_it_was_stored_quantized_weights_and_int8_kv():
     assert (dep.weight_quant, dep.kv_cache_dtype, dep.quant_group_size) == ("int4", "int8", 64)
     events = [iteration(0, ("decode", 1, 4096))]
     assert modelled_times(header, events, "h100")[0].bytes < modelled_times(HEADER, events, "h100")[0].bytes / 3
-
-
-def test_simulated_is_read_from_the_header_and_absent_means_recorded():
-    assert is_simulated({**HEADER, "simulated": True})
-    assert not is_simulated(HEADER)
 
 
 # ---- the model's sizes -----------------------------------------------------------------------------

@@ -177,11 +177,6 @@ def modelled_times(header: dict, iterations: Iterable[dict], hardware: str | Har
     return [model_step(dep, e["step"], event_rows(e, kv_cache)) for e in iterations if e["batch"]]
 
 
-def is_simulated(header: dict) -> bool:
-    """Whether the run's times are modelled already (simulate mode); older headers do not say."""
-    return header.get("simulated") is True
-
-
 # ---- latencies ------------------------------------------------------------------------------------
 
 def modelled_latency(steps: Sequence[ModelledStep], requests: Iterable[RequestSteps], output_tokens: int,
