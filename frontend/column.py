@@ -9,6 +9,7 @@ from nicegui.events import GenericEventArguments
 
 from frontend.client import Backend, RunFeed
 from frontend.controls import PromptBox
+from frontend.hardware import HardwareChoice, HardwarePicker
 from frontend.lesson import LessonGuide
 from frontend.selection import Selection
 from frontend.text import md_escape
@@ -18,6 +19,7 @@ from frontend.views.block_pool import BlockPoolView
 from frontend.views.block_table import BlockTableView
 from frontend.views.kv_calc import KvCalculatorView
 from frontend.views.metrics import MetricsView
+from frontend.views.roofline import RooflineView
 from frontend.views.sampling import SamplingView
 from frontend.views.speculative import SpeculativeView
 from frontend.views.timeline import TimelineView
@@ -32,6 +34,7 @@ class RunColumn:
         self.feed = feed
         self.compact = compact
         self.selection = Selection()
+        self.hardware = HardwareChoice(feed)
         self.views: dict[str, object] = {}
         self._request_bar(backend)
         if compact:
@@ -48,8 +51,12 @@ class RunColumn:
             with ui.column().classes("gap-0"):
                 self.title = ui.label(self.feed.run_id).classes("kv-run-title").mark("run-title")
                 self.engine = ui.label("").classes("kv-caption").mark("run-engine")
+                self.simulated = ui.label("simulated: no weights ran, times are modelled").classes("kv-caption") \
+                    .mark("run-simulated")
+                self.simulated.set_visibility(False)
             self.lesson = ui.markdown("").classes("kv-small kv-lesson grow").mark("run-lesson")
             self.lesson.set_visibility(not self.compact)  # side by side: the columns differ in engine only
+            HardwarePicker(self.hardware)
             self.picker = ui.select({FOLLOW: "follow running"}, value=FOLLOW, label="request",
                                     on_change=self._on_pick).classes("w-44").props("dense").mark("request-picker")
         with ui.element("div").classes("w-full") as self.prompt_row:
@@ -59,22 +66,23 @@ class RunColumn:
         feed, sel = self.feed, self.selection
         with ui.element("div").classes("kv-grid w-full"):
             self.views["blocks"] = BlockPoolView(feed, sel)
-            self.views["timeline"] = TimelineView(feed, sel)
+            self.views["timeline"] = TimelineView(feed, sel, self.hardware)
             self.views["batch"] = BatchView(feed, sel)
-            self.views["metrics"] = MetricsView(feed)
+            self.views["metrics"] = MetricsView(feed, self.hardware)
             with ui.column().classes("gap-3 w-full"):
                 self.views["block_table"] = BlockTableView(feed, sel)
                 self.views["attention"] = AttentionView(feed, sel, height="260px")
             self.views["sampling"] = SamplingView(feed, sel)
             self.views["speculative"] = SpeculativeView(feed, sel)
+            self.views["roofline"] = RooflineView(feed, self.hardware)
         self.views["kv_calc"] = KvCalculatorView(feed)
 
     def _compact(self) -> None:
         feed, sel = self.feed, self.selection
         self.views["blocks"] = BlockPoolView(feed, sel, height="180px")
-        self.views["timeline"] = TimelineView(feed, sel, height="260px")
+        self.views["timeline"] = TimelineView(feed, sel, self.hardware, height="260px")
         self.views["batch"] = BatchView(feed, sel, height="240px")
-        self.views["metrics"] = MetricsView(feed, height="240px")
+        self.views["metrics"] = MetricsView(feed, self.hardware, height="240px")
 
     def _show_selection(self) -> None:
         """A request picked in any view is the picker's value too."""
@@ -100,6 +108,8 @@ class RunColumn:
         summary = engine_summary(state.config, state.cache)  # the header may come after the first refresh
         if summary != self.engine.text:
             self.engine.set_text(summary)
+        if state.simulated != self.simulated.visible:
+            self.simulated.set_visibility(state.simulated)
         if title != self.title.text:
             self.title.set_text(title)
             self.lesson.set_content(md_escape(scenario.get("description") or ""))  # the lesson has its own card

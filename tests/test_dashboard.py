@@ -258,7 +258,7 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
     # the timeline redraws in seconds
     timeline = views["timeline"]
     drawn = timeline.updates
-    timeline.set_seconds(True)
+    timeline.set_axis("seconds")
     await until(lambda: timeline.updates > drawn)
     assert timeline.last_t is not None and timeline.step_t
     # attention: step back through the request's iterations, then the whole batch
@@ -518,7 +518,7 @@ async def test_seeking_a_replay_anywhere_shows_what_a_fresh_replay_stopped_there
         drawn = sorted(item for _, data in timeline.chunks.all() for item in data)
         chunks, last_t = Chunks("tl-", build=merge_runs), None
         for col in fresh.history.columns:
-            for item in column_items(col, last_t, fresh.history, seconds=False):
+            for item in column_items(col, last_t, fresh.history, None):
                 chunks.add(col.step, item)
             last_t = col.t
         assert drawn == sorted(item for _, data in chunks.all() for item in data), f"timeline at {target}"
@@ -573,6 +573,51 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     assert set(side.sent.values()) == {(-0.5, static + 0.5)} and len(side.sent) == 6
 
 
+# ---- the hardware what-if ---------------------------------------------------------------------------------
+
+
+async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_latencies(
+        dash: Dash, tiny_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import platform
+
+    from backend.perf.calibrate import write_cache
+    from backend.perf.hardware import DATASHEET
+
+    run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=3), speed=0)
+    page = await dash.open(f"/?run={run_id}")
+    column = page.columns[0]
+    timeline, roofline, metrics = (column.views[name] for name in ("timeline", "roofline", "metrics"))
+    await finished(column.feed)
+    timeline.set_axis("modelled")
+    await until(lambda: timeline.clock is not None and len(timeline.step_t) == column.feed.state.step + 1)
+    assert timeline.axis_name() == f"seconds modelled on {DATASHEET['h100'].label}"
+    await until(lambda: roofline.roof_sent and "iterations · model sizes" in roofline.caption.text)
+    on_h100, roofs_h100 = dict(timeline.step_t), roofline.roof_sent
+    assert f"model sizes: {Path(tiny_dir).name}'s config.json" in roofline.caption.text
+    points = [p for chunks in roofline.chunks.values() for _, data in chunks.all() for p in data]
+    assert sorted(p[2] for p in points) == sorted(column.hardware.modelled().steps)  # a point per iteration
+    assert metrics.modelled.text.startswith(f"modelled on {DATASHEET['h100'].label}: mean TTFT ")
+    dash.user.find(marker="hardware-picker").elements.pop().set_value("l4")  # memory-bound steps: slower on an L4
+    await until(lambda: timeline.step_t and timeline.step_t != on_h100)
+    assert all(timeline.step_t[s] > on_h100[s] for s in on_h100)
+    assert "modelled on l4" in timeline.axis_toggle.options.values()
+    await until(lambda: roofline.roof_sent != roofs_h100)
+    assert roofline.roof_sent[-1][1] == DATASHEET["l4"].fp32_flops  # the tiny model computes in fp32
+    assert roofline.caption.text.startswith(DATASHEET["l4"].label)
+    assert metrics.modelled.text.startswith(f"modelled on {DATASHEET['l4'].label}")
+    dash.user.find(marker="hardware-tp").elements.pop().set_value(8)  # 4 heads cannot be split 8 ways
+    await until(lambda: "cannot model this run" in timeline.axis_name())
+    assert "attention heads" in metrics.modelled.text and timeline.clock is None
+    # this machine, measured before (the cache): no 4 s wait, and one device, so tp 1
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    write_cache({"version": 1, "host": platform.node(), "device": "test CPU", "fp32_flops": 5e10,
+                 "bf16_flops": 5e10, "mem_bandwidth": 2e10, "memory_bytes": 1e10, "measured_at": "today"})
+    dash.user.find(marker="hardware-tp").elements.pop().set_value(1)
+    dash.user.find(marker="hardware-picker").elements.pop().set_value("this-machine")
+    await until(lambda: timeline.axis_name() == "seconds modelled on test CPU (measured)")
+    await until(lambda: roofline.roof_sent and roofline.roof_sent[-1][1] == 5e10)
+
+
 # ---- explanations, calculator, export -------------------------------------------------------------------
 
 
@@ -581,7 +626,8 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
     await dash.open(f"/?run={run_id}")
     for title in ("Block pool (KV cache)", "Timeline: requests over iterations", "Batch composition per iteration",
                   "Metrics over time", "Block table of the selected request", "Attention mask",
-                  "Sampling: from logits to the chosen token", "KV memory calculator"):
+                  "Sampling: from logits to the chosen token", "Roofline on the chosen hardware",
+                  "KV memory calculator"):
         await dash.user.should_see(title)
         dash.user.find(marker=f"help-{title}").click()
     # every view's legend, under its title (tests/test_legends.py checks they name every colour)
@@ -594,6 +640,7 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
     await dash.user.should_see("paged attention")
     await dash.user.should_see("block diagonal")
     await dash.user.should_see("2 · L · N_kv · D_h · bytes")
+    await dash.user.should_see("arithmetic intensity")
 
 
 async def test_kv_calculator_uses_the_header_and_answers_what_if(dash: Dash, tiny_dir: str) -> None:

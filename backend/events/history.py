@@ -33,6 +33,7 @@ class Cell(NamedTuple):
     request_id: str
     kind: str  # one of KINDS
     tokens: int = 0  # query tokens this iteration (0 while waiting)
+    context_len: int = 0  # tokens in its KV after this iteration (0 while waiting): what the cost model prices
 
 
 @dataclass
@@ -267,4 +268,4 @@ class RunHistory:
 def batch_cells(e: Event, state: RunState) -> list[Cell]:
     """An iteration's batch as cells; without a KV cache a decode step is shown as what it is, a recompute."""
     return [Cell(b["request_id"], "recompute" if not state.kv_cache and b["phase"] == "decode" else b["phase"],
-                 b["num_query_tokens"]) for b in e["batch"]]
+                 b["num_query_tokens"], b["context_len"]) for b in e["batch"]]

@@ -16,7 +16,7 @@ Event = dict[str, Any]
 _PLAIN_FIELDS = (
     "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
     "metrics", "num_preemptions", "paused", "speed", "finished", "finish_reason", "last_token_by_request",
-    "weights", "draft_model",
+    "weights", "draft_model", "simulated",
 )  # fmt: skip
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
@@ -97,6 +97,7 @@ class RunState:
         self.cache: dict[str, Any] = {}
         self.weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
         self.draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
+        self.simulated = False  # simulate mode: no weights ran, the iterations' times are modelled
         self.block_tables: dict[int, list[int]] = {}
         self.ref_counts: dict[int, int] = {}
         self.block_owner: dict[int, set[int]] = {}
@@ -155,6 +156,7 @@ class RunState:
         self.cache = e["cache"]
         self.weights = e.get("weights")
         self.draft_model = e.get("draft_model")
+        self.simulated = e.get("simulated") is True  # headers before simulate mode do not say
         self._free = dict.fromkeys(range(self.cache["num_blocks"]))
 
     def _on_iteration(self, e: Event) -> None:
@@ -404,6 +406,7 @@ class RunState:
             "finish_reason": self.finish_reason,
             "weights": self.weights,
             "draft_model": self.draft_model,
+            "simulated": self.simulated,
             "sequences": {seq: asdict(view) for seq, view in self.sequences.items()},
             "draft_seqs": dict(self.draft_seqs),
             "spec": asdict(self.spec),

@@ -121,6 +121,26 @@
       return `${v[6] ? `<b>${esc(v[6])}</b><br>` : ""}query at position ${v[3]} attends to keys 0..${v[3]}` + cached +
              `<br>keys ${v[2]}..${v[3]} computed in this pass` + (v[4] > v[3] + 1 ? `<br>keys ${v[3] + 1}..${v[4] - 1} masked (future)` : "");
     },
+    // Seconds on a time axis, in the unit that keeps them readable (modelled steps last microseconds).
+    seconds(v) {
+      const a = Math.abs(v);
+      if (a === 0 || a >= 1) return `${+v.toFixed(2)} s`;
+      if (a >= 1e-3) return `${+(v * 1e3).toPrecision(3)} ms`;
+      return `${+(v * 1e6).toPrecision(3)} µs`;
+    },
+    // A log axis's numbers in SI steps (1k, 1M, 1G, 1T): FLOP/s span fifteen decades.
+    si(v) {
+      const units = [[1e15, "P"], [1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+      for (const [scale, unit] of units) if (Math.abs(v) >= scale) return `${+(v / scale).toPrecision(3)}${unit}`;
+      return `${+v.toPrecision(3)}`;
+    },
+    // [intensity, attained FLOP/s, step, modelled µs] of one iteration (views/roofline.py)
+    rooflineTip(p) {
+      const v = p.value;
+      if (p.seriesId === "roof") return "the roofs: memory bandwidth × intensity, then peak FLOP/s";
+      return `iteration ${v[2]} · ${esc(p.seriesName)}<br>${kv.si(v[0])} FLOP/byte<br>` +
+             `${kv.si(v[1])}FLOP/s · ${v[3]} µs modelled`;
+    },
     // Records how long after the NiceGUI process received an event the browser painted it.
     lat(stamp, view) {
       const applied = Date.now() - stamp;

@@ -5,8 +5,10 @@ from __future__ import annotations
 import statistics
 
 
+from backend.perf.model_run import ModelledLatency, modelled_latency
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import Finish, MetricPoint
+from frontend.hardware import HardwareChoice, request_steps
 from frontend.views.base import FeedView, view_card
 from frontend.views.charts import make_chart
 from frontend.views.live_text import LiveText
@@ -38,6 +40,11 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
 Once a run has finished, the headline keeps its final figures: usage, waste and hits as they were
 at the last iteration that ran something (afterwards every block is free).
 
+**Modelled** (the line under the numbers): the same TTFT, TPOT and tokens/s with every iteration's
+time priced on the hardware picked above the views instead of measured (the roofline chart's cost
+model): what this run's batches would take there. Lower bounds: the model assumes kernels reach
+their roofs. A **simulated** run (no weights ran) says so: its engine time is modelled already.
+
 The line above the chart: the weights' dtype and bytes (quantized against unquantized), the KV
 cache's dtype and bytes per token, and the draft model's, when there is one.
 """
@@ -63,6 +70,23 @@ def kpi_html(values: dict[str, str]) -> str:
     return f'<div class="kv-kpis">{cells}</div>'
 
 
+def duration_text(seconds: float | None) -> str:
+    """A modelled duration in the unit that reads well (they run from microseconds to seconds)."""
+    if seconds is None:
+        return "–"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} µs"
+
+
+def modelled_text(latency: ModelledLatency, hardware: str, simulated: bool) -> str:
+    """One line: TTFT, TPOT and tokens/s modelled on the hardware (and whether the run was simulated)."""
+    tps = f"{latency.tokens_per_s:,.0f}" if latency.tokens_per_s is not None else "–"
+    prefix = "simulated run (no weights ran; engine time above is modelled) · " if simulated else ""
+    return (f"{prefix}modelled on {hardware}: mean TTFT {duration_text(latency.ttft_s)} · "
+            f"mean TPOT {duration_text(latency.tpot_s)} · {tps} tokens/s")
+
+
 def line_value(point: MetricPoint, key: str) -> float | None:
     value = getattr(point, key)
     if value is None:  # a metric this run does not have (no speculative decoding)
@@ -73,7 +97,8 @@ def line_value(point: MetricPoint, key: str) -> float | None:
 class MetricsView(FeedView):
     name = "metrics"
 
-    def __init__(self, feed: RunFeed, height: str = "300px") -> None:
+    def __init__(self, feed: RunFeed, hardware: HardwareChoice, height: str = "300px") -> None:
+        self.hardware = hardware
         self.lines = {key: Chunks(f"m-{key}-", size=64) for key, *_ in LINES}
         self.last_point: dict[str, list] = {}
         self.n_points = 0
@@ -81,8 +106,10 @@ class MetricsView(FeedView):
         self.kpis: dict[str, str] = {key: "–" for key in KPI_TITLES if key != "spec"}
         with view_card("Metrics over time", EXPLANATION, "w-full"):
             self.kpi_row = LiveText(kpi_html(self.kpis), html=True).classes("w-full").mark("kpis")
+            self.modelled = LiveText().classes("kv-caption").mark("metrics-modelled")
             self.memory = LiveText().classes("kv-caption").mark("metrics-memory")
             self.chart = make_chart(self._options(), height, "metrics")
+        hardware.on_change(self._modelled)
         super().__init__(feed)
 
     def _options(self) -> dict:
@@ -183,3 +210,16 @@ class MetricsView(FeedView):
         self.kpis = values
         self.memory.set(memory_text(state))
         self.kpi_row.set(kpi_html(values))
+        self._modelled()
+
+    def _modelled(self) -> None:
+        """The headline's latencies and throughput with each iteration priced on the chosen hardware."""
+        state, run = self.feed.state, self.hardware.modelled()
+        if state is None or run is None:
+            self.modelled.set(self.hardware.problem() or "")
+            return
+        history = self.feed.history
+        tokens = sum(history.tokens_at.get(step, 0) for step in run.steps)  # on record: none after a snapshot
+        known_from = history.columns[0].step if history.columns else 0
+        latency = modelled_latency(list(run.steps.values()), request_steps(state), tokens, known_from)
+        self.modelled.set(modelled_text(latency, self.hardware.label, state.simulated))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from nicegui import ui
@@ -10,6 +11,7 @@ from nicegui.events import EChartPointClickEventArguments
 from backend.events.state import RunState, SeqView
 from frontend.client import LogEntry, RunFeed
 from backend.events.history import KINDS, Cell, Column, RunHistory
+from frontend.hardware import HardwareChoice
 from frontend.selection import Selection
 from frontend.palette import PHASE_COLORS
 from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
@@ -27,7 +29,9 @@ start to it. With speculative decoding a request **verifies** (purple) several d
 iteration. A request with several sequences (parallel sampling with n > 1, beam search) shows them
 as thin lines inside its row: each **fork** branches from its parent at the iteration it happened
 (hover: at which token), a pruned beam ends in a ×, a finished sequence in a dot. Scroll or drag
-the sliders to zoom; switch the x axis between iterations and seconds.
+the sliders to zoom; switch the x axis between iterations, seconds (the recorded engine time) and
+seconds **modelled** on the hardware picked above the views: each iteration's batch priced by the
+roofline cost model (see the roofline chart), as if this run had been served there.
 """
 
 CELL_SERIES = {
@@ -69,14 +73,24 @@ def request_cells(cells: list[Cell]) -> list[Cell]:
     return list(out.values())
 
 
-def column_items(col: Column, prev_t: float | None, history: RunHistory, seconds: bool) -> list[list[Any]]:
-    """Data items [x0, x1, row, kind, tokens, step, request_id] of one iteration."""
+Clock = Callable[[Column], tuple[float, float]]  # a column's (seconds at its end, its duration)
+
+
+def recorded_clock(col: Column) -> tuple[float, float]:
+    """The iteration as it was recorded: its end in seconds since the start, its own duration."""
+    return col.t, col.duration_s
+
+
+def column_items(col: Column, prev_t: float | None, history: RunHistory, clock: Clock | None) -> list[list[Any]]:
+    """Data items [x0, x1, row, kind, tokens, step, request_id] of one iteration; x in iterations, or
+    in seconds by `clock` (a waiting cell spans the gap since the previous iteration too)."""
     items = []
+    t, duration = clock(col) if clock is not None else (0.0, 0.0)
     for cell in request_cells(col.cells):
-        if seconds:
+        if clock is not None:
             waiting = cell.kind in ("waiting", "preempted")
-            x0 = (prev_t if prev_t is not None else col.t - col.duration_s) if waiting else col.t - col.duration_s
-            x1 = col.t
+            x0 = (prev_t if prev_t is not None else t - duration) if waiting else t - duration
+            x1 = t
         else:
             x0, x1 = col.step - 0.5, col.step + 0.5
         row = history.rows.get(cell.request_id)
@@ -145,9 +159,11 @@ def _x(step: int, x_of: dict[int, float] | None, edge: float) -> float | None:
 class TimelineView(FeedView):
     name = "timeline"
 
-    def __init__(self, feed: RunFeed, selection: Selection, height: str = "300px") -> None:
+    def __init__(self, feed: RunFeed, selection: Selection, hardware: HardwareChoice, height: str = "300px") -> None:
         self.selection = selection
-        self.seconds = False
+        self.hardware = hardware
+        self.axis = "iterations"  # or "seconds" (recorded), or "modelled" (on the chosen hardware)
+        self.clock: Clock | None = None  # the clock of the current drawing (None: iterations)
         self.chunks = Chunks("tl-", build=merge_runs)
         self.last_step = -10**9
         self.last_t: float | None = None
@@ -160,12 +176,13 @@ class TimelineView(FeedView):
             with ui.row().classes("items-center gap-3"):
                 self.legend = legend(legend_items())
                 ui.space()
-                ui.toggle({False: "iterations", True: "seconds"}, value=False,
-                          on_change=lambda e: self.set_seconds(bool(e.value))).props("dense size=sm") \
-                    .mark("timeline-axis")
+                self.axis_toggle = ui.toggle(self._axis_options(), value=self.axis,
+                                             on_change=lambda e: self.set_axis(e.value)) \
+                    .props("dense size=sm").mark("timeline-axis")
             self.chart = make_chart(self._options(), height, "timeline")
         self.chart.on_point_click(self._on_click)
         selection.on_change(self.invalidate)
+        hardware.on_change(self._on_hardware)
         super().__init__(feed)
 
     def _options(self) -> dict:
@@ -185,15 +202,31 @@ class TimelineView(FeedView):
             "series": [],
         }
 
-    def set_seconds(self, seconds: bool) -> None:
-        self.seconds = seconds
+    def _axis_options(self) -> dict[str, str]:
+        return {"iterations": "iterations", "seconds": "seconds", "modelled": f"modelled on {self.hardware.name}"}
+
+    def set_axis(self, axis: str) -> None:
+        self.axis = axis
         self.invalidate()
+
+    def _on_hardware(self) -> None:
+        self.axis_toggle.set_options(self._axis_options(), value=self.axis)
+        if self.axis == "modelled":
+            self.invalidate()
+
+    def _choose_clock(self) -> Clock | None:
+        """The x axis' clock for a full redraw: recorded seconds, modelled seconds, or None (iterations)."""
+        if self.axis == "seconds":
+            return recorded_clock
+        run = self.hardware.modelled() if self.axis == "modelled" else None
+        return run.clock if run is not None else None
 
     # -- drawing ---------------------------------------------------------------------------------
 
     def full(self) -> bool:
         self.legend.set_content(legend_html(legend_items(self.feed.state.kv_cache)))
         self.chunks.clear()
+        self.clock = self._choose_clock()
         self.step_t = {}
         self.last_step, self.last_t, self.rows_sent, self.ttft_sent, self.branches_sent = -10**9, None, 0, [], []
         self._add_columns(self.feed.history.columns)
@@ -207,6 +240,8 @@ class TimelineView(FeedView):
     def delta(self, entries: list[LogEntry]) -> bool:
         columns = self.feed.history.columns
         new = [c for c in columns[-len(entries):] if c.step > self.last_step] if entries else []
+        if new and self.axis == "modelled":
+            self.hardware.modelled()  # prices the new iterations before the clock reads them
         self._add_columns(new)
         option = self._axes()
         series = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.take_dirty()]
@@ -222,10 +257,11 @@ class TimelineView(FeedView):
         for col in columns:
             if col.step <= self.last_step:
                 continue
-            for item in column_items(col, self.last_t, self.feed.history, self.seconds):
+            for item in column_items(col, self.last_t, self.feed.history, self.clock):
                 self.chunks.add(col.step, item)
-            self.last_step, self.last_t = col.step, col.t
-            self.step_t[col.step] = col.t
+            t = self.clock(col)[0] if self.clock is not None else col.t
+            self.last_step, self.last_t = col.step, t
+            self.step_t[col.step] = t
 
     def _axes(self, force: bool = False) -> dict:
         option: dict = {}
@@ -235,14 +271,24 @@ class TimelineView(FeedView):
             self.labels_sent = row_labels(rows, self.selection.request_id)
             option["yAxis"] = {"data": self.labels_sent}
         if force:
-            label = Js("(v) => v.toFixed(2)") if self.seconds else Js(INTEGER_LABELS[":formatter"])
-            option["xAxis"] = {"name": "seconds since start" if self.seconds else "iteration",
-                               "axisLabel": {"formatter": label}}
+            label = Js("kvscope.seconds") if self.clock is not None else Js(INTEGER_LABELS[":formatter"])
+            option["xAxis"] = {"name": self.axis_name(), "axisLabel": {"formatter": label}}
         return option
+
+    def axis_name(self) -> str:
+        """The x axis' title: what its numbers are, and on which hardware when modelled."""
+        if self.axis == "seconds":
+            simulated = " (simulated: modelled when recorded)" if self.feed.state.simulated else ""
+            return f"seconds since start{simulated}"
+        if self.axis == "modelled":
+            if self.clock is None:
+                return f"iteration ({self.hardware.problem() or 'cannot model this run'})"
+            return f"seconds modelled on {self.hardware.label}"
+        return "iteration"
 
     def _ttft_series(self, force: bool = False) -> dict | None:
         state, history = self.feed.state, self.feed.history
-        t_of = self.step_t if self.seconds else None
+        t_of = self.step_t if self.clock is not None else None
         data = []
         for rid, view in state.requests.items():
             if view.first_token_step is None or rid not in history.rows:
@@ -261,7 +307,7 @@ class TimelineView(FeedView):
                 "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
 
     def _branch_series(self, force: bool = False) -> dict | None:
-        data = branch_items(self.feed.state, self.feed.history.rows, self.step_t if self.seconds else None)
+        data = branch_items(self.feed.state, self.feed.history.rows, self.step_t if self.clock is not None else None)
         if not force and data == self.branches_sent:
             return None
         self.branches_sent = data

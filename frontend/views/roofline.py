@@ -1,0 +1,138 @@
+"""Roofline: each iteration's arithmetic intensity against the FLOP/s it attains on the chosen hardware."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frontend.client import LogEntry, RunFeed
+from frontend.hardware import HardwareChoice, ModelledRun
+from frontend.palette import PHASE_COLORS
+from frontend.views.base import FeedView, legend, view_card
+from frontend.views.charts import make_chart
+from frontend.views.chunks import Chunks
+from frontend.views.live_text import LiveText
+from backend.perf.model_run import ModelledStep
+
+EXPLANATION = """
+A **roofline** says how fast a piece of work can run on a machine from one number: its
+**arithmetic intensity**, the FLOPs it does per byte it moves to or from memory (x, log scale).
+Below the **ridge** (where the two roofs meet) memory bandwidth limits it: the slanted roof,
+bandwidth × intensity. Above it the compute units do: the flat roof, peak FLOP/s.
+
+One point per iteration, priced on the hardware picked above the views by kvscope's cost model
+(docs/perf_model.md): its FLOPs over its modelled time (y, log scale), coloured by the phase of
+most of its tokens. A **decode** step reads every weight to produce one token per sequence, so its
+intensity is about the batch size: far left, **memory-bound**; batching more sequences moves it
+right. A **prefill** chunk multiplies each weight by many tokens and climbs towards the compute
+roof. Points sit below the roofs because an iteration is several op groups that each wait for one
+roof, plus a fixed overhead per step (and the all-reduces with tp > 1); for a tiny model the
+overhead is nearly all of it. The times are modelled (lower bounds: real kernels reach 60-90% of
+the roofs), whatever machine recorded the run.
+"""
+
+PHASES = ("prefill", "decode", "verify", "recompute")
+LEGEND = [(PHASE_COLORS[p], p) for p in PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s")]
+ROOF_COLOR = "#111827"
+
+
+def roofline_point(s: ModelledStep) -> list[Any]:
+    """[intensity (FLOP/B), attained FLOP/s, step, modelled µs]: one iteration's point."""
+    return [s.intensity, s.attained_flops, s.step, round(s.time_s * 1e6, 2)]
+
+
+def roof_line(peak_flops: float, bandwidth: float, lo: float, hi: float) -> list[list[float]]:
+    """The two roofs over intensities [lo, hi]: bandwidth × x up to the ridge, then the peak."""
+    ridge = peak_flops / bandwidth
+    lo, hi = min(lo, ridge / 4), max(hi, ridge * 4)
+    return [[lo, bandwidth * lo], [ridge, peak_flops], [hi, peak_flops]]
+
+
+def caption(run: ModelledRun | None, label: str, problem: str | None) -> str:
+    if run is None:
+        return problem or ""
+    hw, dtype = run.dep.hardware, run.dep.dtype
+    return (f"{label}: peak {hw.peak_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}), "
+            f"{hw.mem_bandwidth / 1e9:,.0f} GB/s, ridge {hw.ridge(dtype):,.0f} FLOP/B · "
+            f"{len(run.steps)} iterations · model sizes: {run.source}")
+
+
+class RooflineView(FeedView):
+    name = "roofline"
+
+    def __init__(self, feed: RunFeed, hardware: HardwareChoice, height: str = "300px") -> None:
+        self.hardware = hardware
+        self.chunks = {phase: Chunks(f"rl-{phase}-") for phase in PHASES}
+        self.last_step = -(10**9)
+        self.roof_sent: list[list[float]] = []
+        self.span = (1.0, 1.0)  # the intensities drawn so far (the roofs span them)
+        with view_card("Roofline on the chosen hardware", EXPLANATION, "w-full"):
+            legend(LEGEND)
+            self.caption = LiveText().classes("kv-caption").mark("roofline-caption")
+            self.chart = make_chart(self._options(), height, "roofline")
+        hardware.on_change(self.invalidate)
+        super().__init__(feed)
+
+    def _options(self) -> dict:
+        return {
+            "grid": {"left": 64, "right": 24, "top": 30, "bottom": 44},
+            "tooltip": {"trigger": "item", ":formatter": "kvscope.rooflineTip"},
+            "xAxis": {"type": "log", "name": "FLOP per byte", "nameLocation": "middle", "nameGap": 24,
+                      "axisLabel": {":formatter": "kvscope.si"}},
+            "yAxis": {"type": "log", "name": "FLOP/s", "axisLabel": {":formatter": "kvscope.si"}},
+            "series": [],
+        }
+
+    def full(self) -> bool:
+        run = self.hardware.modelled()
+        self.caption.set(caption(run, self.hardware.label, self.hardware.problem()))
+        for chunks in self.chunks.values():
+            chunks.clear()
+        self.last_step, self.roof_sent, self.span = -(10**9), [], (1.0, 1.0)
+        if run is not None:
+            self._new_points(run)
+        series = [self._points(phase, sid, data) for phase, chunks in self.chunks.items() for sid, data in chunks.all()]
+        series.append(self._roof(run, force=True))
+        self.push(self.chart, {"series": series}, replace_series=True)
+        return True
+
+    def delta(self, entries: list[LogEntry]) -> bool:
+        if not any(e.event["type"] == "iteration" for e in entries):
+            return False
+        run = self.hardware.modelled()
+        if run is None:
+            return False
+        self._new_points(run)
+        series = [self._points(phase, sid, data) for phase, chunks in self.chunks.items()
+                  for sid, data in chunks.take_dirty()]
+        roof = self._roof(run)
+        series += [roof] if roof else []
+        if not series:
+            return False
+        self.caption.set(caption(run, self.hardware.label, None))
+        self.push(self.chart, {"series": series})
+        return True
+
+    def _new_points(self, run: ModelledRun) -> None:
+        lo, hi = self.span
+        for step in sorted(s for s in run.steps if s > self.last_step):
+            priced = run.steps[step]
+            self.chunks[priced.phase].add(step, roofline_point(priced))
+            lo, hi = min(lo, priced.intensity), max(hi, priced.intensity)
+            self.last_step = step
+        self.span = (lo, hi)
+
+    def _points(self, phase: str, sid: str, data: list) -> dict:
+        return {"id": sid, "name": phase, "type": "scatter", "data": data, "symbolSize": 7,
+                "itemStyle": {"color": PHASE_COLORS[phase], "opacity": 0.8}}
+
+    def _roof(self, run: ModelledRun | None, force: bool = False) -> dict | None:
+        if run is None:
+            line: list[list[float]] = []
+        else:
+            hw, dtype = run.dep.hardware, run.dep.dtype
+            line = roof_line(hw.peak_flops(dtype), hw.mem_bandwidth, *self.span)
+        if not force and line == self.roof_sent:
+            return None
+        self.roof_sent = line
+        return {"id": "roof", "type": "line", "data": line, "showSymbol": False, "silent": True,
+                "lineStyle": {"color": ROOF_COLOR, "width": 2}, "itemStyle": {"color": ROOF_COLOR}}
