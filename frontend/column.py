@@ -47,7 +47,8 @@ class RunColumn:
         ui.timer(0.5, self._refresh_requests)
 
     def _request_bar(self, backend: Backend) -> None:
-        with ui.row().classes("w-full items-end gap-3 no-wrap"):
+        # Side by side a column is half the page: its pickers wrap under the title rather than overflow.
+        with ui.row().classes(f"w-full items-end gap-3 {'flex-wrap' if self.compact else 'no-wrap'}"):
             with ui.column().classes("gap-0"):
                 self.title = ui.label(self.feed.run_id).classes("kv-run-title").mark("run-title")
                 self.engine = ui.label("").classes("kv-caption").mark("run-engine")

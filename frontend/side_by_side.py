@@ -105,7 +105,7 @@ class SideBySide:
         """Give every per-iteration chart the shared range (the timeline only while in iterations)."""
         for column in self.columns:
             timeline = column.views["timeline"]
-            self._set_x(timeline.chart, x if not timeline.seconds else {"min": "dataMin", "max": "dataMax"}, 1)
+            self._set_x(timeline.chart, x if timeline.axis == "iterations" else {"min": "dataMin", "max": "dataMax"}, 1)
             self._set_x(column.views["batch"].chart, x, 2)
             self._set_x(column.views["metrics"].chart, x, 2)
 
