@@ -9,8 +9,9 @@ FLOP/s and copy bandwidth) for the model's own shape in fp32, the dtype it runs 
 
 A CPU running small models is overhead-bound: per-op dispatch of a few dozen small matmuls costs
 milliseconds while the arithmetic costs microseconds, so the profile's assumed 50 µs overhead is
-replaced per model by a measured one: the fastest single-sequence decode step of a short run, less
-its roofline time. The table gives, per scenario, the median absolute relative error
+replaced per model by a measured one, fixed per iteration plus a share per sequence in the batch
+(sampling and bookkeeping run per sequence in Python): a least-squares line through the decode steps
+of a calibration run whose batch grows from 1 to 8 sequences, each step less its roofline time. The table gives, per scenario, the median absolute relative error
 |measured - predicted| / measured over its iterations (target <= 25%). `--quick` runs two scenarios
 and a short calibration: a smoke run on a busy machine, its numbers indicative only.
 """
@@ -58,18 +59,22 @@ def model_shape(model: str) -> ModelShape:
     return shape_from_config(config.model_copy(update={"torch_dtype": "float32"}), model)
 
 
-def measure_overhead(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int) -> float:
-    """Fixed cost of a single-sequence decode step beyond its roofline time (seconds): the fastest one.
+def measure_overhead(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int) -> tuple[float, float]:
+    """(fixed, per sequence) seconds of a decode step beyond its roofline time, fitted on a calibration run.
 
-    The fastest, as calibrate.py keeps the best repetition: other processes only ever add time, and on
-    a shared machine a median of a few steps swings by 10x."""
+    Its requests (not the validation scenarios) arrive three steps apart, so decode batches of 1 to 8
+    sequences give the line its slope; it runs twice and the warm second run counts."""
     scenario = Scenario.model_validate({
-        "name": "overhead", "model": model, "engine": {"block_size": 16, "num_blocks": 64, "events": "summary"},
-        "requests": [{"id": "one", "prompt_tokens": 8, "max_tokens": tokens,
-                      "sampling": {"temperature": 0.0, "ignore_eos": True}}]})
-    bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0))
-    decodes = [it for it in iterations(scenario) if it["batch"][0]["phase"] == "decode"]
-    return min(it["duration_s"] - iteration_cost(bare, it["batch"]).time_s for it in decodes)
+        "name": "overhead", "model": model, "engine": {"block_size": 16, "num_blocks": 256, "events": "summary"},
+        "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": 8, "max_tokens": tokens,
+                      "sampling": {"temperature": 0.0, "ignore_eos": True}} for i in range(8)]})
+    bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0, row_overhead_s=0.0))
+    iterations(scenario)  # a first run warms the model up (allocator, caches): its steps are slower
+    decodes = [it for it in iterations(scenario) if all(b["phase"] == "decode" for b in it["batch"])]
+    rows = [len(it["batch"]) for it in decodes]
+    extra = [it["duration_s"] - iteration_cost(bare, it["batch"]).time_s for it in decodes]
+    slope, intercept = statistics.linear_regression(rows, extra)
+    return max(intercept, 0.0), max(slope, 0.0)
 
 
 def compare(model: str, scenario_name: str, dep: Deployment) -> dict:
@@ -83,11 +88,12 @@ def compare(model: str, scenario_name: str, dep: Deployment) -> dict:
             "median_abs_error": statistics.median(errors)}
 
 
-def table(rows: list[dict], overheads: dict[str, float], profile: HardwareProfile, argv: list[str]) -> str:
+def table(rows: list[dict], overheads: dict[str, dict[str, float]], profile: HardwareProfile, argv: list[str]) -> str:
     lines = [f"`python -m bench.perf_validate {' '.join(argv)}` on {profile.label}, {torch.get_num_threads()} "
              f"threads, {datetime.date.today()}: roofs {profile.fp32_flops / 1e9:.0f} GFLOP/s, "
              f"{profile.mem_bandwidth / 1e9:.0f} GB/s; calibrated overhead "
-             + ", ".join(f"{m} {s * 1e3:.2f} ms" for m, s in overheads.items()), "",
+             + ", ".join(f"{m} {o['fixed_s'] * 1e3:.2f} ms + {o['per_sequence_s'] * 1e3:.2f} ms per sequence"
+                         for m, o in overheads.items()), "",
              "| model | scenario | iterations | measured median (ms) | predicted median (ms) | median abs. error |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -117,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, overheads = [], {}
     for model in models:
         shape = model_shape(model)
-        overheads[model] = measure_overhead(model, shape, profile, tokens=12 if args.quick else 48)
-        dep = Deployment(shape, replace(profile, iteration_overhead_s=overheads[model]))
+        fixed, per_row = measure_overhead(model, shape, profile, tokens=12 if args.quick else 48)
+        overheads[model] = {"fixed_s": fixed, "per_sequence_s": per_row}
+        dep = Deployment(shape, replace(profile, iteration_overhead_s=fixed, row_overhead_s=per_row))
         for name in QUICK_SCENARIOS if args.quick else FULL_SCENARIOS:
             rows.append(compare(model, name, dep))
     print(table(rows, overheads, profile, argv))

@@ -29,6 +29,7 @@ class ModelInfo(_Exact):
     dtype: str
     kv_bytes_per_token: int
     eos_token_ids: list[int] | None = None
+    config: dict[str, Any] | None = None  # the whole ModelConfig: what the cost model prices a replay by
 
 
 class DraftModelInfo(_Exact):

@@ -226,7 +226,8 @@ def iteration_cost(dep: Deployment, batch: Sequence[BatchItem | dict]) -> Iterat
            roof("attention", *attention(dep, items)), roof("lm_head", *lm_head(dep, rows))]
     if dep.tp > 1:
         ops.append(all_reduces(dep, tokens))
-    return IterationCost(ops, dep.hardware.iteration_overhead_s, tokens, rows, peak, bw)
+    overhead = dep.hardware.iteration_overhead_s + dep.hardware.row_overhead_s * len(items)
+    return IterationCost(ops, overhead, tokens, rows, peak, bw)
 
 
 def linears_cost(dep: Deployment, linears: list[Linear], tokens: float) -> tuple[float, float]:

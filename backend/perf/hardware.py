@@ -36,6 +36,9 @@ class HardwareProfile:
     link: LinkProfile | None  # None: one device, no tensor parallelism
     source: str
     iteration_overhead_s: float = DEFAULT_ITERATION_OVERHEAD_S
+    # Per sequence in the batch (sampling, bookkeeping in Python): 0 for the GPU profiles, whose engines
+    # batch that work; measured for a CPU run of kvscope itself (bench/perf_validate.py).
+    row_overhead_s: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
         """The compute roof for matmuls in this activation dtype."""

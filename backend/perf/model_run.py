@@ -3,9 +3,9 @@
 Any run can be modelled from its events: the header says which model ran (its sizes) and how it
 was stored (dtype, weight quantization, KV cache dtype), each `iteration` event says what the batch
 held. The model's sizes come, in this order, from a named shape (a simulated run's model), the
-run's config.json (a shipped model or a model folder on this machine), or, failing both, the
-header itself (hidden = heads × head_dim, the MLP size solved from the weights' bytes): then the
-result says it is estimated. The dashboard's modelled time axis, roofline chart and modelled
+header's `model.config` (the whole ModelConfig), for traces without it the config.json of a shipped
+model or a model folder on this machine, or, failing all, the header's other fields (hidden =
+heads × head_dim, the MLP size solved from the weights' bytes): then the result says it is estimated. The dashboard's modelled time axis, roofline chart and modelled
 TTFT / TPOT / throughput all come from here (docs/dashboard.md).
 """
 
@@ -85,6 +85,8 @@ def run_shape(model: dict, weights: dict | None = None) -> RunShape:
     named = ALIASES.get(name, name)
     if named in SHAPES:
         shape, source = SHAPES[named], f"the named shape {named}"
+    elif model.get("config"):
+        shape, source = shape_from_config(ModelConfig.model_validate(model["config"]), name), "the trace header"
     elif (config := folder_config(name)) is not None:
         shape, source = shape_from_config(config, name), f"{Path(name).name}'s config.json"
     else:
