@@ -195,6 +195,22 @@ def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
     assert fast.last_busy_metrics().num_running > 0 and last.num_running == 0
 
 
+def test_a_page_opened_mid_run_says_it_does_not_know_the_throughput_rather_than_zero(recorded):
+    from backend.events.record import RunRecord
+    from backend.events.state import RunState
+
+    mid = max(e["step"] for e in recorded) // 2
+    before = [e for e in recorded if e["step"] <= mid]
+    state = RunState()
+    for e in before:
+        state.apply(e)
+    record = RunRecord.from_snapshot(state.snapshot())
+    assert record.history.metrics[-1].tokens_per_s is None  # no iteration seen live: "–", not 0 tokens/s
+    for e in recorded[len(before):]:
+        record.apply(e)
+    assert record.history.metrics[-1].tokens_per_s is not None  # iterations seen live count again
+
+
 # ---- what the views send ------------------------------------------------------------------------------
 
 

@@ -64,7 +64,7 @@ class SeqToken(NamedTuple):
 class MetricPoint:
     step: int
     t: float
-    tokens_per_s: float  # in engine time (the iterations' own durations), not the paced wall clock
+    tokens_per_s: float | None  # in engine time (the iterations' own durations); None: no iteration on record
     kv_usage: float
     kv_waste: float
     prefix_hit_rate: float
@@ -231,10 +231,15 @@ class RunHistory:
         first, before = self.engine_s.get(first_token_step), self.engine_before(arrival_step)
         return first - before if first is not None and before is not None else None
 
-    def engine_tokens_per_s(self, step: int) -> float:
-        """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`."""
-        recent = [c for c in self.columns[-THROUGHPUT_WINDOW:] if c.step <= step]
+    def engine_tokens_per_s(self, step: int) -> float | None:
+        """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`.
+
+        Only iterations seen live count: those a snapshot handed over carry no tokens, and counting their
+        time would read 0 tokens/s on a page opened mid-run; with none seen yet, None ("–")."""
+        recent = [c for c in self.columns[-THROUGHPUT_WINDOW:] if c.step <= step and c.step in self.engine_s]
         seconds = sum(c.duration_s for c in recent)
+        if not recent:
+            return None
         return sum(self.tokens_at.get(c.step, 0) for c in recent) / seconds if seconds > 0 else 0.0
 
     def run_tokens_per_s(self) -> float | None:

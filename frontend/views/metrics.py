@@ -21,7 +21,8 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
 (at 4 iterations a second every iteration would seem to last 250 ms).
 
 - **tokens/s**: output tokens per second of engine time, over the last 16 iterations; once the run
-  has finished, over the whole run.
+  has finished, over the whole run. A page opened on a run already under way counts only the
+  iterations it has seen ("–" until the first): the snapshot it starts from carries no tokens.
 - **TTFT** (time to first token): engine time from a request's arrival to the end of the iteration
   that produced its first token: queueing plus prefill. Prefix caching and chunked prefill cut it.
   One dot per finished request.
