@@ -24,6 +24,7 @@ MODEL = {
     "dtype": "float32",
     "kv_bytes_per_token": 512,
     "eos_token_ids": [0],
+    "config": {"vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2},
 }
 
 
@@ -45,6 +46,10 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
         "attention_backend": "torch",
         "device": "cpu",
         "draft_model": {"name": "demo-draft", "n_layers": 1, "kv_bytes_per_token": 128, "bytes_per_block": 512},
+        "simulated": {"model_shape": "llama-3-8b", "hardware": "h100", "hardware_label": "NVIDIA H100", "tp": 1,
+                      "link": None, "gpu_memory_utilization": 0.9, "weights_bytes_per_gpu": 16e9,
+                      "kv_pool_bytes_per_gpu": 56e9, "kv_bytes_per_token_per_gpu": 131072.0, "peak_flops": 989e12,
+                      "mem_bandwidth": 3.35e12, "ridge": 295.2, "stand_in_vocab": 2048},
     }
 
 
@@ -72,6 +77,8 @@ EXAMPLES: dict[str, dict] = {
         "kv_blocks_used": 1,
         "duration_s": 0.01,
         "max_num_seqs": 4,
+        "intensity": 12.5,
+        "bound": "memory",
     },
     "block_alloc": {"block_id": 0, "seq_id": 0, "request_id": "r0", "logical_index": 0},
     "block_free": {"block_id": 0, "seq_id": 0, "request_id": "r0", "cached": True},

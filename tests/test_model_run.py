@@ -90,6 +90,9 @@ def test_sizes_come_from_a_named_shape_a_shipped_config_or_the_header():
     assert (shipped.shape.config.hidden_size, shipped.shape.config.intermediate_size) == (256, 768)
     assert shipped.shape.dtype == "float32"  # the run's dtype, not the file's float16
     assert run_shape({"name": "smollm2", "dtype": "float32"}).source == "the named shape smollm2-135m"
+    gone = run_shape({"name": "/a/folder/not/here", "dtype": "float32",  # a trace from another machine
+                      "config": shipped.shape.config.model_dump(mode="json")})
+    assert gone.source == "the trace header" and gone.shape.config.intermediate_size == 768
     h = smol_header()
     estimated = run_shape(h["model"], h["weights"])
     assert estimated.source == "estimated from the trace header"

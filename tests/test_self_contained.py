@@ -98,7 +98,8 @@ def test_training_runs_in_a_fresh_clone(clone, env, tmp_path):
 
 
 # The ways code has reached for the developers' folder beside the repository.
-READS_SHARED = re.compile(r"""\.\./shared|["']shared["']|shared/(data|STYLE|PITFALLS|CONTRACT|hooks)|/work/""")
+# "shared" as a path part (`/ "shared"`, `"shared" /`), not as a word in a string (a palette's key).
+READS_SHARED = re.compile(r"""\.\./shared|/\s*["']shared["']|["']shared["']\s*/|shared/(data|STYLE|PITFALLS|CONTRACT|hooks)|/work/""")
 
 
 def test_no_tracked_code_or_config_reads_the_shared_folder():

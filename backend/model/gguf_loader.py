@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from backend.config import ModelConfig
 from backend.errors import ModelLoadError
 
 CACHE_FORMAT = 1  # part of the cache key: bump when the converted folder's contents change
@@ -123,6 +124,12 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def gguf_facts(path: Path) -> tuple[ModelConfig, bool]:
+    """The file's config and whether it has a chat template, from its metadata alone (no conversion)."""
+    f = open_gguf(path)
+    return ModelConfig.from_hf_dict(hf_config(f, torch.float32)), f.get("tokenizer.chat_template", None) is not None
 
 
 def open_gguf(path: Path) -> GGUFFile:

@@ -57,6 +57,18 @@ def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float
     return path
 
 
+def model_facts(name_or_path: str | Path) -> tuple[ModelConfig, bool]:
+    """A model's config and whether it has a chat template, without loading it (a GGUF file: its metadata
+    only, so a model picker does not wait for a first conversion)."""
+    path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from backend.model import gguf_loader  # here: `gguf` is needed only for GGUF files
+
+        return gguf_loader.gguf_facts(path)
+    model_dir = resolve_model_dir(name_or_path)
+    return read_config(model_dir), read_chat_template(model_dir) is not None
+
+
 def missing_package(name: str) -> str | None:
     """The install command of the package a model name needs, when it is not installed; else None."""
     if name == SMOLLM2 and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:

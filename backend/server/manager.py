@@ -17,9 +17,7 @@ from typing import Any
 
 from backend.config import EngineConfig, ModelConfig
 from backend.errors import ModelLoadError
-from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, read_config, \
-    resolve_model_dir
-from backend.model.tokenizer import read_chat_template
+from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
 from backend.run import cached_model
 from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
@@ -59,10 +57,8 @@ def model_entry(name: str, served: bool) -> dict:
     if not entry["installed"]:
         return entry
     try:
-        # A GGUF file is converted here the first time (~10 s for SmolLM2): a run would convert it anyway.
-        model_dir = resolve_model_dir(name)
-        entry.update(description=describe_config(read_config(model_dir)),
-                     chat_template=read_chat_template(model_dir) is not None)
+        config, chat_template = model_facts(name)
+        entry.update(description=describe_config(config), chat_template=chat_template)
     except ModelLoadError as e:  # the server's own model, named by a path that no longer loads
         entry.update(installed=False, description=str(e))
     return entry
