@@ -256,6 +256,8 @@ class NewRunPanel:
         except BackendError as e:
             ui.notify(str(e), type="negative")
             return
+        if self.picker.value != name:  # picked again while this one loaded: the later pick wins
+            return
         self.base = base_of(scenario)
         # sampling is set for generated requests only (a scenario's listed requests each carry their own)
         for element in self.sampling_fields:
