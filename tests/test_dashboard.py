@@ -580,7 +580,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
         dash: Dash, tiny_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import platform
 
-    from backend.perf.calibrate import write_cache
+    from backend.perf.calibrate import CACHE_VERSION, write_cache
     from backend.perf.hardware import DATASHEET
 
     run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=3), speed=0)
@@ -610,8 +610,9 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     assert "attention heads" in metrics.modelled.text and timeline.clock is None
     # this machine, measured before (the cache): no 4 s wait, and one device, so tp 1
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    write_cache({"version": 1, "host": platform.node(), "device": "test CPU", "fp32_flops": 5e10,
-                 "bf16_flops": 5e10, "mem_bandwidth": 2e10, "memory_bytes": 1e10, "measured_at": "today"})
+    write_cache({"version": CACHE_VERSION, "host": platform.node(), "device": "test CPU", "fp32_flops": 5e10,
+                 "bf16_flops": 5e10, "mem_bandwidth": 2e10, "gemv_efficiency": 0.5, "gemm_efficiency": 0.3,
+                 "memory_bytes": 1e10, "measured_at": "today"})
     dash.user.find(marker="hardware-tp").elements.pop().set_value(1)
     dash.user.find(marker="hardware-picker").elements.pop().set_value("this-machine")
     await until(lambda: timeline.axis_name() == "seconds modelled on test CPU (measured)")

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from backend.events.history import Cell, Column
+from backend.perf.calibrate import CACHE_VERSION
 from backend.perf.cost_model import BatchItem, iteration_cost
 from backend.perf.errors import PerfError
 from backend.perf.hardware import profile_from
@@ -18,8 +19,9 @@ from backend.perf.shapes import get_shape
 from backend.perf.whatif import deployment
 
 SMOL = get_shape("smollm2-135m").config
-FIGURES = {"version": 1, "host": "h", "device": "test CPU", "fp32_flops": 7e10, "bf16_flops": 7e10,
-           "mem_bandwidth": 3e10, "memory_bytes": 1e10, "measured_at": "2026-12-01T00:00:00+00:00"}
+FIGURES = {"version": CACHE_VERSION, "host": "h", "device": "test CPU", "fp32_flops": 7e10, "bf16_flops": 7e10,
+           "mem_bandwidth": 3e10, "gemv_efficiency": 0.5, "gemm_efficiency": 0.3, "memory_bytes": 1e10,
+           "measured_at": "2026-12-01T00:00:00+00:00"}
 HEADER = {"model": {"name": "llama-3-8b", "dtype": "bfloat16"}, "config": {}, "weights": None}
 
 

@@ -14,7 +14,7 @@ from backend.perf import calibrate
 from backend.perf.cost_model import (BatchItem, Deployment, experts_touched, iteration_cost, resident_bytes,
                                      stored_bytes)
 from backend.perf.errors import PerfError
-from backend.perf.hardware import DATASHEET, HARDWARE_NAMES, HardwareProfile, LinkProfile, get_hardware
+from backend.perf.hardware import DATASHEET, HARDWARE_NAMES, HardwareProfile, LinkProfile, get_hardware, profile_from
 from backend.perf.shapes import SHAPES, Linear, get_shape, shape_from_config
 from backend.perf.whatif import decode_knee, deployment, format_table, whatif
 from kvscope.cli import build_parser, cmd_whatif, main
@@ -75,6 +75,21 @@ def test_a_group_past_the_ridge_is_compute_bound():
     mlp = ops(cost)["mlp"]
     assert mlp.intensity == pytest.approx(64 / 2)  # 2 FLOPs per token per 4-byte weight
     assert mlp.bound == "compute" and mlp.time_s == pytest.approx(mlp.flops / 1000)
+
+
+def test_a_measured_profile_streams_weights_below_the_roof_and_pays_its_overheads():
+    # this-machine's empirical roofline: one token's linears at half the bandwidth, several at a quarter;
+    # 1 s per iteration, 2 s per sequence, 3 s per token.
+    cpu = replace(TOY_GPU, gemv_efficiency=0.5, gemm_efficiency=0.25, iteration_overhead_s=1.0,
+                  row_overhead_s=2.0, token_overhead_s=3.0)
+    one = iteration_cost(Deployment(TINY, cpu), [BatchItem("decode", 1, 5)])
+    assert ops(one)["mlp"].time_s == pytest.approx(3072 / 50)  # a GEMV: 100 B/s x 0.5
+    assert ops(one)["attention"].time_s == pytest.approx(384 / 100)  # the KV cache streams at the roof
+    assert one.overhead_s == pytest.approx(1 + 2 + 3)
+    two = iteration_cost(Deployment(TINY, cpu), [BatchItem("decode", 1, 5), BatchItem("prefill", 3, 3)])
+    assert ops(two)["mlp"].time_s == pytest.approx(3072 / 25)  # four tokens: a GEMM at 100 B/s x 0.25
+    assert ops(two)["lm_head"].time_s == pytest.approx(320 / 25)  # two sampling rows: a GEMM too
+    assert two.overhead_s == pytest.approx(1 + 2 * 2 + 3 * 4)
 
 
 def test_iteration_event_batch_items_are_accepted_as_they_are():
@@ -250,13 +265,18 @@ def test_unknown_names_list_the_valid_ones(call, field):
 
 # ---- this machine ------------------------------------------------------------------------------------
 
-def test_calibration_measures_matmul_flops_and_copy_bandwidth_quickly():
+def test_calibration_measures_matmul_flops_copy_bandwidth_and_weight_streams_quickly():
     figures = calibrate.calibrate(seconds=0.3, device="cpu")
     assert figures["fp32_flops"] > 1e8 and figures["mem_bandwidth"] > 1e8 and figures["memory_bytes"] > 0
+    assert 0 < figures["gemm_efficiency"] <= 1 and 0 < figures["gemv_efficiency"] <= 1
+    profile = profile_from(figures)
+    assert profile.weight_bandwidth(1) == pytest.approx(figures["mem_bandwidth"] * figures["gemv_efficiency"])
+    assert profile.weight_bandwidth(4) == pytest.approx(figures["mem_bandwidth"] * figures["gemm_efficiency"])
 
 
 FIGURES = {"version": calibrate.CACHE_VERSION, "device": "test CPU", "fp32_flops": 7e10, "bf16_flops": 7e10,
-           "mem_bandwidth": 3e10, "memory_bytes": 2e10, "measured_at": "2026-12-01T00:00:00+00:00"}
+           "mem_bandwidth": 3e10, "gemv_efficiency": 0.5, "gemm_efficiency": 0.25, "memory_bytes": 2e10,
+           "measured_at": "2026-12-01T00:00:00+00:00"}
 
 
 @pytest.fixture
@@ -281,6 +301,9 @@ def test_a_corrupt_or_foreign_cache_is_measured_again(cache_dir):
     assert calibrate.this_machine()["mem_bandwidth"] == 3e10
     path.write_text("{not json")
     assert calibrate.this_machine()["mem_bandwidth"] == 3e10
+    older = {k: v for k, v in FIGURES.items() if "efficiency" not in k}  # version 1: no weight streams
+    path.write_text(json.dumps(dict(older, version=1, host=calibrate.platform.node(), mem_bandwidth=1.0)))
+    assert calibrate.this_machine()["gemv_efficiency"] == 0.5
 
 
 def test_this_machine_cannot_be_split_across_ranks(cache_dir):

@@ -3,8 +3,10 @@
 Input: the batch of an `iteration` event (each row's phase, query tokens and context after the
 step) and a deployment (model shape, hardware, tensor-parallel degree, weight and KV dtypes).
 Each op group costs max(FLOPs / peak FLOP/s, bytes / bandwidth): a group is either waiting for
-the tensor cores or for memory, never both at once. The iteration is the sum of its groups, the
-tensor-parallel all-reduces and a fixed per-iteration overhead. Every figure is per GPU: with
+the tensor cores or for memory, never both at once (a profile may say its linear layers stream
+weights below the bandwidth roof: hardware.py's efficiencies). The iteration is the sum of its
+groups, the tensor-parallel all-reduces and the profile's overheads (per iteration, per sequence,
+per token). Every figure is per GPU: with
 tensor parallelism the ranks run in lock step, so one rank's time is the iteration's time.
 
 What is counted (docs/perf_model.md has the formulas):
@@ -18,8 +20,9 @@ What is counted (docs/perf_model.md has the formulas):
   backend/engine/kv_cache.py, int8 scales included);
 - MoE: the shared and routed experts a token uses for FLOPs; for bytes, the experts the batch
   touches, expected under uniform routing.
-Left out: norms, rotary, activations' traffic, the embedding lookup, sampling. Assumed: kernels
-reach their roofs (real ones reach 60-90% of them), so times are lower bounds.
+Left out: norms, rotary, activations' traffic, the embedding lookup, sampling (a measured profile
+carries them as per-token and per-sequence overheads). Assumed for the datasheet GPUs: kernels reach
+their roofs (real ones reach 60-90% of them), so times are lower bounds.
 """
 
 from __future__ import annotations
@@ -218,15 +221,19 @@ def iteration_cost(dep: Deployment, batch: Sequence[BatchItem | dict]) -> Iterat
     rows = sum(x.sampled_rows for x in items)
     peak, bw = dep.hardware.peak_flops(dep.dtype), dep.hardware.mem_bandwidth
 
-    def roof(group: str, flops: float, nbytes: float) -> OpCost:
-        compute_s, memory_s = flops / peak, nbytes / bw
+    hw = dep.hardware
+
+    def roof(group: str, flops: float, nbytes: float, bandwidth: float = bw) -> OpCost:
+        compute_s, memory_s = flops / peak, nbytes / bandwidth
         return OpCost(group, flops, nbytes, max(compute_s, memory_s), "compute" if compute_s > memory_s else "memory")
 
-    ops = [roof("attn_proj", *attention_projections(dep, tokens)), roof("mlp", *mlp(dep, tokens)),
-           roof("attention", *attention(dep, items)), roof("lm_head", *lm_head(dep, rows))]
+    ops = [roof("attn_proj", *attention_projections(dep, tokens), hw.weight_bandwidth(tokens)),
+           roof("mlp", *mlp(dep, tokens), hw.weight_bandwidth(tokens)),
+           roof("attention", *attention(dep, items)),
+           roof("lm_head", *lm_head(dep, rows), hw.weight_bandwidth(rows))]
     if dep.tp > 1:
         ops.append(all_reduces(dep, tokens))
-    overhead = dep.hardware.iteration_overhead_s + dep.hardware.row_overhead_s * len(items)
+    overhead = hw.iteration_overhead_s + hw.row_overhead_s * len(items) + hw.token_overhead_s * tokens
     return IterationCost(ops, overhead, tokens, rows, peak, bw)
 
 

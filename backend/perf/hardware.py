@@ -5,6 +5,10 @@ names the datasheet of each. Link bandwidths are per direction, the figure a rin
 at. Two numbers are not from datasheets and say so: `iteration_overhead_s` (scheduling, sampling and
 launch gaps of one engine step) and a link's `latency_s` (one small all-reduce); both are the order
 of magnitude CUDA-graph decoding and NCCL show, used so that tiny batches do not cost zero.
+
+The datasheet profiles assume kernels reach their roofs (efficiencies 1.0, no per-row or per-token
+cost), so their times are lower bounds. `this-machine` is an empirical roofline instead: its
+efficiencies are measured (calibrate.py), and bench/perf_validate.py fits its overheads.
 """
 
 from __future__ import annotations
@@ -36,13 +40,24 @@ class HardwareProfile:
     link: LinkProfile | None  # None: one device, no tensor parallelism
     source: str
     iteration_overhead_s: float = DEFAULT_ITERATION_OVERHEAD_S
-    # Per sequence in the batch (sampling, bookkeeping in Python): 0 for the GPU profiles, whose engines
-    # batch that work; measured for a CPU run of kvscope itself (bench/perf_validate.py).
+    # Per sequence in the batch (sampling, bookkeeping in Python) and per token (norms, rotary,
+    # activations: the ops the roofline leaves out): 0 for the GPU profiles, whose engines batch that
+    # work; fitted for a CPU run of kvscope itself (bench/perf_validate.py).
     row_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    # Share of mem_bandwidth a linear layer reaches while streaming its weights: over one token (a
+    # matrix-vector product) and over several (a GEMM; a CPU's BLAS packs the weights first and
+    # streams them slower). Measured for this machine; 1.0 (the roof) for the datasheet GPUs.
+    gemv_efficiency: float = 1.0
+    gemm_efficiency: float = 1.0
 
     def peak_flops(self, dtype: str) -> float:
         """The compute roof for matmuls in this activation dtype."""
         return self.fp32_flops if dtype == "float32" else self.bf16_flops
+
+    def weight_bandwidth(self, tokens: int) -> float:
+        """Bytes/s at which a linear layer over `tokens` tokens streams its weights."""
+        return self.mem_bandwidth * (self.gemv_efficiency if tokens == 1 else self.gemm_efficiency)
 
     def ridge(self, dtype: str) -> float:
         """Arithmetic intensity (FLOP per byte) where the two roofs meet."""
@@ -89,7 +104,8 @@ def profile_from(figures: dict) -> HardwareProfile:
     """The `this-machine` profile from calibrate.py's measured figures (one roof for fp32 and bf16 on a CPU)."""
     return HardwareProfile(THIS_MACHINE, f"{figures['device']} (measured)", figures["bf16_flops"],
                            figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
-                           figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}")
+                           figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}",
+                           gemv_efficiency=figures["gemv_efficiency"], gemm_efficiency=figures["gemm_efficiency"])
 
 
 def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:
