@@ -77,12 +77,14 @@ class Backend:
         return await self.request("GET", "/api/runs")
 
     async def start_run(self, scenario: str | dict, overrides: dict | None = None, speed: float = 4.0,
-                        paused: bool = False) -> str:
-        body = {"scenario": scenario, "overrides": overrides or {}, "speed": speed, "paused": paused}
+                        paused: bool = False, lesson: bool = False) -> str:
+        """`lesson`: the server pauses the run at each moment its lesson explains (lesson mode)."""
+        body = {"scenario": scenario, "overrides": overrides or {}, "speed": speed, "paused": paused, "lesson": lesson}
         return (await self.request("POST", "/api/runs", body))["run_id"]
 
-    async def start_replay(self, trace_text: str, speed: float = 4.0, paused: bool = True) -> str:
-        body = {"trace": trace_text, "speed": speed, "paused": paused}
+    async def start_replay(self, trace_text: str, speed: float = 4.0, paused: bool = True,
+                           lesson: bool = False) -> str:
+        body = {"trace": trace_text, "speed": speed, "paused": paused, "lesson": lesson}
         return (await self.request("POST", "/api/runs", body))["run_id"]
 
     async def control(self, run_id: str, action: str, value: float | None = None) -> dict:
@@ -208,7 +210,7 @@ def resynced_record(snapshot: dict) -> RunRecord:
     if past is None:
         return RunRecord.from_snapshot(snapshot)
     record = RunRecord.from_events(past)
-    for name in ("paused", "speed", "finished"):  # the server's now, as a plain snapshot gives them
+    for name in ("paused", "speed", "lesson", "finished"):  # the server's now, as a plain snapshot gives them
         setattr(record.state, name, snapshot[name])
     return record
 

@@ -105,7 +105,8 @@ class ComparePanel:
         try:
             for value in (self.a.value, self.b.value):
                 overrides = {**panel.overrides(), **override_of(axis, value)}
-                ids.append(await panel.backend.start_run(panel.picker.value, overrides, panel.speed, paused=True))
+                ids.append(await panel.backend.start_run(panel.picker.value, overrides, panel.speed, paused=True,
+                                                         lesson=panel.has_lesson()))
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None

@@ -1,13 +1,13 @@
 """Lesson mode: the run pauses by itself at each key moment its lesson explains, and says why.
 
 A scenario's lesson is a list of steps (backend/scenario.py: LessonStep), each shown at the start or
-at a moment kind (backend/events/moments.py). The guide feeds the run's events, as they arrive,
-to the same pure MomentFinder the tests run on recorded traces; when a moment that a step waits
-for completes, it pauses the run, rings the blocks concerned in the block pool, selects the
-request concerned (so every view highlights its row), outlines the views to look at, and shows
-the step's text. "Continue" resumes. The pause is asked for when the step's last event arrives,
-well within one iteration at the watchable speeds (16 it/s and slower); an unpaced run may be a
-step or two further on by the time it stops.
+at a moment kind (backend/events/moments.py). The pausing is the server's (backend/server/runs.py):
+a run in lesson mode holds itself after the iteration in which such a moment happened, so it stops
+exactly there at any speed, unpaced included. The guide feeds the same events, as they arrive, to
+the same pure MomentFinder; when a moment a step waits for completes, it rings the blocks concerned
+in the block pool, selects the request concerned (so every view highlights its row), outlines the
+views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
+mode on and off for everyone watching it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class LessonGuide:
                 ui.label("Lesson").classes("kv-card-title")
                 self.progress = ui.label("").classes("kv-caption").mark("lesson-progress")
                 ui.space()
-                self.mode = ui.switch("lesson mode", value=True).mark("lesson-mode") \
+                self.mode = ui.switch("lesson mode", value=False, on_change=self._on_mode).mark("lesson-mode") \
                     .tooltip("pause at each key moment the lesson explains")
                 self.next = ui.button("continue", icon="play_arrow", on_click=self.resume).props("dense") \
                     .mark("lesson-continue")
@@ -103,6 +103,10 @@ class LessonGuide:
         for entry in entries:
             for moment in self.finder.feed(entry.event):
                 self._on_moment(moment)
+        if self.mode.value != feed.state.lesson:  # another viewer flipped it
+            self.mode.set_value(feed.state.lesson)
+        if self.moment is None and self.next.visible and feed.state.step >= 0:
+            self.next.set_visibility(False)  # the start step's "continue": the run was started another way
         if self.moment is None and self.queue:
             await self._stop_at(*self.queue.pop(0))
 
@@ -110,11 +114,11 @@ class LessonGuide:
         state = self.feed.state
         self.epoch, self.version = self.feed.epoch, self.feed.version
         self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+        self.mode.set_value(state.lesson)
         steps = lesson_steps(state.scenario)
         if steps != self.steps:
             self.steps = steps
             self.card.set_visibility(bool(steps))
-            self.mode.set_value(any(s["at"] != "start" for s in steps))  # on where there is a moment to stop at
             if steps and self.shown is None and steps[0]["at"] == "start":
                 self._show(0)
                 self.next.set_visibility(state.step < 0 and state.paused)  # read it, then start
@@ -129,8 +133,16 @@ class LessonGuide:
         self._show(index)
         self._highlight(moment)
         self.next.set_visibility(True)
-        if moment.kind != "finished":  # a finished run has nothing left to pause
-            await self._control("pause")
+        if moment.kind != "finished":  # the server paused it there; a replay records no control event
+            self.feed.state.paused = True
+
+    async def _on_mode(self) -> None:
+        """The switch: the run's lesson mode, for everyone watching it."""
+        state = self.feed.state
+        if state is None or state.lesson == self.mode.value:  # set from the run's own state
+            return
+        state.lesson = self.mode.value  # at once: the tick keeps the switch on the state
+        await self._control("lesson", 1 if self.mode.value else 0)
 
     async def resume(self) -> None:
         """'continue': the next step waiting at the same moment, or the run again."""
@@ -142,13 +154,17 @@ class LessonGuide:
         elif not self.feed.state.finished:
             await self._control("resume")
 
-    async def _control(self, action: str) -> None:
+    async def _control(self, action: str, value: float | None = None) -> None:
         try:
-            await self.backend.control(self.feed.run_id, action)
+            await self.backend.control(self.feed.run_id, action, value)
         except BackendError as e:
             ui.notify(f"lesson: {e}", type="warning")
             return
-        self.feed.state.paused = action == "pause"  # replays record no control events: mirror it now
+        state = self.feed.state  # replays record no control events: mirror it now
+        if action == "lesson":
+            state.lesson = bool(value)
+        else:
+            state.paused = action == "pause"
 
     def _show(self, index: int | None) -> None:
         self.shown = index

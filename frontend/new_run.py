@@ -273,9 +273,9 @@ class NewRunPanel:
         self.install.set_visibility(unavailable is not None)
         self.start_button.set_visibility(unavailable is None)
 
-    def _has_lesson(self) -> bool:
-        """Whether the picked scenario's lesson stops during the run: it then starts paused on the lesson's
-        first step, so that a moment in the first iterations is not over before the page is watching."""
+    def has_lesson(self) -> bool:
+        """Whether the picked scenario's lesson stops during the run: it then starts in lesson mode, paused on
+        the lesson's first step, so that the class reads it before anything happens."""
         info = next((s for s in self.scenarios if s["name"] == self.picker.value), {})
         return any(step["at"] not in ("start", "finished") for step in lesson_steps(info))
 
@@ -289,8 +289,9 @@ class NewRunPanel:
             ui.notify("Pick a scenario first", type="warning")
             return None
         try:
+            lesson = self.has_lesson()
             run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed,
-                                                  self.paused or self._has_lesson())
+                                                  self.paused or lesson, lesson=lesson)
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None
@@ -300,7 +301,8 @@ class NewRunPanel:
     async def _on_upload(self, e: UploadEventArguments) -> None:
         text = await e.file.text()
         try:
-            run_id = await self.backend.start_replay(text, self.speed or 4.0, paused=True)
+            # lesson mode on: a trace whose scenario has no lesson has no moment to pause at
+            run_id = await self.backend.start_replay(text, self.speed or 4.0, paused=True, lesson=True)
         except BackendError as err:
             ui.notify(f"{e.file.name}: {err}", type="negative", multi_line=True)
             return

@@ -365,7 +365,8 @@ def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url
     run_id = shared_prefix_run(backend_url, "demo", True, 0)
     page.goto(f"{dashboard_url}/?run={run_id}")
     page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
-    page.get_by_text("lesson mode").click()  # the picture is of the run, not of a lesson's pause
+    # started without lesson mode: the picture is of the run, not of a lesson's pause
+    assert api(backend_url, f"/api/runs/{run_id}")["lesson"] is False
     # stepped while watched: the figures come from the events (a snapshot has no past throughput)
     api(backend_url, f"/api/runs/{run_id}/control", {"action": "step", "value": 14})
     wait_until(lambda: status_step(page) == 13, 30, "the run did not step")
@@ -374,6 +375,6 @@ def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url
     time.sleep(1.0)
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.mouse.move(800, 5)  # no tooltip in the picture
-    time.sleep(0.8)  # the lesson switch's tooltip fades
+    time.sleep(0.8)
     page.screenshot(path=str(SCREENSHOT), full_page=False)
     assert 20_000 < SCREENSHOT.stat().st_size < 500_000

@@ -10,9 +10,8 @@ from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until
 
 
 async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: Dash, tiny_dir: str) -> None:
-    # 2 it/s: the page asks for the pause when the moment's events arrive, which on a loaded 2-core
-    # machine has taken longer than the 250 ms between iterations at 4 it/s.
-    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=2, paused=True)
+    # Unpaced: the server holds the run right after the moment's iteration, so it stops there at any speed.
+    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=0, paused=True, lesson=True)
     page = await dash.open(f"/?run={run_id}")
     column = page.columns[0]
     guide, feed = column.guide, column.feed
@@ -27,7 +26,7 @@ async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: 
     await until(lambda: feed.state.paused)
     moment = guide.moment
     step = feed.state.step
-    await asyncio.sleep(1.2)  # more than two iterations at 2 it/s: the run really stopped
+    await asyncio.sleep(0.5)  # dozens of iterations unpaced: the run really stopped
     assert feed.state.step == step == moment.step  # at the preemption, not after it
     assert feed.state.num_preemptions >= 1
     victim = moment.request_ids[0]
@@ -51,11 +50,15 @@ async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: 
 
 
 async def test_lesson_mode_off_lets_the_run_go_on(dash: Dash, tiny_dir: str) -> None:
-    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=0, paused=True)
+    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=0, paused=True, lesson=True)
     page = await dash.open(f"/?run={run_id}")
     guide, feed = page.columns[0].guide, page.columns[0].feed
-    await until(lambda: guide.steps)
-    guide.mode.set_value(False)
+    await until(lambda: guide.steps and guide.next.visible)
+    assert guide.mode.value  # the run's lesson mode, as the server has it
+    await dash.backend.control(run_id, "step", 1)  # started from the header, not the lesson's "continue"
+    await until(lambda: not guide.next.visible)
+    guide.mode.set_value(False)  # switches the run's lesson mode off on the server
+    await until(lambda: any(e.event["type"] == "control" and e.event["action"] == "lesson" for e in feed.log))
     await guide.resume()
     await until(lambda: feed.state.finished)
     assert guide.paused_at is None and feed.state.num_preemptions >= 1

@@ -313,3 +313,54 @@ def test_a_trace_with_steps_out_of_order_names_the_line(client, tiny_dir):
     r = client.post("/api/runs", json={"trace": "\n".join(swapped) + "\n"})
     assert r.status_code == 400
     assert r.json()["error"].startswith("trace:3: step ") and "in step order" in r.json()["error"]
+
+
+def run_through_lesson(client, run_id: str) -> list[int]:
+    """Resume at every pause until the run ends; the steps it held at (each held for real)."""
+    held = []
+    for _ in range(20):  # bounded: memory-pressure's lesson pauses twice
+        wait_for(lambda: (d := client.get(f"/api/runs/{run_id}").json())["paused"] or d["finished"])
+        snap = client.get(f"/api/runs/{run_id}").json()
+        if snap["finished"]:
+            return held
+        time.sleep(0.2)
+        assert client.get(f"/api/runs/{run_id}").json()["step"] == snap["step"]  # held: nothing more ran
+        held.append(snap["step"])
+        assert client.post(f"/api/runs/{run_id}/control", json={"action": "resume"}).status_code == 200
+    raise AssertionError("the lesson never let the run finish")
+
+
+def test_lesson_mode_holds_an_unpaced_run_right_after_each_moment_its_lesson_explains(client, tiny_dir):
+    from backend.events.moments import find_moments, lesson_moments
+
+    body = {"scenario": "memory-pressure", "overrides": {"model": tiny_dir}, "speed": 0, "lesson": True}
+    run_id = client.post("/api/runs", json=body).json()["run_id"]
+    assert client.get(f"/api/runs/{run_id}").json()["lesson"] is True
+    held = run_through_lesson(client, run_id)
+    trace = client.get(f"/api/runs/{run_id}/trace").text
+    events = [json.loads(line) for line in trace.splitlines()]
+    explained = [m for m in find_moments(events) if m.kind in lesson_moments(events[0]["scenario"])]
+    assert [m.kind for m in explained] == ["preempt", "recompute"]
+    assert held == [m.step for m in explained]  # exactly there, unpaced: the next iteration had not run
+    pauses = [e for e in events if e["type"] == "control" and e["action"] == "pause"]
+    assert [(e["value"], e["step"]) for e in pauses] == [(m.kind, m.step) for m in explained]
+
+    # The recorded run replayed in lesson mode holds at the same iterations; seeking back shows them again.
+    replay = client.post("/api/runs", json={"trace": trace, "speed": 0, "lesson": True}).json()["run_id"]
+    assert run_through_lesson(client, replay) == held
+    for action in ({"action": "pause"}, {"action": "seek", "value": 0}, {"action": "resume"}):
+        client.post(f"/api/runs/{replay}/control", json=action)
+    assert run_through_lesson(client, replay) == held
+
+
+def test_lesson_mode_off_or_switched_off_lets_the_run_go_on(client, tiny_dir):
+    body = {"scenario": "memory-pressure", "overrides": {"model": tiny_dir}, "speed": 0}
+    plain = client.post("/api/runs", json=body).json()["run_id"]  # lesson mode is asked for, not the default
+    assert run_through_lesson(client, plain) == []
+    run_id = client.post("/api/runs", json={**body, "lesson": True, "paused": True}).json()["run_id"]
+    assert client.post(f"/api/runs/{run_id}/control", json={"action": "lesson", "value": 0}).status_code == 200
+    client.post(f"/api/runs/{run_id}/control", json={"action": "resume"})
+    assert run_through_lesson(client, run_id) == []
+    assert client.get(f"/api/runs/{run_id}").json()["lesson"] is False
+    bad = client.post(f"/api/runs/{run_id}/control", json={"action": "lesson", "value": 2})
+    assert bad.status_code == 400 and bad.json()["field"] == "value"

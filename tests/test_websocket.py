@@ -180,7 +180,10 @@ def test_a_stalled_client_does_not_slow_the_engine(unbudgeted_server):
     assert not manager.get(run_id).finished, "the run must outlast the measurement"
     httpx.post(f"{url}/api/runs/{run_id}/control", json={"action": "pause"})
     reference = statistics.median(before + after)
-    assert stalled >= 0.95 * reference, f"{stalled:.1f} steps/s with a stalled client vs {reference:.1f}"
+    # A client the engine waited for would stop it (0 steps/s) or slow it with every event queued; the
+    # margin is the noise of a shared 2-core machine between windows a few seconds apart (up to ~10%:
+    # a 5% margin failed now and then under CI load with nothing wrong).
+    assert stalled >= 0.85 * reference, f"{stalled:.1f} steps/s with a stalled client vs {reference:.1f}"
 
 
 def test_a_client_that_falls_behind_resyncs_to_the_engines_state(slow_server, tiny_dir):

@@ -159,6 +159,15 @@ class MomentFinder:
         self._note("finished")
 
 
+def lesson_moments(scenario: dict[str, Any] | None) -> frozenset[str]:
+    """The moment kinds a scenario's lesson (a header's or the API's scenario dict) pauses at: its steps'
+    `at`, less `start` (shown before the run) and `finished` (nothing left to pause)."""
+    lesson = (scenario or {}).get("lesson")
+    if not isinstance(lesson, list):  # none, or a trace recorded before lessons had steps (one text)
+        return frozenset()
+    return frozenset(step["at"] for step in lesson if step.get("at") in MOMENT_KINDS and step["at"] != "finished")
+
+
 def find_moments(events: Iterable[Event]) -> list[Moment]:
     """Every moment of a recorded run, in the order they complete."""
     finder = MomentFinder()

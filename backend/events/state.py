@@ -15,8 +15,8 @@ Event = dict[str, Any]
 # Snapshot keys restored as they are; the rest need int keys back or a rebuilt structure.
 _PLAIN_FIELDS = (
     "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
-    "metrics", "num_preemptions", "paused", "speed", "finished", "finish_reason", "last_token_by_request",
-    "weights", "draft_model", "simulated",
+    "metrics", "num_preemptions", "paused", "speed", "lesson", "finished", "finish_reason",
+    "last_token_by_request", "weights", "draft_model", "simulated",
 )  # fmt: skip
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
@@ -118,6 +118,7 @@ class RunState:
         self.num_preemptions = 0
         self.paused = False
         self.speed: float | str | None = None
+        self.lesson = False  # lesson mode: the run pauses at the moments its lesson explains
         self.finished = False
         self.finish_reason: str | None = None
         self.step = -1
@@ -173,6 +174,8 @@ class RunState:
             self.paused = e["action"] == "pause"
         elif e["action"] == "speed":
             self.speed = e.get("value")
+        elif e["action"] == "lesson":
+            self.lesson = bool(e.get("value"))
 
     def _on_run_finished(self, e: Event) -> None:
         self.finished = True
@@ -402,6 +405,7 @@ class RunState:
             "num_preemptions": self.num_preemptions,
             "paused": self.paused,
             "speed": self.speed,
+            "lesson": self.lesson,
             "finished": self.finished,
             "finish_reason": self.finish_reason,
             "weights": self.weights,

@@ -51,6 +51,8 @@ class StartRun(_Body):
                                                         "the body size limit)")
     speed: float = Field(default=4.0, ge=0, le=10_000, description="iterations per second; 0 = unpaced")
     paused: bool = False
+    lesson: bool = Field(default=False, description="lesson mode: pause after each iteration in which a moment "
+                                                    "the scenario's lesson explains happened")
 
     @field_validator("scenario")
     @classmethod
@@ -61,7 +63,7 @@ class StartRun(_Body):
 
 
 class Control(_Body):
-    action: Literal["pause", "resume", "step", "speed", "seek"]
+    action: Literal["pause", "resume", "step", "speed", "seek", "lesson"]
     value: float | None = Field(default=None, ge=0, le=1_000_000)
 
 
@@ -159,11 +161,11 @@ def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
 
 def _start(manager: RunManager, data: StartRun) -> ServedRun:
     if data.trace is not None:
-        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused)
+        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused, data.lesson)
     if data.yaml is not None:
-        return manager.start_scenario(inline_yaml(data.yaml), data.overrides, data.speed, data.paused)
+        return manager.start_scenario(inline_yaml(data.yaml), data.overrides, data.speed, data.paused, data.lesson)
     if data.scenario is not None:
-        return manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused)
+        return manager.start_scenario(data.scenario, data.overrides, data.speed, data.paused, data.lesson)
     raise RunError("scenario", "give a scenario (name or object), yaml or a trace")
 
 

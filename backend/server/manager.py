@@ -92,17 +92,18 @@ class RunManager:
                          paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers)
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
-                       speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
+                       speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
         resolved = self.resolve(scenario, overrides)
         kv = self.kv_bytes_of(resolved)
         planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
         retention = self.retention(planned=planned)
-        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention), kv,
+        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson), kv,
                          "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb")
 
-    def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False) -> ServedRun:
+    def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
+                     lesson: bool = False) -> ServedRun:
         retention = replace(self.retention(), history=None)
-        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention), 0)
+        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention, lesson=lesson), 0)
 
     def api_models(self) -> list[str]:
         """Models the OpenAI API serves by name: the server's first, then the shipped ones and smollm2 when present."""

@@ -12,6 +12,7 @@ import json
 import uuid
 from itertools import accumulate
 
+from backend.events.moments import MomentFinder
 from backend.events.state import RunState
 from backend.server.runs import DEFAULT_SPEED, Retention, ServedRun
 
@@ -21,8 +22,8 @@ class ReplayRun(ServedRun):
     keeps_trace = False  # seeking publishes steps again: the trace is the one given
 
     def __init__(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
-                 run_id: str | None = None, retention: Retention = Retention()) -> None:
-        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention)
+                 run_id: str | None = None, retention: Retention = Retention(), lesson: bool = False) -> None:
+        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention, lesson)
         self.events = sorted(events, key=lambda e: e["step"])  # stable: the trace's order within a step
         self.steps = sorted({e["step"] for e in self.events})  # -1 (the header) first
         self.ends = list(accumulate(_counts(self.events, self.steps)))  # events up to and including steps[i]
@@ -54,6 +55,9 @@ class ReplayRun(ServedRun):
         with self.lock:
             self.state, self.cursor = state, cursor
             self.finished = self.cursor >= len(self.steps)
+        # Lesson moments are firsts from here on: seeking back before one shows it again.
+        self.moments = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+        self.moment = None
         self.resync_all()
 
     def _resync_message_locked(self) -> dict:

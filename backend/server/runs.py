@@ -1,7 +1,9 @@
 """Runs as a service: each run owns an engine (or a recorded trace) on its own worker thread.
 
 The worker steps at a watchable pace (`speed` iterations per second, 0 = unpaced), obeys pause /
-resume / step / seek, and takes live requests between iterations. Every event it emits is applied
+resume / step / seek, and takes live requests between iterations. In lesson mode it pauses by itself
+after the iteration in which a moment its scenario's lesson explains happened (backend/events/moments.py
+finds them in the events it publishes), so the class sees that moment at any speed. Every event it emits is applied
 to the run's reducer and handed to each watcher's bounded queue under one lock, so that a snapshot
 plus the events after it is always exactly the state. A watcher that falls behind is not waited
 for: its queue is dropped and it is told to resync from a fresh snapshot.
@@ -26,6 +28,7 @@ from typing import Any, TypeVar
 
 from backend.errors import KvscopeError
 from backend.events.bus import EventBus
+from backend.events.moments import Moment, MomentFinder, lesson_moments
 from backend.events.state import RunState
 from backend.run import ScenarioRun
 from backend.scenario import Scenario
@@ -119,7 +122,7 @@ class ServedRun:
     keeps_trace = True  # a replay hands out the trace it was given instead
 
     def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
-                 retention: Retention = Retention()) -> None:
+                 retention: Retention = Retention(), lesson: bool = False) -> None:
         self.run_id = run_id
         self.retention = retention
         self.state = RunState(max_finished=retention.history)
@@ -137,6 +140,10 @@ class ServedRun:
         self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
         self.speed = speed
         self.paused = paused
+        self.lesson = lesson  # pause after each iteration where a moment of `pause_at` happened
+        self.pause_at: frozenset[str] = frozenset()  # from the header: the moments its lesson explains
+        self.moments = MomentFinder()  # fed on the worker thread only
+        self.moment: Moment | None = None  # found in the iteration being run: pause after it
         self.touched = time.monotonic()  # the last control: a paused run expires paused_ttl_s after it
         self.expired = False
         self.steps_requested = 0
@@ -149,7 +156,12 @@ class ServedRun:
     # ---- events -------------------------------------------------------------------------------------
 
     def publish(self, event: dict) -> None:
-        """Subscriber of the run's bus (worker thread): reducer, trace, watchers, listeners."""
+        """Subscriber of the run's bus (worker thread): reducer, trace, watchers, listeners, lesson moments."""
+        if event["type"] == "header":
+            self.pause_at = lesson_moments(event.get("scenario"))
+        if self.pause_at:
+            found = [m for m in self.moments.feed(event) if m.kind in self.pause_at]
+            self.moment = self.moment or (found[0] if found else None)
         with self.lock:
             self.state.apply(event)
             line = json.dumps(event, separators=(",", ":"))  # encoded once, for the trace and every watcher
@@ -205,7 +217,7 @@ class ServedRun:
     def _snapshot_locked(self) -> dict:
         snap = self.state.snapshot()
         snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.paused, speed=self.speed,
-                    finished=self.finished)
+                    lesson=self.lesson, finished=self.finished)
         return snap
 
     def _resync_message_locked(self) -> dict:
@@ -256,10 +268,14 @@ class ServedRun:
                 if value is None or value < 0:
                     raise RunError("value", "speed must be a number of iterations per second >= 0 (0 = unpaced)")
                 self.speed = float(value)
+            elif action == "lesson":
+                if value not in (0, 1):
+                    raise RunError("value", "lesson mode is 1 (pause at the lesson's moments) or 0 (off)")
+                self.lesson = bool(value)
             elif action == "seek":
                 pass  # below, on the worker thread: it rebuilds the state the worker is using
             else:
-                raise RunError("action", f"unknown action {action!r} (pause, resume, step, speed, seek)")
+                raise RunError("action", f"unknown action {action!r} (pause, resume, step, speed, lesson, seek)")
             self.wakeup.notify_all()
         if action == "seek":
             if value is None or value < 0:
@@ -317,6 +333,18 @@ class ServedRun:
                 if self.paused:  # paused while it waited for its turn: that step must not run
                     continue
             self._advance()
+            self._pause_at_moment()
+
+    def _pause_at_moment(self) -> None:
+        """Lesson mode: hold the run after the iteration in which a moment its lesson explains happened."""
+        moment, self.moment = self.moment, None
+        if moment is None or not self.lesson or not self.has_work():
+            return
+        with self.lock:
+            self._resync_cache = None  # it tells paused as it was
+        with self.wakeup:
+            self.paused, self.touched = True, time.monotonic()
+        self._record_control("pause", moment.kind)
 
     def _may_step(self, manual: bool = False) -> bool:
         if not self.has_work():
@@ -356,11 +384,15 @@ class ServedRun:
         raise RunError("action", "seek works on replays only")
 
     def _emit_control(self, action: str, value: Any) -> None:
-        """Recorded as an event so that a replay shows when the class paused."""
+        """Recorded as an event so that a replay shows when the class paused (from any thread)."""
+
+    def _record_control(self, action: str, value: Any) -> None:
+        """The same, on the worker thread. A replay records none: its events are the trace it was given."""
 
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
-                "paused": self.paused, "speed": self.speed, "finished": self.finished, "step": self.state.step}
+                "paused": self.paused, "speed": self.speed, "lesson": self.lesson, "finished": self.finished,
+                "step": self.state.step}
 
 
 class EngineRun(ServedRun):
@@ -369,8 +401,9 @@ class EngineRun(ServedRun):
     kind = "scenario"
 
     def __init__(self, scenario: Scenario, speed: float = DEFAULT_SPEED, paused: bool = False,
-                 run_id: str | None = None, open_ended: bool = False, retention: Retention = Retention()) -> None:
-        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention)
+                 run_id: str | None = None, open_ended: bool = False, retention: Retention = Retention(),
+                 lesson: bool = False) -> None:
+        super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention, lesson)
         self.scenario = scenario
         self.open_ended = open_ended  # the API run waits for requests forever
         self.bus = EventBus(level=scenario.engine.events)
@@ -400,7 +433,10 @@ class EngineRun(ServedRun):
             self.sim.finish()
 
     def _emit_control(self, action: str, value: Any) -> None:
-        self.call(lambda: self.bus.emit("control", action=action, value=value))
+        self.call(lambda: self._record_control(action, value))
+
+    def _record_control(self, action: str, value: Any) -> None:
+        self.bus.emit("control", action=action, value=value)
 
     def _expire(self) -> None:
         if not self.open_ended:
