@@ -341,6 +341,12 @@ def test_whatif_table_marks_a_model_that_does_not_fit():
     assert "(does not fit)" in table
 
 
+def test_whatif_on_a_measured_profile_says_how_fast_weights_stream(cache_dir):
+    measured = format_table(whatif("smollm2-135m", "this-machine", 4, 128))
+    assert "weights stream at 15.0 GB/s over one token, 7.5 over several (measured; the roof is 30.0 GB/s)" in measured
+    assert "weights stream" not in format_table(whatif("smollm2-135m", "h100", 4, 128))  # datasheet: at the roof
+
+
 def test_whatif_refuses_a_bad_batch_with_its_flag(capsys):
     assert main(["whatif", "--model-shape", "llama-3-8b", "--hardware", "h100", "--batch", "0", "--context", "16"]) == 2
     assert capsys.readouterr().err == "kvscope whatif: --batch: must be >= 1, got 0\n"

@@ -54,6 +54,8 @@ def describe(dep: Deployment, cost: IterationCost, batch: int, context: int, pre
         "dtype": dep.dtype, "weight_quant": dep.weight_quant, "kv_cache_dtype": dep.kv_cache_dtype,
         "flops": cost.flops, "bytes": cost.bytes, "time_s": cost.time_s, "intensity": cost.intensity,
         "ridge": cost.ridge, "bound": cost.bound, "overhead_s": cost.overhead_s,
+        "mem_bandwidth": dep.hardware.mem_bandwidth,
+        "weight_stream": {"one_token": dep.hardware.weight_bandwidth(1), "several_tokens": dep.hardware.weight_bandwidth(2)},
         "tokens": cost.num_tokens, "tokens_per_s": cost.num_tokens / cost.time_s,
         "ops": [{"group": op.group, "flops": op.flops, "bytes": op.bytes, "link_bytes": op.link_bytes,
                  "intensity": op.intensity if op.bytes else None, "bound": op.bound, "time_s": op.time_s}
@@ -104,6 +106,11 @@ def format_table(result: dict) -> str:
     lines.append(f"{'overhead':<12}{'':>44}{r['overhead_s'] * 1e3:>10.3f}")
     lines.append(f"{'iteration':<12}{r['flops'] / 1e9:>12,.2f}{r['bytes'] / 1e6:>12,.1f}{r['intensity']:>10,.1f}  "
                  f"{r['bound']:<8}{r['time_s'] * 1e3:>10.3f}")
+    stream = r["weight_stream"]
+    if stream["one_token"] < r["mem_bandwidth"] or stream["several_tokens"] < r["mem_bandwidth"]:
+        lines.append(f"weights stream at {stream['one_token'] / 1e9:,.1f} GB/s over one token, "
+                     f"{stream['several_tokens'] / 1e9:,.1f} over several (measured; the roof is "
+                     f"{r['mem_bandwidth'] / 1e9:,.1f} GB/s)")
     m = r["memory"]
     lines.append(f"ridge {r['ridge']:,.0f} FLOP/B; {r['tokens_per_s']:,.0f} tokens/s; per GPU: weights "
                  f"{m['weights_bytes'] / 1e9:,.1f} GB + KV {m['kv_bytes'] / 1e9:,.1f} GB of "
