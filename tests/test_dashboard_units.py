@@ -195,7 +195,9 @@ def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
     assert fast.last_busy_metrics().num_running > 0 and last.num_running == 0
 
 
-def test_a_page_opened_mid_run_says_it_does_not_know_the_throughput_rather_than_zero(recorded):
+def test_a_page_opened_mid_run_has_the_throughput_curves_and_latencies_of_one_that_watched(recorded):
+    import json
+
     from backend.events.record import RunRecord
     from backend.events.state import RunState
 
@@ -204,11 +206,31 @@ def test_a_page_opened_mid_run_says_it_does_not_know_the_throughput_rather_than_
     state = RunState()
     for e in before:
         state.apply(e)
-    record = RunRecord.from_snapshot(state.snapshot())
-    assert record.history.metrics[-1].tokens_per_s is None  # no iteration seen live: "–", not 0 tokens/s
+    joined = RunRecord.from_snapshot(json.loads(json.dumps(state.snapshot())))  # as the websocket hands it over
+    assert joined.history.metrics[-1].tokens_per_s > 0  # not "–", and not 0 tokens/s
     for e in recorded[len(before):]:
-        record.apply(e)
-    assert record.history.metrics[-1].tokens_per_s is not None  # iterations seen live count again
+        joined.apply(e)
+    watched = RunRecord.from_events(recorded)  # the run is shorter than the snapshot's window of iterations
+    assert [(m.step, m.tokens_per_s, m.kv_usage) for m in joined.history.metrics] == \
+        [(m.step, m.tokens_per_s, m.kv_usage) for m in watched.history.metrics]
+    assert sorted(joined.history.finishes, key=lambda f: f.request_id) == \
+        sorted(watched.history.finishes, key=lambda f: f.request_id)
+    assert joined.history.run_tokens_per_s() == pytest.approx(watched.history.run_tokens_per_s())
+
+
+def test_a_snapshot_keeps_the_tokens_and_metrics_of_the_iterations_it_keeps(recorded):
+    from backend.events.record import RunRecord
+    from backend.events.state import RunState
+
+    state = RunState(max_iterations=4)
+    for e in recorded:
+        state.apply(e)
+    kept = [e["step"] for e in state.iterations]
+    assert len(kept) == 4 and set(state.step_tokens) <= set(kept) and state.step_tokens
+    assert [m["step"] for m in state.recent_metrics] == kept[-len(state.recent_metrics):]
+    record = RunRecord.from_snapshot(state.snapshot())
+    assert record.history.metrics[-1].tokens_per_s == pytest.approx(
+        sum(state.step_tokens.values()) / sum(e["duration_s"] for e in state.iterations))
 
 
 # ---- what the views send ------------------------------------------------------------------------------

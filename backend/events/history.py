@@ -170,16 +170,19 @@ class RunHistory:
                                         e.get("kv_blocks_saved_by_sharing")))
 
     def _on_request_finished(self, e: Event, state: RunState) -> None:
-        view = state.requests.get(e["request_id"])
+        self._finish(e["request_id"], e["step"], len(e["output_token_ids"]), state)
+
+    def _finish(self, request_id: str, step: int, num_output_tokens: int, state: RunState) -> None:
+        view = state.requests.get(request_id)
         ttft = tpot = None
         if view is not None and view.first_token_step is not None:
             ttft = self.engine_ttft(view.arrival_step, view.first_token_step)
             first = self.engine_s.get(view.first_token_step)
-            end = self.engine_s.get(e["step"])  # the iteration event comes first in its step
-            later = len(e["output_token_ids"]) - 1
+            end = self.engine_s.get(step)  # the iteration event comes first in its step
+            later = num_output_tokens - 1
             if first is not None and end is not None and later > 0:
                 tpot = (end - first) / later
-        self.finishes.append(Finish(e["step"], e["request_id"], ttft, tpot))
+        self.finishes.append(Finish(step, request_id, ttft, tpot))
 
     def _on_block_free(self, e: Event, state: RunState) -> None:
         if e["seq_id"] not in state.block_tables:
@@ -189,12 +192,21 @@ class RunHistory:
 
     @classmethod
     def from_snapshot(cls, snapshot: dict, state: RunState) -> RunHistory:
-        """The part of the past a snapshot still tells: its last iterations and last tokens."""
+        """The part of the past a snapshot still tells: its last iterations with their output tokens and
+        metrics (so throughput, curves and the latencies of requests that lived within them are right),
+        and each request's last token."""
         history = cls()
         for rid in state.requests:
             history.rows[rid] = len(history.rows)
-        for e in snapshot.get("iterations", []):
-            history._on_iteration_from_snapshot(e, state)
+        # In step order, each iteration before its metrics: a metrics point reads the throughput so far.
+        for e in sorted([*state.iterations, *state.recent_metrics], key=lambda e: (e["step"], e["type"] == "metrics")):
+            if e["type"] == "iteration":
+                history._on_iteration_from_snapshot(e, state)
+            else:
+                history._on_metrics(e, state)
+        for view in sorted((v for v in state.requests.values() if v.finish_step is not None),
+                           key=lambda v: v.finish_step):
+            history._finish(view.id, view.finish_step, len(view.output_token_ids), state)
         for seq, rid in state.seq_request.items():  # totals of sequences that had tokens are unknown
             view = state.requests.get(rid)
             if view is not None and view.first_token_step is not None:
@@ -204,18 +216,22 @@ class RunHistory:
             history.seq_tokens.setdefault(e["seq_id"], deque(maxlen=MAX_TOKENS_PER_REQUEST)).append(SeqToken(e, None))
         for e in state.recent_verifies:
             history._on_spec_verify(e, state)
-        if snapshot.get("metrics"):  # the latest values at least: the curves start there
-            history._on_metrics(snapshot["metrics"], state)
         return history
 
     def _on_iteration_from_snapshot(self, e: Event, state: RunState) -> None:
         # Who was waiting back then is not in a snapshot: only the batch is drawn for those columns.
+        # Engine seconds count from the first iteration the snapshot kept (differences are what matter).
         cells = batch_cells(e, state)
         for b in e["batch"]:
             self.seq_context[b["seq_id"]] = b["context_len"]
             self.rows.setdefault(b["request_id"], len(self.rows))
         self.columns.append(Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"],
                                    e["token_budget"], e.get("max_num_seqs")))
+        self.total_engine_s += e["duration_s"]
+        self.engine_s[e["step"]] = self.total_engine_s
+        tokens = state.step_tokens.get(e["step"], 0)
+        self.tokens_at[e["step"]] = tokens
+        self.total_tokens += tokens
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -232,10 +248,8 @@ class RunHistory:
         return first - before if first is not None and before is not None else None
 
     def engine_tokens_per_s(self, step: int) -> float | None:
-        """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`.
-
-        Only iterations seen live count: those a snapshot handed over carry no tokens, and counting their
-        time would read 0 tokens/s on a page opened mid-run; with none seen yet, None ("–")."""
+        """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`
+        (those on record: a page opened mid-run has the snapshot's; with none, None, shown as "–")."""
         recent = [c for c in self.columns[-THROUGHPUT_WINDOW:] if c.step <= step and c.step in self.engine_s]
         seconds = sum(c.duration_s for c in recent)
         if not recent:

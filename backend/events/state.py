@@ -113,6 +113,10 @@ class RunState:
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.iterations: deque[Event] = deque(maxlen=self.max_iterations)
+        # The past a page joining mid-run needs besides the iterations: each kept step's output tokens
+        # (its throughput) and the metrics of as many steps (its curves).
+        self.step_tokens: dict[int, int] = {}
+        self.recent_metrics: deque[Event] = deque(maxlen=self.max_iterations)
         self.last_token_by_request: dict[str, Event] = {}
         self.metrics: Event | None = None
         self.num_preemptions = 0
@@ -162,12 +166,16 @@ class RunState:
 
     def _on_iteration(self, e: Event) -> None:
         self.iterations.append(e)
+        oldest = self.iterations[0]["step"]
+        while self.step_tokens and (first := next(iter(self.step_tokens))) < oldest:  # dicts keep step order
+            del self.step_tokens[first]
         for entry in e["batch"]:
             self.seq_request[entry["seq_id"]] = entry["request_id"]
             self._mark_running(entry["request_id"])
 
     def _on_metrics(self, e: Event) -> None:
         self.metrics = e
+        self.recent_metrics.append(e)
 
     def _on_control(self, e: Event) -> None:
         if e["action"] in ("pause", "resume"):
@@ -231,6 +239,7 @@ class RunState:
     def _on_token(self, e: Event) -> None:
         rid = e["request_id"]
         self.last_token_by_request[rid] = e
+        self.step_tokens[e["step"]] = self.step_tokens.get(e["step"], 0) + 1
         self.seq_request[e["seq_id"]] = rid
         view = self.requests.get(rid)
         if view is None:
@@ -415,6 +424,8 @@ class RunState:
             "draft_seqs": dict(self.draft_seqs),
             "spec": asdict(self.spec),
             "recent_verifies": list(self.recent_verifies),
+            "step_tokens": dict(self.step_tokens),
+            "recent_metrics": list(self.recent_metrics),
         }
 
     @classmethod
@@ -437,6 +448,8 @@ class RunState:
         state.draft_seqs = {int(seq): target for seq, target in d["draft_seqs"].items()}
         state.spec = SpecTotals(**d["spec"])
         state.recent_verifies.extend(d["recent_verifies"])
+        state.step_tokens = {int(step): n for step, n in d["step_tokens"].items()}
+        state.recent_metrics.extend(d["recent_metrics"])
         return state
 
 
