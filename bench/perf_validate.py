@@ -14,11 +14,11 @@ milliseconds while the arithmetic costs microseconds, so the profile's assumed 5
 replaced per model by measured ones: fixed per iteration, per sequence in the batch (sampling and
 bookkeeping run per sequence in Python) and per token (norms, rotary, activations: what the roofline
 leaves out). They are fitted by non-negative least squares to each step's time beyond its roofline,
-relative to the step's time, on a calibration run of the model's own, not one of the validated scenarios: prompts of 8 to 240
-tokens arriving three steps apart, so that prefills of many lengths and decode batches of 1 to 8
-sequences both occur. Every run is repeated (after a warm-up run) and each iteration's time is the
-median of its repeats. The table gives, per scenario, the median absolute relative error
-|measured - predicted| / measured over its iterations (target <= 25%). `--quick` runs two scenarios
+relative to the step's time, on a calibration run of the model's own, not one of the validated
+scenarios: prompts of 8 to 240 tokens arriving three steps apart, so that prefills of many lengths
+and decode batches of 1 to 8 sequences both occur. Every run is repeated (after a warm-up run) and
+each iteration's time is the median of its repeats. The table gives, per scenario, the median
+absolute relative error |measured - predicted| / measured over its iterations (target <= 25%). `--quick` runs two scenarios
 and a short calibration: a smoke run on a busy machine, its numbers indicative only.
 """
 
@@ -83,12 +83,14 @@ def model_shape(model: str) -> ModelShape:
 
 def measure_overheads(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int,
                       repeats: int) -> dict[str, float]:
-    """Seconds of an iteration beyond its roofline time: fixed, per sequence and per token, fitted on a calibration run."""
+    """Seconds of an iteration beyond its roofline time (fixed, per sequence, per token), fitted on a
+    calibration run."""
     scenario = Scenario.model_validate({
         "name": "overhead", "model": model,
         "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary"},
         "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": p, "max_tokens": tokens,
-                      "sampling": {"temperature": 0.0, "ignore_eos": True}} for i, p in enumerate(CALIBRATION_PROMPTS)]})
+                      "sampling": {"temperature": 0.0, "ignore_eos": True}}
+                     for i, p in enumerate(CALIBRATION_PROMPTS)]})
     bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0))
     its = measured_iterations(scenario, repeats)
     # Each step's equation divided by its duration: the fit minimises relative error, the table's
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = model_shape(model)
         fitted = overheads[model] = measure_overheads(model, shape, profile, 12 if args.quick else 48, repeats)
         dep = Deployment(shape, replace(profile, iteration_overhead_s=fitted["fixed_s"],
-                                        row_overhead_s=fitted["per_sequence_s"], token_overhead_s=fitted["per_token_s"]))
+                                        row_overhead_s=fitted["per_sequence_s"],
+                                        token_overhead_s=fitted["per_token_s"]))
         for name in QUICK_SCENARIOS if args.quick else FULL_SCENARIOS:
             rows.append(compare(model, name, dep, repeats))
     print(table(rows, overheads, profile, argv))

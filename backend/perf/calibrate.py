@@ -26,10 +26,11 @@ import torch
 CACHE_VERSION = 2
 FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "gemv_efficiency", "gemm_efficiency",
            "memory_bytes", "measured_at")
-# (matmul side, fp32 copy elements, weight matrices of 1024² fp32) per device type. CPU: 256 MB outgrows
-# the caches of most CPUs (64 MB did not always), so the copy streams from DRAM, and so do 256 MB of weights.
-# CUDA: a 1024² matmul or a 64 MB copy takes microseconds, less than the synchronize that times it, so
-# a GPU gets work of milliseconds (a 1 GB copy and 1 GB of weights, an 8192² matmul).
+# (matmul side, fp32 copy elements, weight matrices of 1024² fp32) per device type. CPU: 256 MB
+# outgrows the caches of most CPUs (64 MB did not always), so the copy streams from DRAM, and so do
+# 256 MB of weights. CUDA: a 1024² matmul or a 64 MB copy takes microseconds, less than the
+# synchronize that times it, so a GPU gets work of milliseconds (a 1 GB copy and 1 GB of weights,
+# an 8192² matmul).
 SIZES = {"cpu": (1024, 64 * 1024**2, 64), "cuda": (8192, 256 * 1024**2, 256)}
 GEMM_ROWS = 4  # tokens of the "several tokens" weight stream: a small decode batch
 DEFAULT_SECONDS = 4.0  # total budget; the brief of this feature allows 5 s
@@ -54,7 +55,7 @@ def this_machine(recalibrate: bool = False) -> dict:
 
 
 def calibrate(seconds: float = DEFAULT_SECONDS, device: str | None = None) -> dict:
-    """Measure matmul FLOP/s and copy bandwidth within about `seconds`; a JSON-ready dict."""
+    """Measure matmul FLOP/s, copy bandwidth and the weight streams within about `seconds`; a JSON-ready dict."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     share = seconds / 5
     fp32 = measure_matmul_flops(dev, torch.float32, share)

@@ -6,8 +6,8 @@ Each op group costs max(FLOPs / peak FLOP/s, bytes / bandwidth): a group is eith
 the tensor cores or for memory, never both at once (a profile may say its linear layers stream
 weights below the bandwidth roof: hardware.py's efficiencies). The iteration is the sum of its
 groups, the tensor-parallel all-reduces and the profile's overheads (per iteration, per sequence,
-per token). Every figure is per GPU: with
-tensor parallelism the ranks run in lock step, so one rank's time is the iteration's time.
+per token). Every figure is per GPU: with tensor parallelism the ranks run in lock step, so one
+rank's time is the iteration's time.
 
 What is counted (docs/perf_model.md has the formulas):
 - linear layers: 2 FLOPs per weight per token; every weight read once per iteration at its
@@ -219,9 +219,8 @@ def iteration_cost(dep: Deployment, batch: Sequence[BatchItem | dict]) -> Iterat
         raise PerfError("batch", "an iteration needs at least one row")
     tokens = sum(x.num_query_tokens for x in items)
     rows = sum(x.sampled_rows for x in items)
-    peak, bw = dep.hardware.peak_flops(dep.dtype), dep.hardware.mem_bandwidth
-
     hw = dep.hardware
+    peak, bw = hw.peak_flops(dep.dtype), hw.mem_bandwidth
 
     def roof(group: str, flops: float, nbytes: float, bandwidth: float = bw) -> OpCost:
         compute_s, memory_s = flops / peak, nbytes / bandwidth

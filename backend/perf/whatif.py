@@ -55,7 +55,8 @@ def describe(dep: Deployment, cost: IterationCost, batch: int, context: int, pre
         "flops": cost.flops, "bytes": cost.bytes, "time_s": cost.time_s, "intensity": cost.intensity,
         "ridge": cost.ridge, "bound": cost.bound, "overhead_s": cost.overhead_s,
         "mem_bandwidth": dep.hardware.mem_bandwidth,
-        "weight_stream": {"one_token": dep.hardware.weight_bandwidth(1), "several_tokens": dep.hardware.weight_bandwidth(2)},
+        "weight_stream": {"one_token": dep.hardware.weight_bandwidth(1),
+                          "several_tokens": dep.hardware.weight_bandwidth(2)},
         "tokens": cost.num_tokens, "tokens_per_s": cost.num_tokens / cost.time_s,
         "ops": [{"group": op.group, "flops": op.flops, "bytes": op.bytes, "link_bytes": op.link_bytes,
                  "intensity": op.intensity if op.bytes else None, "bound": op.bound, "time_s": op.time_s}

@@ -1,11 +1,12 @@
 """Runs as a service: each run owns an engine (or a recorded trace) on its own worker thread.
 
 The worker steps at a watchable pace (`speed` iterations per second, 0 = unpaced), obeys pause /
-resume / step / seek, and takes live requests between iterations. In lesson mode it pauses by itself
-after the iteration in which a moment its scenario's lesson explains happened (backend/events/moments.py
-finds them in the events it publishes), so the class sees that moment at any speed. Every event it emits is applied
-to the run's reducer and handed to each watcher's bounded queue under one lock, so that a snapshot
-plus the events after it is always exactly the state. A watcher that falls behind is not waited
+resume / step / seek, and takes live requests between iterations. In lesson mode it pauses by
+itself after the iteration in which a moment its scenario's lesson explains happened
+(backend/events/moments.py finds them in the events it publishes), so the class sees that moment
+at any speed. Every event it emits is applied to the run's reducer and handed to each watcher's
+bounded queue under one lock, so that a snapshot plus the events after it is always exactly the
+state. A watcher that falls behind is not waited
 for: its queue is dropped and it is told to resync from a fresh snapshot.
 
 A run may live forever (the API's): it keeps a bounded window of finished requests (its reducer's
