@@ -18,8 +18,9 @@ relative to the step's time, on a calibration run of the model's own, not one of
 scenarios: prompts of 8 to 240 tokens arriving three steps apart, so that prefills of many lengths
 and decode batches of 1 to 8 sequences both occur. Every run is repeated (after a warm-up run) and
 each iteration's time is the median of its repeats. The table gives, per scenario, the median
-absolute relative error |measured - predicted| / measured over its iterations (target <= 25%). `--quick` runs two scenarios
-and a short calibration: a smoke run on a busy machine, its numbers indicative only.
+absolute relative error |measured - predicted| / measured over its iterations (target <= 25%).
+`--quick` runs two scenarios and a short calibration: a smoke run on a busy machine, its numbers
+indicative only.
 """
 
 from __future__ import annotations
