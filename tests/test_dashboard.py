@@ -617,6 +617,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     dash.user.find(marker="hardware-picker").elements.pop().set_value("this-machine")
     await until(lambda: timeline.axis_name() == "seconds modelled on test CPU (measured)")
     await until(lambda: roofline.roof_sent and roofline.roof_sent[-1][1] == 5e10)
+    await until(lambda: "weights stream at 10.0 GB/s over one token, 6.0 over several" in roofline.caption.text)
 
 
 # ---- explanations, calculator, export -------------------------------------------------------------------
