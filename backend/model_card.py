@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from backend.engine.sampling_params import SamplingParams
-from backend.model.loader import SHIPPED_MODELS_DIR, load_model
-from backend.model.quality import acceptance_rate, validation_windows
-from backend.engine.reference import reference_generate
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, load_model
+from kvscope.backend.model.quality import acceptance_rate, validation_windows
+from kvscope.backend.engine.reference import reference_generate
 
 SAMPLE_PROMPT = "ROMEO:\n"
 

@@ -51,3 +51,16 @@ def print_summary(s: dict, console: Console | None = None) -> None:
     (console or Console()).print(table)
     for rid, why in s.get("rejections", {}).items():
         (console or Console(stderr=True)).print(f"rejected {rid}: {why}")
+
+
+def print_replies(s: dict, request_ids: list[str], console: Console | None = None) -> None:
+    """Each chat request's reply under the table: a chat scenario is read for what the model said."""
+    if not request_ids:
+        return
+    console = console or Console()
+    console.print("replies")
+    for rid in request_ids:
+        r = s["per_request"].get(rid)
+        if r is None:  # rejected: its reason is printed above
+            continue
+        console.print(f"  {rid} ({r['finish_reason']}): {r['output_text'].strip()!r}", highlight=False, markup=False)

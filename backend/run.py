@@ -11,14 +11,14 @@ from collections import deque
 
 from dataclasses import replace
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine, Runtime
-from backend.engine.request import RequestError
-from backend.events.bus import EventBus
-from backend.model.loader import LoadedModel, load_model
-from backend.perf.errors import PerfError
-from backend.perf.simulate import ShapeOnlyModel, simulated_sampling, simulation
-from backend.scenario import PlannedRequest, Scenario, ScenarioError, check_available, plan_requests
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine, Runtime
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.loader import LoadedModel, load_model
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.simulate import ShapeOnlyModel, simulated_sampling, simulation
+from kvscope.backend.scenario import PlannedRequest, Scenario, ScenarioError, check_available, plan_requests
 
 _MODEL_CACHE: dict[str, LoadedModel] = {}
 

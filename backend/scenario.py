@@ -21,20 +21,20 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from backend.config import EngineConfig
-from backend.errors import KvscopeError
-from backend.events.moments import MomentKind
-from backend.engine.sampling_params import SamplingParams
-from backend.model.chat import render_chat
-from backend.model.tokenizer import Tokenizer, read_corpus
-from backend.perf.hardware import HARDWARE_NAMES, LINKS
-from backend.perf.shapes import SHAPES
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.moments import MomentKind
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model.chat import render_chat
+from kvscope.backend.model.tokenizer import Tokenizer, read_corpus
+from kvscope.backend.perf.hardware import HARDWARE_NAMES, LINKS
+from kvscope.backend.perf.shapes import SHAPES
 
 if TYPE_CHECKING:
-    from backend.model.loader import LoadedModel
+    from kvscope.backend.model.loader import LoadedModel
 
 # Package data of the `scenarios` package, so that an installed wheel finds them too.
-SCENARIOS_DIR = Path(str(resources.files("scenarios")))
+SCENARIOS_DIR = Path(str(resources.files("kvscope.scenarios")))
 NAME_PATTERN = r"^[a-z0-9-]+$"
 
 
@@ -172,7 +172,7 @@ class Scenario(_Strict):
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (a model whose package is not installed, with the command), or None."""
-        from backend.model.loader import missing_package  # here: the loader imports torch, listing does not need it
+        from kvscope.backend.model.loader import missing_package  # here: the loader imports torch, listing does not need it
 
         for model in self.models():
             command = missing_package(model)

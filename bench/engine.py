@@ -3,7 +3,7 @@
     python -m bench.engine [--quick] [--json OUT.json] [--model demo] [--repeat N]
 
 Every engine configuration serves the *same* seeded mixed workload: prompts drawn from the prompt
-pool (`backend.scenario.draw_prompt`), varied lengths and output budgets, Poisson arrivals counted in
+pool (`kvscope.backend.scenario.draw_prompt`), varied lengths and output budgets, Poisson arrivals counted in
 engine steps, greedy sampling with `ignore_eos` so that every configuration generates exactly the
 same number of tokens. Only the loop that delivers requests and steps the engine is timed.
 
@@ -43,12 +43,12 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.sampling_params import SamplingParams
-from backend.events.bus import EventBus
-from backend.model.loader import LoadedModel, ModelLoadError, load_model, resolve_model_dir
-from backend.scenario import draw_prompt
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model, resolve_model_dir
+from kvscope.backend.scenario import draw_prompt
 from bench.report import command_line, progress, table
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)

@@ -99,7 +99,7 @@ def gathered(cache, tables, context: int):
 
 
 def kernel_fn(x: dict, shape: Shape, num_splits: int | None = None, int8: dict | None = None):
-    from kernels.paged_decode import paged_decode_attention
+    from kvscope.kernels.paged_decode import paged_decode_attention
 
     k, v, ks, vs = (int8["k"], int8["v"], int8["ks"], int8["vs"]) if int8 else (x["k_cache"], x["v_cache"], None, None)
     return lambda: paged_decode_attention(x["q"], k, v, x["tables"], x["lens"], shape.head_dim**-0.5, ks, vs,
@@ -127,7 +127,7 @@ def quantized(x: dict, chunk: int = 4096) -> dict:
     """int8 copies of the caches with their scales, a few thousand blocks at a time (fp32 temporaries)."""
     import torch
 
-    from kernels.cache_write import quantize_int8_reference
+    from kvscope.kernels.cache_write import quantize_int8_reference
 
     out = {}
     for name, cache in (("k", x["k_cache"]), ("v", x["v_cache"])):
@@ -155,7 +155,7 @@ def time_us(fn, cuda: bool) -> float:
 
 
 def measure(shape: Shape, device, dtype, cuda: bool, peak_gbps: float | None) -> Row:
-    from kernels.paged_decode import plan_splits
+    from kvscope.kernels.paged_decode import plan_splits
 
     x = make_inputs(shape, device, dtype)
     k, v = gathered(x["k_cache"], x["tables"], shape.context), gathered(x["v_cache"], x["tables"], shape.context)

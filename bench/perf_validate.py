@@ -38,13 +38,13 @@ from dataclasses import replace
 
 import torch
 
-from backend.events.bus import EventBus
-from backend.perf.calibrate import this_machine
-from backend.perf.cost_model import Deployment, iteration_cost
-from backend.perf.hardware import HardwareProfile, profile_from
-from backend.perf.shapes import ModelShape, shape_from_config
-from backend.run import ScenarioRun, cached_model
-from backend.scenario import Scenario, load_scenario
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.perf.calibrate import this_machine
+from kvscope.backend.perf.cost_model import Deployment, iteration_cost
+from kvscope.backend.perf.hardware import HardwareProfile, profile_from
+from kvscope.backend.perf.shapes import ModelShape, shape_from_config
+from kvscope.backend.run import ScenarioRun, cached_model
+from kvscope.backend.scenario import Scenario, load_scenario
 
 FULL_SCENARIOS = ("continuous-batching", "long-prompt", "chunked-prefill", "shared-prefix", "poisson-load",
                   "paged-vs-contiguous")

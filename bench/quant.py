@@ -35,14 +35,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.kv_cache import DTYPE_NAMES
-from backend.engine.sampling_params import SamplingParams
-from backend.events.bus import EventBus
-from backend.model.loader import LoadedModel, ModelLoadError, load_model
-from backend.model.quality import batched_logits, validation_windows
-from backend.model.quant import quantize_model, weight_bytes
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.kv_cache import DTYPE_NAMES
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model
+from kvscope.backend.model.quality import batched_logits, validation_windows
+from kvscope.backend.model.quant import quantize_model, weight_bytes
 from bench.report import command_line, progress, table
 
 TARGET_INT8_PCT = 1.0

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.events.bus import EventBus
-from backend.model.loader import SMOLLM2, LoadedModel, ModelLoadError, load_model
-from backend.perf.calibrate import measure_matmul_flops
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.loader import SMOLLM2, LoadedModel, ModelLoadError, load_model
+from kvscope.backend.perf.calibrate import measure_matmul_flops
 from bench.engine import (DEVICE, GREEDY, HF_BATCH_SIZE, BenchRequest, EngineRun, WorkloadSpec, drive, make_workload,
                           run_engine, run_hf, same_outputs)
 from bench.report import command_line, progress, table

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.report import command_line, progress, table
-from backend.server.serve import free_port
+from kvscope.backend.server.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RSS_TARGET_MB = 50

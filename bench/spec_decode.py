@@ -53,12 +53,12 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.sampling_params import SamplingParams
-from backend.events.bus import EventBus
-from backend.model.loader import LoadedModel, ModelLoadError, load_model
-from backend.scenario import draw_prompt
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model
+from kvscope.backend.scenario import draw_prompt
 from bench.report import command_line, progress, table
 
 TARGET_FRACTION = 0.9

@@ -24,7 +24,7 @@ from websockets.exceptions import WebSocketException
 
 from bench.report import command_line, progress, table
 from bench.soak import launch
-from backend.server.serve import free_port
+from kvscope.backend.server.serve import free_port
 
 TARGET = 0.70
 

@@ -17,14 +17,14 @@ from urllib.parse import urlencode
 
 from nicegui import app, ui
 
-from frontend.client import Backend, BackendError, FeedHub, RunFeed
-from frontend.column import RunColumn
-from frontend.compare import ComparePanel
-from frontend.controls import RunControls
-from frontend.export_menu import ExportMenu
-from frontend.new_run import NewRunPanel
-from frontend.palette import for_js
-from frontend.side_by_side import SideBySide
+from kvscope.frontend.client import Backend, BackendError, FeedHub, RunFeed
+from kvscope.frontend.column import RunColumn
+from kvscope.frontend.compare import ComparePanel
+from kvscope.frontend.controls import RunControls
+from kvscope.frontend.export_menu import ExportMenu
+from kvscope.frontend.new_run import NewRunPanel
+from kvscope.frontend.palette import for_js
+from kvscope.frontend.side_by_side import SideBySide
 
 STATIC = Path(__file__).parent / "static"
 
@@ -186,19 +186,17 @@ def make_root(backend: Backend, hub: FeedHub, default_model: str | None = None,
 
 def run_dashboard(backend_url: str, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
                   default_model: str | None = None) -> None:
-    """Serve the dashboard in the foreground until Ctrl-C (`kvscope serve`, `python -m frontend`)."""
+    """Serve the dashboard in the foreground until Ctrl-C (`kvscope serve`, `python -m kvscope.frontend`)."""
     backend = Backend(backend_url, token)
     hub = FeedHub(backend)
     app.on_startup(_quiet_ctrl_c)
     # Everything imported so far lives as long as the process: keep it out of the collector's full
     # passes, which otherwise stall the event loop for a tenth of a second at a time.
     app.on_startup(gc.freeze)
-    try:
-        ui.run(make_root(backend, hub, default_model), host=host, port=port, title="kvscope", reload=False,
-               show=False, show_welcome_message=False, favicon="🔭", uvicorn_logging_level="warning",
-               tailwind=False)  # static/kvscope.css has the few utilities we use
-    except KeyboardInterrupt:
-        pass  # Ctrl-C is how it stops
+    # Ctrl-C ends ui.run with KeyboardInterrupt: the caller says what stopped and exits 130.
+    ui.run(make_root(backend, hub, default_model), host=host, port=port, title="kvscope", reload=False,
+           show=False, show_welcome_message=False, favicon="🔭", uvicorn_logging_level="warning",
+           tailwind=False)  # static/kvscope.css has the few utilities we use
 
 
 def _quiet_ctrl_c() -> None:

@@ -22,9 +22,9 @@ import orjson  # a NiceGUI dependency
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
-from backend.events.history import RunHistory
-from backend.events.record import RunRecord
-from backend.events.state import RunState
+from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.record import RunRecord
+from kvscope.backend.events.state import RunState
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call on the console
 

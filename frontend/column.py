@@ -7,22 +7,22 @@ from collections.abc import Callable
 from nicegui import ui
 from nicegui.events import GenericEventArguments
 
-from frontend.client import Backend, RunFeed
-from frontend.controls import PromptBox
-from frontend.hardware import HardwareChoice, HardwarePicker
-from frontend.lesson import LessonGuide
-from frontend.selection import Selection
-from frontend.text import md_escape
-from frontend.views.attention import AttentionView
-from frontend.views.batch import BatchView
-from frontend.views.block_pool import BlockPoolView
-from frontend.views.block_table import BlockTableView
-from frontend.views.kv_calc import KvCalculatorView
-from frontend.views.metrics import MetricsView
-from frontend.views.roofline import RooflineView
-from frontend.views.sampling import SamplingView
-from frontend.views.speculative import SpeculativeView
-from frontend.views.timeline import TimelineView
+from kvscope.frontend.client import Backend, RunFeed
+from kvscope.frontend.controls import PromptBox
+from kvscope.frontend.hardware import HardwareChoice, HardwarePicker
+from kvscope.frontend.lesson import LessonGuide
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.text import md_escape
+from kvscope.frontend.views.attention import AttentionView
+from kvscope.frontend.views.batch import BatchView
+from kvscope.frontend.views.block_pool import BlockPoolView
+from kvscope.frontend.views.block_table import BlockTableView
+from kvscope.frontend.views.kv_calc import KvCalculatorView
+from kvscope.frontend.views.metrics import MetricsView
+from kvscope.frontend.views.roofline import RooflineView
+from kvscope.frontend.views.sampling import SamplingView
+from kvscope.frontend.views.speculative import SpeculativeView
+from kvscope.frontend.views.timeline import TimelineView
 
 FOLLOW = ""  # request picker value: follow the running requests
 

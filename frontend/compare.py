@@ -11,8 +11,8 @@ from typing import Any
 
 from nicegui import ui
 
-from frontend.client import BackendError
-from frontend.new_run import MODELS, NewRunPanel, _maybe_await
+from kvscope.frontend.client import BackendError
+from kvscope.frontend.new_run import MODELS, NewRunPanel, _maybe_await
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from nicegui import ui
 
-from frontend.client import Backend, BackendError, RunFeed
-from frontend.new_run import SPEEDS
-from frontend.views.live_text import LiveText
+from kvscope.frontend.client import Backend, BackendError, RunFeed
+from kvscope.frontend.new_run import SPEEDS
+from kvscope.frontend.views.live_text import LiveText
 
 
 class RunControls:

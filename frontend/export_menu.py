@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nicegui import run, ui
 
-from frontend.client import Backend, BackendError
+from kvscope.frontend.client import Backend, BackendError
 
 VIEWS = {"timeline": "Timeline", "blocks": "Block pool", "batch": "Batch composition"}
 
@@ -20,7 +20,7 @@ def parse_jsonl(text: str) -> list[dict]:
 
 def render_bytes(events: list[dict], view: str, suffix: str) -> bytes:
     """The picture (or Perfetto JSON) of one view as bytes, through a temporary file."""
-    from frontend.export import render  # matplotlib loads on the first export only
+    from kvscope.frontend.export import render  # matplotlib loads on the first export only
 
     with tempfile.TemporaryDirectory(prefix="kvscope-export-") as folder:
         out = Path(folder) / f"{view}{suffix}"

@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 from nicegui import ui
 
-from backend.events.history import Column
-from backend.events.state import RunState
-from backend.perf.calibrate import read_cache, this_machine
-from backend.perf.cost_model import TP_DEGREES, Deployment
-from backend.perf.errors import PerfError
-from backend.perf.hardware import HARDWARE_NAMES, THIS_MACHINE, HardwareProfile, get_hardware, profile_from
-from backend.perf.model_run import ModelledStep, RequestSteps, model_step, run_deployment
-from frontend.client import RunFeed
+from kvscope.backend.events.history import Column
+from kvscope.backend.events.state import RunState
+from kvscope.backend.perf.calibrate import read_cache, this_machine
+from kvscope.backend.perf.cost_model import TP_DEGREES, Deployment
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import HARDWARE_NAMES, THIS_MACHINE, HardwareProfile, get_hardware, profile_from
+from kvscope.backend.perf.model_run import ModelledStep, RequestSteps, model_step, run_deployment
+from kvscope.frontend.client import RunFeed
 
 DEFAULT_HARDWARE = "h100"
 

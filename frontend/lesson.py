@@ -16,10 +16,10 @@ from typing import Any
 
 from nicegui import ui
 
-from backend.events.moments import Moment, MomentFinder
-from frontend.client import Backend, BackendError, RunFeed
-from frontend.selection import Selection
-from frontend.text import md_escape
+from kvscope.backend.events.moments import Moment, MomentFinder
+from kvscope.frontend.client import Backend, BackendError, RunFeed
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.text import md_escape
 
 TICK_S = 0.05
 FOCUS_CLASS = "kv-focus"

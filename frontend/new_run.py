@@ -14,9 +14,9 @@ from typing import Any
 from nicegui import ui
 from nicegui.events import UploadEventArguments
 
-from frontend.client import Backend, BackendError
-from frontend.lesson import lesson_markdown, lesson_steps
-from frontend.text import md_escape
+from kvscope.frontend.client import Backend, BackendError
+from kvscope.frontend.lesson import lesson_markdown, lesson_steps
+from kvscope.frontend.text import md_escape
 
 # The attention variants (the compare panel's axis); the model picker's labels come from the backend.
 MODELS = {"demo": "demo (GQA)", "demo-mha": "demo-mha (MHA)", "demo-mqa": "demo-mqa (MQA)",

@@ -8,7 +8,7 @@ reads as a phase and a phase never reads as a request.
 
 from __future__ import annotations
 
-from backend.events.history import KINDS
+from kvscope.backend.events.history import KINDS
 
 RECOMPUTE_COLOR = "#8f2d2d"  # context computed again: the hatch over a preempted stretch, a step without KV cache
 # What a request is doing in an iteration (the timeline's cells, the batch chart's legend).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend.events.state import RunState
+from kvscope.backend.events.state import RunState
 
 
 @dataclass

@@ -13,13 +13,13 @@ from typing import Any
 
 from nicegui import ui
 
-from backend.events.compare import Row, compare_rows, setting_differences
-from backend.events.record import RunRecord
-from frontend.client import Backend, RunFeed
-from frontend.column import RunColumn, sync_zoom
-from frontend.compare import AXES
-from frontend.new_run import MODELS
-from frontend.views.live_text import LiveText
+from kvscope.backend.events.compare import Row, compare_rows, setting_differences
+from kvscope.backend.events.record import RunRecord
+from kvscope.frontend.client import Backend, RunFeed
+from kvscope.frontend.column import RunColumn, sync_zoom
+from kvscope.frontend.compare import AXES
+from kvscope.frontend.new_run import MODELS
+from kvscope.frontend.views.live_text import LiveText
 
 LABELS = {axis.path: axis.label for axis in AXES.values()}
 TICK_S = 0.5

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import pad16
+from kvscope.kernels._util import pad16
 
 INT8_MAX = 127.0
 

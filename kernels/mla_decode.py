@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import load_rows, lookup_slots, mma, online_softmax
-from kernels._util import LOG2E, NEG_BIG, default_tile, dot_in_fp32, pad16
-from kernels.paged_decode import (combine_splits, paged_decode_attention_reference, plan_splits, split_buffers,
+from kvscope.kernels._paged import load_rows, lookup_slots, mma, online_softmax
+from kvscope.kernels._util import LOG2E, NEG_BIG, default_tile, dot_in_fp32, pad16
+from kvscope.kernels.paged_decode import (combine_splits, paged_decode_attention_reference, plan_splits, split_buffers,
                                   store_split)
 
 HEADS_PER_PROGRAM = 16  # tl.dot's minimum M; the accumulator is [16, kv_lora_rank] fp32

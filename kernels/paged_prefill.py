@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import load_rows, load_scales, lookup_slots, mma, online_softmax
-from kernels._util import LOG2E, NEG_BIG, default_tile, dot_in_fp32, pad16
-from kernels.reference import attend_reference, gather_reference
+from kvscope.kernels._paged import load_rows, load_scales, lookup_slots, mma, online_softmax
+from kvscope.kernels._util import LOG2E, NEG_BIG, default_tile, dot_in_fp32, pad16
+from kvscope.kernels.reference import attend_reference, gather_reference
 
 
 # ---- torch reference ------------------------------------------------------------------------------

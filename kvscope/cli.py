@@ -8,11 +8,23 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from backend.errors import KvscopeError, validation_error
+from kvscope.backend.errors import KvscopeError, validation_error
 
 
 class UserError(KvscopeError):
     """A bad flag: the flag (with its value) and the reason."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C, with what it stopped: the line `kvscope CMD: ...` that run_command prints before exit 130."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one line (`kvscope serve: argument --port: ...`): the usage that
+    argparse prints first pushed the one line that matters off a small terminal. `--help` has it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 # ---- kvscope generate ---------------------------------------------------------------------------
@@ -26,11 +38,11 @@ ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from backend.config import EngineConfig
-    from backend.engine.engine import Engine
-    from backend.engine.request import RequestError
-    from backend.engine.sampling_params import SamplingParams
-    from backend.model.loader import load_model
+    from kvscope.backend.config import EngineConfig
+    from kvscope.backend.engine.engine import Engine
+    from kvscope.backend.engine.request import RequestError
+    from kvscope.backend.engine.sampling_params import SamplingParams
+    from kvscope.backend.model.loader import load_model
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -52,8 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except RequestError as e:
         flag = {"prompt": "--prompt", "max_tokens": "--max-tokens", **ENGINE_FLAGS}.get(e.field, e.field)
         raise UserError(str(flag), str(e.reason)) from None
-    while engine.has_unfinished():
-        engine.step()
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    except KeyboardInterrupt:
+        raise Interrupted(f"stopped by Ctrl-C after {len(req.seq.output_token_ids)} of {args.max_tokens} "
+                          "tokens") from None
     if not req.multi:
         print(req.output_text)
         return
@@ -74,9 +90,9 @@ def port_number(text: str) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """The API on --port and, unless --no-ui, the dashboard on --ui-port (replay: opened on the trace)."""
-    from backend.events.trace import read_trace
-    from backend.server.app import create_app, new_token
-    from backend.server.serve import is_loopback, serve_forever
+    from kvscope.backend.events.trace import read_trace
+    from kvscope.backend.server.app import create_app, new_token
+    from kvscope.backend.server.serve import is_loopback, serve_forever
 
     events = read_trace(args.trace) if getattr(args, "trace", None) else None
     if not args.no_ui and args.ui_port == args.port:
@@ -91,18 +107,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
         app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None,
                          host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard,
                          limits=_limits(args))
-        if args.no_ui:
-            _print_api(args, token)  # the socket listens already: clients that connect now are served
-            serve_forever(app, api_socket)
-            return
-        _serve_with_dashboard(app, api_socket, args, token, run_id)
+        served = f"the API on {args.host}:{args.port}" + ("" if args.no_ui else f" and the dashboard on {dashboard}")
+        try:
+            if args.no_ui:
+                _print_api(args, token)  # the socket listens already: clients that connect now are served
+                serve_forever(app, api_socket)
+            else:
+                _serve_with_dashboard(app, api_socket, args, token, run_id)
+        except KeyboardInterrupt:
+            raise Interrupted(f"stopped by Ctrl-C: in-flight requests aborted, {served} closed") from None
 
 
 def _limits(args: argparse.Namespace):
     """The service's limits from the flags (limits.py has the defaults)."""
     from pathlib import Path
 
-    from backend.server.limits import ServiceLimits
+    from kvscope.backend.server.limits import ServiceLimits
 
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
@@ -129,8 +149,8 @@ def positive(kind: type):
 
 def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     """The server's runs: the --model loaded (serve, or replay given --model), the replay run opened."""
-    from backend.run import cached_model
-    from backend.server.manager import RunManager
+    from kvscope.backend.run import cached_model
+    from kvscope.backend.server.manager import RunManager
 
     model = args.model or "demo"
     if args.command == "serve" or args.model:
@@ -147,7 +167,7 @@ def _listen(host: str, port: int, flag: str):
     """A socket listening on host:port, or a UserError naming the flag that chose it."""
     import errno
 
-    from backend.server.serve import listen
+    from kvscope.backend.server.serve import listen
 
     try:
         return listen(host, port)
@@ -169,8 +189,8 @@ def _print_api(args: argparse.Namespace, token: str | None) -> None:
 
 def _serve_with_dashboard(app, api_socket, args: argparse.Namespace, token: str | None, run_id: str | None) -> None:
     """The API on a thread, the dashboard (NiceGUI, which wants the main thread) in the foreground."""
-    from backend.server.serve import announce_when_listening, serve_in_thread
-    from frontend.app import page_url, run_dashboard
+    from kvscope.backend.server.serve import announce_when_listening, serve_in_thread
+    from kvscope.frontend.app import page_url, run_dashboard
 
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     with serve_in_thread(app, api_socket):
@@ -189,8 +209,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     """Train into --out; a signal saves a checkpoint, prints how to resume and exits 128 + its number."""
     from pathlib import Path
 
-    from backend.model_card import write_model_card
-    from backend.model.train import PRESETS, TrainingStopped, check_out_root, default_out_root, train_model
+    from kvscope.backend.model_card import write_model_card
+    from kvscope.backend.model.train import PRESETS, TrainingStopped, check_out_root, default_out_root, train_model
 
     if args.model != "all" and args.model not in PRESETS:
         raise UserError(f"--model {args.model}", f"not a preset (choose {', '.join(PRESETS)} or all)")
@@ -226,12 +246,12 @@ def _train_command(args: argparse.Namespace) -> str:
 def cmd_run(args: argparse.Namespace) -> None:
     import json
 
-    from backend.events.bus import EventBus
-    from backend.events.trace import TraceWriter
-    from backend.run import ScenarioRun
-    from backend.scenario import load_scenario
-    from backend.report import print_summary, progress_bar
-    from backend.server.runs import build_run
+    from kvscope.backend.events.bus import EventBus
+    from kvscope.backend.events.trace import TraceWriter
+    from kvscope.backend.run import ScenarioRun
+    from kvscope.backend.scenario import load_scenario
+    from kvscope.backend.report import print_replies, print_summary, progress_bar
+    from kvscope.backend.server.runs import build_run
 
     scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args))
     if args.simulate and scenario.simulate is None:
@@ -240,14 +260,18 @@ def cmd_run(args: argparse.Namespace) -> None:
     writer = TraceWriter(args.trace) if args.trace else None
     if writer:
         bus.subscribe(writer)  # before the run exists: its header is the trace's first line
+    run = None
     try:
         run = build_run(lambda: ScenarioRun(scenario, bus))
         with progress_bar(run.total) as advance:
             summary = run.run(on_step=lambda r: advance(r.num_finished))
+    except KeyboardInterrupt:
+        raise Interrupted(_run_stopped(run, args.trace)) from None
     finally:
         if writer:
             writer.close()
     print_summary(summary)
+    print_replies(summary, [r.id for r in scenario.requests if r.messages is not None])
     if summary["simulated"]:
         sim = summary["simulated"]
         print(f"simulated: {sim['model_shape']} on {sim['tp']} x {sim['hardware_label']}; times are the roofline "
@@ -255,6 +279,15 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.report:
         with open(args.report, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+def _run_stopped(run, trace: str | None) -> str:
+    """What a Ctrl-C stopped: how far the run got, and where its events so far are."""
+    if run is None:
+        return "stopped by Ctrl-C while loading the model; nothing ran"
+    kept = f"; {trace} holds the events so far" if trace else ""
+    return (f"stopped by Ctrl-C at iteration {run.engine.step_no}, {run.num_finished} of {run.total} requests "
+            f"finished{kept}")
 
 
 SIMULATE_FLAGS = {"model_shape": "--model-shape", "hardware": "--hardware", "tp": "--tp",
@@ -276,8 +309,8 @@ def simulate_flags(args: argparse.Namespace) -> list[tuple[str, object, str]]:
 def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from backend.events.trace import read_trace
-    from frontend.export import ExportError, check_options, render
+    from kvscope.backend.events.trace import read_trace
+    from kvscope.frontend.export import ExportError, check_options, render
 
     out = Path(args.out)
     try:
@@ -295,7 +328,7 @@ def cmd_scenarios(args: argparse.Namespace) -> None:
     """Each bundled scenario's name and the first sentence of its description."""
     import re
 
-    from backend.scenario import list_scenarios
+    from kvscope.backend.scenario import list_scenarios
 
     scenarios = list_scenarios()
     width = max(len(s.name) for s in scenarios)
@@ -310,8 +343,8 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     """One iteration of a model shape on a GPU type, costed by the roofline model (docs/perf_model.md)."""
     import json
 
-    from backend.perf.errors import PerfError
-    from backend.perf.whatif import format_table, whatif
+    from kvscope.backend.perf.errors import PerfError
+    from kvscope.backend.perf.whatif import format_table, whatif
 
     try:
         result = whatif(args.model_shape, args.hardware, args.batch, args.context, prefill=args.prefill, tp=args.tp,
@@ -326,11 +359,11 @@ def cmd_schema(args: argparse.Namespace) -> None:
     import json
 
     if args.what == "events":
-        from backend.events.schema import json_schema
+        from kvscope.backend.events.schema import json_schema
 
         schema = json_schema()
     else:
-        from backend.scenario import Scenario
+        from kvscope.backend.scenario import Scenario
 
         schema = Scenario.model_json_schema()
     print(json.dumps(schema, indent=2))
@@ -339,7 +372,7 @@ def cmd_schema(args: argparse.Namespace) -> None:
 # ---- wiring ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvscope", description="A watchable LLM inference engine.")
+    parser = Parser(prog="kvscope", description="A watchable LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="print a completion of a prompt")
@@ -464,7 +497,11 @@ def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Names
         where = f"{e.filename}: " if e.filename else ""
         print(f"kvscope {args.command}: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except Interrupted as e:
+        print(f"kvscope {args.command}: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # a Ctrl-C that no command explained further
+        print(f"kvscope {args.command}: stopped by Ctrl-C", file=sys.stderr)
         return 130
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.model.loader import LoadedModel, load_model
+from kvscope.backend.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def workload(demo: LoadedModel) -> list:
 @pytest.fixture(scope="session")
 def expected(demo: LoadedModel, workload: list) -> dict[str, list[int]]:
     """The plain reference model's greedy output for each request of `workload`, computed alone."""
-    from backend.engine.reference import reference_generate
+    from kvscope.backend.engine.reference import reference_generate
     from tests.engine_helpers import GREEDY
 
     eos = demo.tokenizer.eos_token_ids
@@ -41,10 +41,10 @@ def make_tiny_model(n_kv_heads: int = 2, seed: int = 0, mla: bool = False) -> Lo
     """A small random decoder with the shipped tokenizer: fast, and with peaked, varied logits."""
     from pathlib import Path
 
-    from backend.config import MLAConfig, ModelConfig
-    from backend.model.loader import SHIPPED_MODELS_DIR
-    from backend.model.tokenizer import Tokenizer
-    from backend.model.transformer import CausalLM
+    from kvscope.backend.config import MLAConfig, ModelConfig
+    from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
+    from kvscope.backend.model.tokenizer import Tokenizer
+    from kvscope.backend.model.transformer import CausalLM
 
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -69,7 +69,7 @@ def tiny() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, tiny) -> str:
     """The tiny model saved as a model folder, for scenarios and servers (`model: <folder>`)."""
-    from backend.model.loader import save_model
+    from kvscope.backend.model.loader import save_model
 
     folder = tmp_path_factory.mktemp("tiny-model")
     save_model(tiny.model, tiny.tokenizer, folder)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.sampling_params import SamplingParams
-from backend.events.bus import EventBus
-from backend.events.state import RunState
-from backend.model.loader import LoadedModel
-from backend.scenario import draw_prompt
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.state import RunState
+from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.scenario import draw_prompt
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from litestar.testing import TestClient
 
-from backend.server.app import create_app
-from backend.server.manager import RunManager
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import RunManager
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -9,10 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from backend.config import EngineConfig  # noqa: E402
-from backend.engine.engine import Engine  # noqa: E402
-from backend.engine.sampling_params import SamplingParams  # noqa: E402
-from backend.model.loader import SHIPPED_MODELS_DIR  # noqa: E402
+from kvscope.backend.config import EngineConfig  # noqa: E402
+from kvscope.backend.engine.engine import Engine  # noqa: E402
+from kvscope.backend.engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR  # noqa: E402
 
 PROMPTS = {"eos": ("ROMEO:\nI will", 8), "long": ("First Citizen:\nWe are", 12)}
 

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.engine import block_manager
-from backend.engine.block_manager import BlockManager
-from backend.engine.sequence import Sequence
+from kvscope.backend.engine import block_manager
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.sequence import Sequence
 
 # CONTRACT §4: the exact fields of each block event.
 EVENT_FIELDS = {

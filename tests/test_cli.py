@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvscope.cli import main
-from backend.model.loader import SHIPPED_MODELS_DIR
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -33,8 +33,8 @@ def demo_copy(tmp_path):
 
 
 def test_generate_greedy_prints_the_reference_completion(capsys, demo):
-    from backend.engine.sampling_params import SamplingParams
-    from backend.engine.reference import reference_generate
+    from kvscope.backend.engine.sampling_params import SamplingParams
+    from kvscope.backend.engine.reference import reference_generate
 
     code, out, _ = run_cli(capsys, "generate", "--prompt", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0")
     prompt = demo.tokenizer.encode("ROMEO:\n")

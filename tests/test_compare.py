@@ -10,12 +10,12 @@ from functools import cache
 
 import pytest
 
-from backend.events.bus import EventBus
-from backend.events.compare import compare_rows, setting_differences
-from backend.events.record import RunRecord
-from backend.run import ScenarioRun
-from backend.scenario import load_scenario
-from frontend.side_by_side import differences_html, shared_x, side_titles
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.compare import compare_rows, setting_differences
+from kvscope.backend.events.record import RunRecord
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import load_scenario
+from kvscope.frontend.side_by_side import differences_html, shared_x, side_titles
 
 
 @cache

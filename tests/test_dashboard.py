@@ -8,6 +8,7 @@ function; `user_simulation` drives it without a browser (tests/test_browser.py u
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import tempfile
@@ -22,14 +23,16 @@ from nicegui.storage import Storage
 from nicegui.testing.user import User
 from nicegui.testing.user_simulation import user_simulation
 
-from backend.server.app import create_app
-from backend.server.limits import ServiceLimits
-from backend.server.manager import RunManager
-from backend.server.serve import free_port, listen, serve_in_thread
-from frontend.app import Dashboard, make_root
-from frontend.client import Backend, FeedHub, RunFeed
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.limits import ServiceLimits
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import free_port, listen, serve_in_thread
+from kvscope.frontend.app import Dashboard, make_root
+from kvscope.frontend.client import Backend, FeedHub, RunFeed
 
-STEP_TIMEOUT_S = 20.0
+# Deadlines for conditions, not budgets: generous, since a loaded CI machine takes many times longer.
+STEP_TIMEOUT_S = 120.0
+SEE_RETRIES = int(STEP_TIMEOUT_S / 0.1)  # should_see sleeps 0.1 s between tries (NiceGUI's default: 3)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,7 @@ async def simulated(backend_url: str, model: str) -> AsyncIterator[Dash]:
     hub = FeedHub(backend)
     built: list[Dashboard] = []
     async with user_simulation(make_root(backend, hub, default_model=model, on_build=built.append)) as user:
+        user.should_see = functools.partial(user.should_see, retries=SEE_RETRIES)
         yield Dash(user, backend, hub, built)
         hub.close_all()
         await asyncio.sleep(0)
@@ -243,7 +247,7 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
     await until(lambda: views["sampling"].caption.text.startswith(rid))
     # the block pool's hover text and click go through the reducer's block tables
     block = column.feed.state.block_tables[min(s for s, r in column.feed.state.seq_request.items() if r == rid)][0]
-    from frontend.views.block_pool import describe_block
+    from kvscope.frontend.views.block_pool import describe_block
 
     assert f"block {block}" in describe_block(column.feed.state, column.feed.history, block)
     assert rid in describe_block(column.feed.state, column.feed.history, block)
@@ -270,7 +274,7 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
 
 
 async def test_sampling_what_if_knobs(dash: Dash, tiny_dir: str) -> None:
-    from frontend.sampling_math import Knobs
+    from kvscope.frontend.sampling_math import Knobs
 
     run_id = await dash.backend.start_run(small_scenario(tiny_dir), speed=0, paused=True)
     page = await dash.open(f"/?run={run_id}")
@@ -312,8 +316,8 @@ async def synthetic_column(dash: Dash, events: list[dict]):
 
 
 async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(dash: Dash, tiny_dir: str) -> None:
-    from backend.events.record import RunRecord
-    from frontend.export_menu import parse_jsonl
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.frontend.export_menu import parse_jsonl
     from tests.test_dashboard_units import paced
 
     done = await dash.backend.start_run(small_scenario(tiny_dir, name="timed"), speed=0)
@@ -323,7 +327,11 @@ async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(da
     kpis, history = column.views["metrics"].kpis, RunRecord.from_events(events).history
     assert kpis["tps"] == f"{history.run_tokens_per_s():.0f}"
     ttfts = [f.ttft_s for f in history.finishes]
-    assert kpis["ttft"] == f"{1000 * sum(ttfts) / len(ttfts):.0f} ms" and max(ttfts) < 1.0  # paced: > 1 s each
+    assert kpis["ttft"] == f"{1000 * sum(ttfts) / len(ttfts):.0f} ms"
+    # Paced, each wall-clock TTFT grew by 1 s; engine time is the iterations' own durations, which
+    # lie inside the unpaced wall clock: below the paced figure whatever the machine's load.
+    paced_ttft = {e["request_id"]: e["ttft_s"] for e in events if e["type"] == "request_finished"}
+    assert all(f.ttft_s <= paced_ttft[f.request_id] - 1.0 for f in history.finishes)
     assert kpis["usage"] == f"{100 * history.last_busy_metrics().kv_usage:.0f}%" and kpis["usage"] != "0%"
     assert kpis["saved"] == "0"
     await dash.user.should_see("engine time", marker="kpis")
@@ -491,11 +499,11 @@ def short_scenario_trace_checks(events: list[dict], name: str) -> None:
 @pytest.mark.parametrize("name", ["memory-pressure", "beam-search"])
 async def test_seeking_a_replay_anywhere_shows_what_a_fresh_replay_stopped_there_shows(
         dash: Dash, tiny_dir: str, name: str, tmp_path: Path) -> None:
-    from backend.events.record import RunRecord
-    from frontend.export import render
-    from frontend.export_menu import parse_jsonl
-    from frontend.views.chunks import Chunks
-    from frontend.views.timeline import column_items, merge_runs
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.frontend.export import render
+    from kvscope.frontend.export_menu import parse_jsonl
+    from kvscope.frontend.views.chunks import Chunks
+    from kvscope.frontend.views.timeline import column_items, merge_runs
 
     short = {"memory-pressure": {"generate.max_tokens.max": 30}, "beam-search": {}}
     done = await dash.backend.start_run(name, {"model": tiny_dir, **short[name]}, speed=0)
@@ -580,8 +588,8 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
         dash: Dash, tiny_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import platform
 
-    from backend.perf.calibrate import CACHE_VERSION, write_cache
-    from backend.perf.hardware import DATASHEET
+    from kvscope.backend.perf.calibrate import CACHE_VERSION, write_cache
+    from kvscope.backend.perf.hardware import DATASHEET
 
     run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=3), speed=0)
     page = await dash.open(f"/?run={run_id}")
@@ -633,7 +641,7 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
         await dash.user.should_see(title)
         dash.user.find(marker=f"help-{title}").click()
     # every view's legend, under its title (tests/test_legends.py checks they name every colour)
-    from frontend.views import attention, batch, block_pool, block_table, sampling, timeline
+    from kvscope.frontend.views import attention, batch, block_pool, block_table, sampling, timeline
     with dash.user.client:
         legends = [h.content for h in ElementFilter(kind=ui.html, local_scope=False) if "kv-legend" in h.content]
     for items in (timeline.legend_items(), batch.legend_items(), block_pool.LEGEND, block_pool.RING_LEGEND,
@@ -682,7 +690,7 @@ async def test_export_png_perfetto_and_trace(dash: Dash, tiny_dir: str) -> None:
 
 async def real_column(dash: Dash, tiny_dir: str, scenario: str, **overrides):
     """A finished real run of a shipped scenario on the tiny model, fed to a page event by event."""
-    from frontend.export_menu import parse_jsonl
+    from kvscope.frontend.export_menu import parse_jsonl
 
     done = await dash.backend.start_run(scenario, {"model": tiny_dir, **overrides}, speed=0)
     await until_run(dash.backend, done, lambda r: r["finished"])
@@ -750,8 +758,8 @@ async def test_a_beam_mid_run_holds_its_parents_tokens_in_the_block_table(dash: 
 
 
 async def test_without_kv_cache_the_views_say_recompute(dash: Dash, tiny_dir: str) -> None:
-    from backend.events.history import KINDS
-    from frontend.views.batch import PHASE
+    from kvscope.backend.events.history import KINDS
+    from kvscope.frontend.views.batch import PHASE
 
     column, _ = await real_column(dash, tiny_dir, "kv-cache-off", **{"engine.kv_cache": False})
     timeline, batch = column.views["timeline"], column.views["batch"]

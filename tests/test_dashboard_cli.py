@@ -12,10 +12,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from backend.events.bus import EventBus
-from backend.run import ScenarioRun
-from backend.scenario import validate
-from backend.server.serve import free_port
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import validate
+from kvscope.backend.server.serve import free_port
 from tests.conftest import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

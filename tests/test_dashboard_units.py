@@ -9,22 +9,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.sampler import final_distribution
-from backend.engine.sampling_params import SamplingParams
-from backend.events.bus import EventBus
-from backend.run import ScenarioRun
-from backend.scenario import validate
-from frontend.app import run_label
-from frontend.client import RunFeed
-from frontend.new_run import overrides_of
-from frontend.sampling_math import Knobs, compute_stages
-from frontend.views.base import Js, js
-from backend.events.history import KINDS, Cell, Column
-from frontend.views.batch import MERGED, column_segments
-from frontend.views.kv_calc import bytes_per_token, human, inputs_from_header
-from frontend.views.timeline import merge_runs
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.sampler import final_distribution
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import validate
+from kvscope.frontend.app import run_label
+from kvscope.frontend.client import RunFeed
+from kvscope.frontend.new_run import overrides_of
+from kvscope.frontend.sampling_math import Knobs, compute_stages
+from kvscope.frontend.views.base import Js, js
+from kvscope.backend.events.history import KINDS, Cell, Column
+from kvscope.frontend.views.batch import MERGED, column_segments
+from kvscope.frontend.views.kv_calc import bytes_per_token, human, inputs_from_header
+from kvscope.frontend.views.timeline import merge_runs
 from tests.conftest import make_tiny_model
 
 EOS = 0
@@ -98,7 +98,7 @@ def recorded() -> list[dict]:
 
 
 def snapshot_of(events: list[dict]) -> dict:
-    from backend.events.state import RunState
+    from kvscope.backend.events.state import RunState
 
     state = RunState()
     for e in events:
@@ -172,7 +172,7 @@ def paced(events: list[dict], seconds_per_step: float = 0.25) -> list[dict]:
 
 
 def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
-    from backend.events.record import RunRecord
+    from kvscope.backend.events.record import RunRecord
 
     fast, slow = RunRecord.from_events(recorded).history, RunRecord.from_events(paced(recorded)).history
     assert fast.finishes == slow.finishes and [m.tokens_per_s for m in fast.metrics] == [m.tokens_per_s for m in
@@ -198,8 +198,8 @@ def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
 def test_a_page_opened_mid_run_has_the_throughput_curves_and_latencies_of_one_that_watched(recorded):
     import json
 
-    from backend.events.record import RunRecord
-    from backend.events.state import RunState
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.backend.events.state import RunState
 
     mid = max(e["step"] for e in recorded) // 2
     before = [e for e in recorded if e["step"] <= mid]
@@ -219,8 +219,8 @@ def test_a_page_opened_mid_run_has_the_throughput_curves_and_latencies_of_one_th
 
 
 def test_a_snapshot_keeps_the_tokens_and_metrics_of_the_iterations_it_keeps(recorded):
-    from backend.events.record import RunRecord
-    from backend.events.state import RunState
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.backend.events.state import RunState
 
     state = RunState(max_iterations=4)
     for e in recorded:
@@ -259,7 +259,7 @@ def test_timeline_merges_runs_of_one_phase():
 
 
 def test_batch_segments_stack_and_many_decodes_share_one():
-    from backend.events.history import RunHistory
+    from kvscope.backend.events.history import RunHistory
 
     history = RunHistory(rows={"a": 0, "b": 1})
     col = Column(7, 1.0, 0.1, [Cell("a", "prefill", 16), Cell("b", "decode", 1), Cell("c", "waiting")], 17, 64, 4)
@@ -293,8 +293,8 @@ def test_calculator_agrees_with_the_engine_header(variant, kv_dtype):
 
 
 def test_memory_line_of_a_real_quantized_engine():
-    from backend.events.state import RunState
-    from frontend.views.kv_calc import memory_text
+    from kvscope.backend.events.state import RunState
+    from kvscope.frontend.views.kv_calc import memory_text
 
     state = RunState()
     state.apply(engine_header({}, weight_quant="int4", quant_group_size=32, kv_cache_dtype="int8"))
@@ -306,14 +306,14 @@ def test_memory_line_of_a_real_quantized_engine():
 
 
 def test_batch_merges_equal_consecutive_columns():
-    from frontend.views.batch import merge_columns
+    from kvscope.frontend.views.batch import merge_columns
 
     items = [[s, 0, 1, 3, 0, "a", 1] for s in (4, 5, 6, 8)] + [[5, 1, 9, 2, 1, "b", 8]]
     assert merge_columns(items) == [[4, 6, 0, 1, 3, 0, "a", 1], [5, 5, 1, 9, 2, 1, "b", 8], [8, 8, 0, 1, 3, 0, "a", 1]]
 
 
 def test_chunks_keep_a_small_live_series_and_seal_the_rest():
-    from frontend.views.chunks import Chunks
+    from kvscope.frontend.views.chunks import Chunks
 
     chunks = Chunks("x-", size=4, era=8)
     for step in range(10):
@@ -422,7 +422,7 @@ def spec_story() -> list[dict]:
 
 
 def state_of(events: list[dict]):
-    from backend.events.state import RunState
+    from kvscope.backend.events.state import RunState
 
     state = RunState()
     for e in events:
@@ -431,7 +431,7 @@ def state_of(events: list[dict]):
 
 
 def test_the_story_is_valid_events():
-    from backend.events.schema import parse_event
+    from kvscope.backend.events.schema import parse_event
 
     for e in spec_story():
         parse_event(e)
@@ -465,7 +465,7 @@ def test_a_snapshot_carries_what_the_new_views_need():
 
 
 def test_block_pool_marks_shared_and_draft_blocks():
-    from frontend.views.block_pool import DRAFT, SHARED, cell_of, describe_block
+    from kvscope.frontend.views.block_pool import DRAFT, SHARED, cell_of, describe_block
 
     events = spec_story()
     feed = RunFeed(None, "r")
@@ -487,7 +487,7 @@ def test_block_pool_marks_shared_and_draft_blocks():
 
 
 def test_timeline_draws_one_row_per_request_and_its_branches():
-    from frontend.views.timeline import branch_items, request_cells
+    from kvscope.frontend.views.timeline import branch_items, request_cells
 
     cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])
     assert cells == [Cell("r1", "decode", 2), Cell("r0", "verify", 4)]
@@ -500,7 +500,7 @@ def test_timeline_draws_one_row_per_request_and_its_branches():
 
 
 def test_verify_rows_colour_each_draft_and_mark_the_added_token():
-    from frontend.views.speculative import closing_text, expected_tokens_per_verify, pq_bars, verify_row_html
+    from kvscope.frontend.views.speculative import closing_text, expected_tokens_per_verify, pq_bars, verify_row_html
 
     verifies = [e for e in spec_story() if e["type"] == "spec_verify"]
     tokens = [e for e in spec_story() if e["type"] == "token" and e["request_id"] == "r0"]
@@ -517,7 +517,7 @@ def test_verify_rows_colour_each_draft_and_mark_the_added_token():
 
 
 def test_speculative_form_fields_become_overrides():
-    from frontend.new_run import base_of
+    from kvscope.frontend.new_run import base_of
 
     scenario = {"model": "demo", "engine": {"block_size": 16, "speculative": None, "weight_quant": "none",
                                             "quant_group_size": 64, "kv_cache_dtype": "auto"},
@@ -539,7 +539,7 @@ def test_speculative_form_fields_become_overrides():
 
 
 def test_calculator_and_memory_line_know_int8_and_quantized_weights():
-    from frontend.views.kv_calc import formula_text, memory_text
+    from kvscope.frontend.views.kv_calc import formula_text, memory_text
 
     state = state_of(spec_story()[:1])
     inputs = inputs_from_header(state.model, state.cache)
@@ -571,9 +571,9 @@ def speculative_run() -> list[dict]:
 
 
 def test_real_verifies_draw_as_rows_and_add_up_to_the_engines_metrics(speculative_run):
-    from backend.events.schema import parse_event
-    from frontend.views.block_pool import DRAFT, cell_of
-    from frontend.views.speculative import closing_index, closing_text, pq_bars, verify_row_html
+    from kvscope.backend.events.schema import parse_event
+    from kvscope.frontend.views.block_pool import DRAFT, cell_of
+    from kvscope.frontend.views.speculative import closing_index, closing_text, pq_bars, verify_row_html
 
     feed = RunFeed(None, "r")
     feed.handle(snapshot_of(speculative_run[:1]))
@@ -613,9 +613,9 @@ def test_real_verifies_draw_as_rows_and_add_up_to_the_engines_metrics(speculativ
 @pytest.mark.parametrize("sampling,pruned", [({"temperature": 1.0, "seed": 1, "n": 2}, False),
                                              ({"temperature": 0.0, "beam_width": 2}, True)])
 def test_real_forks_share_blocks_and_branch_in_the_timeline(tiny, tmp_path, sampling, pruned):
-    from frontend.export import render
-    from frontend.views.block_pool import SHARED, cell_of
-    from frontend.views.timeline import branch_items
+    from kvscope.frontend.export import render
+    from kvscope.frontend.views.block_pool import SHARED, cell_of
+    from kvscope.frontend.views.timeline import branch_items
 
     scenario = validate({
         "name": "forks", "model": "unused", "seed": 0,
@@ -651,7 +651,7 @@ def test_real_forks_share_blocks_and_branch_in_the_timeline(tiny, tmp_path, samp
 
 def record_scenario(name: str, loaded, **engine) -> list[dict]:
     """Every event of a shipped scenario run on the given model (events level full), with engine overrides."""
-    from backend.scenario import read_yaml, resolve_path
+    from kvscope.backend.scenario import read_yaml, resolve_path
 
     data = read_yaml(resolve_path(name))
     data["engine"] = {**data.get("engine", {}), "events": "full", **engine}
@@ -673,13 +673,13 @@ def sibling_run(tiny) -> list[dict]:
 
 
 def record_of(events: list[dict]):
-    from backend.events.record import RunRecord
+    from kvscope.backend.events.record import RunRecord
 
     return RunRecord.from_events(events)
 
 
 def test_beams_totals_and_scores_rebuilt_from_tokens_and_forks_are_the_engines(beam_run):
-    from frontend.views.sequences import seq_lines, tokens_html
+    from kvscope.frontend.views.sequences import seq_lines, tokens_html
 
     record = record_of(beam_run)
     state, history = record.state, record.history
@@ -703,7 +703,7 @@ def test_beams_totals_and_scores_rebuilt_from_tokens_and_forks_are_the_engines(b
 
 
 def test_every_sequence_row_is_its_own_text(sibling_run):
-    from frontend.views.sequences import seq_lines
+    from kvscope.frontend.views.sequences import seq_lines
 
     record = record_of(sibling_run)
     state, history = record.state, record.history
@@ -723,7 +723,7 @@ def test_block_tables_count_each_sequences_own_tokens(run, request):
     import math
     import re
 
-    from frontend.views.block_table import table_html
+    from kvscope.frontend.views.block_table import table_html
 
     events = request.getfixturevalue(run)
     record = record_of(events[:1])
@@ -744,7 +744,7 @@ def test_block_tables_count_each_sequences_own_tokens(run, request):
 
 
 def test_the_attention_mask_of_a_beam_is_its_own_keys(beam_run):
-    from frontend.views.attention import describe, mask_items
+    from kvscope.frontend.views.attention import describe, mask_items
 
     history = record_of(beam_run).history
     for step, masks in history.masks.items():
@@ -759,14 +759,14 @@ def test_the_attention_mask_of_a_beam_is_its_own_keys(beam_run):
 def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny, tmp_path):
     from matplotlib.colors import to_rgb
 
-    from frontend.export import render
-    from frontend.export.perfetto import perfetto_trace
-    from frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
+    from kvscope.frontend.export import render
+    from kvscope.frontend.export.perfetto import perfetto_trace
+    from kvscope.frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
     from tests.test_export import read_png
-    from frontend.export.replayed import replay
-    from frontend.export.timeline import phase_handles
-    from frontend.views.batch import PHASE
-    from frontend.views.timeline import column_items, legend_items
+    from kvscope.frontend.export.replayed import replay
+    from kvscope.frontend.export.timeline import phase_handles
+    from kvscope.frontend.views.batch import PHASE
+    from kvscope.frontend.views.timeline import column_items, legend_items
 
     events = record_scenario("kv-cache-off", tiny, kv_cache=False)
     history = record_of(events).history
@@ -793,7 +793,7 @@ def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny, tmp_path)
 
 
 def test_the_selected_request_is_outlined_in_the_batch_and_the_pool(beam_run):
-    from frontend.views.block_pool import PICKED, cell_of
+    from kvscope.frontend.views.block_pool import PICKED, cell_of
 
     events = beam_run
     cut = next(i for i, e in enumerate(events) if e["type"] == "iteration" and e["step"] == 3)

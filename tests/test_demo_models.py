@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, load_model
-from backend.model.quality import acceptance_rate, bits_per_char, evaluate, validation_windows
+from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, load_model
+from kvscope.backend.model.quality import acceptance_rate, bits_per_char, evaluate, validation_windows
 
 MAX_FILE_BYTES = 20 * 1024**2
 
@@ -45,8 +45,8 @@ def test_variants_share_size_data_steps_and_seed():
 
 
 def test_demo_writes_speeches_and_stops_by_itself(demo):
-    from backend.engine.sampling_params import SamplingParams
-    from backend.engine.reference import reference_generate
+    from kvscope.backend.engine.sampling_params import SamplingParams
+    from kvscope.backend.engine.reference import reference_generate
 
     prompt = demo.tokenizer.encode("ROMEO:\n")
     eos = demo.tokenizer.eos_token_ids

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine
-from backend.engine.request import RequestError
-from backend.engine.sampling_params import SamplingParams
-from backend.events.state import RunState
-from backend.events.trace import strip_times
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.state import RunState
+from kvscope.backend.events.trace import strip_times
 from tests.engine_helpers import mixed_workload, outputs, run_engine
 
 

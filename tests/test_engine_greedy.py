@@ -6,8 +6,8 @@ each must produce exactly the tokens of reference_generate (full recompute, no c
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine.reference import reference_generate
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.reference import reference_generate
 from tests.conftest import make_tiny_model
 from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 

@@ -8,10 +8,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from backend.events.bus import EventBus
-from backend.events.schema import EVENT_TYPES, SCHEMA_VERSION, describe_error, json_schema, parse_event
-from backend.events.state import RunState
-from backend.events.trace import TraceError, TraceWriter, read_trace, strip_times
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.schema import EVENT_TYPES, SCHEMA_VERSION, describe_error, json_schema, parse_event
+from kvscope.backend.events.state import RunState
+from kvscope.backend.events.trace import TraceError, TraceWriter, read_trace, strip_times
 
 MODEL = {
     "name": "demo",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from backend.events.bus import EventBus
-from backend.events.schema import parse_event
-from backend.events.state import RunState
-from backend.run import ScenarioRun
-from backend.scenario import Scenario
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.schema import parse_event
+from kvscope.backend.events.state import RunState
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import Scenario
 
 PROMPT = "KING HENRY:\nOnce more unto the breach, dear friends,"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

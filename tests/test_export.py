@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 
 import matplotlib.image
@@ -11,12 +10,12 @@ import numpy as np
 import pytest
 
 from kvscope.cli import main
-from backend.events.bus import EventBus
-from backend.events.trace import TraceWriter, read_trace
-from backend.run import ScenarioRun
-from backend.scenario import Scenario
-from frontend.export import VIEWS, render
-from frontend.export.replayed import replay, segments
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.trace import TraceWriter, read_trace
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import Scenario
+from kvscope.frontend.export import VIEWS, render
+from kvscope.frontend.export.replayed import replay, segments
 
 BURST = {"count": 8, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 16, "max": 40},
          "max_tokens": {"min": 12, "max": 30}, "shared_prefix": {"tokens": 16, "fraction": 0.5},
@@ -143,15 +142,13 @@ def test_bad_input_is_one_line_and_exit_2(pressure, tmp_path, capsys, monkeypatc
     assert needle in err and err.startswith("kvscope export: ") and len(err.strip().splitlines()) == 1
 
 
-def test_a_2048_block_pool_renders_quickly(tmp_path, tiny_dir):
+def test_a_2048_block_pool_renders_every_block(tmp_path, tiny_dir):
     engine = {"block_size": 4, "num_blocks": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "batching": "static"}
     _, events = record(tmp_path, tiny_dir, "big-pool", engine, {**BURST, "count": 6})
     assert events[0]["cache"]["num_blocks"] == 2048
-    started = time.perf_counter()
-    pixels = read_png(render(events, "blocks", tmp_path / "blocks.png", step=3))
+    pixels = read_png(render(events, "blocks", tmp_path / "blocks.png", step=3))  # bench/latency.py times it
     render(events, "blocks", tmp_path / "blocks.svg", step=3)
-    assert time.perf_counter() - started < 10
     assert pixels.shape[1] >= 800 and distinct_colors(pixels) >= 4
     batch = read_png(render(events, "batch", tmp_path / "batch.png"))  # static: idle slots drawn
     assert batch.std() > 0.1
@@ -161,8 +158,8 @@ def test_verify_phase_and_forked_sequences_export(tmp_path):
     """Speculative verifies get their own colour; n > 1 sequences share their request's row."""
     from matplotlib.colors import to_rgb
 
-    from frontend.export.perfetto import perfetto_trace
-    from frontend.palette import PHASE_COLORS
+    from kvscope.frontend.export.perfetto import perfetto_trace
+    from kvscope.frontend.palette import PHASE_COLORS
     from tests.test_dashboard_units import spec_story
 
     events = spec_story()

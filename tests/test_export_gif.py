@@ -7,10 +7,10 @@ from matplotlib.colors import to_rgb
 from PIL import Image
 
 from kvscope.cli import main
-from frontend.export import render
-from frontend.export.gif import frame_steps
-from frontend.export.replayed import busiest_step, replay
-from frontend.palette import BLOCK_COLORS, PHASE_COLORS, request_color
+from kvscope.frontend.export import render
+from kvscope.frontend.export.gif import frame_steps
+from kvscope.frontend.export.replayed import busiest_step, replay
+from kvscope.frontend.palette import BLOCK_COLORS, PHASE_COLORS, request_color
 from tests.test_export import pressure, read_png  # noqa: F401 (the fixture: a real trace with preemptions)
 
 

@@ -21,11 +21,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from backend.engine.sampling_params import SamplingParams
-from backend.model import gguf_loader
-from backend.model.loader import SHIPPED_MODELS_DIR, ModelLoadError, load_model, resolve_model_dir
-from backend.engine.reference import next_token_logits, reference_generate
-from backend.model.tokenizer import EOS_TEXT, Tokenizer
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model import gguf_loader
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, ModelLoadError, load_model, resolve_model_dir
+from kvscope.backend.engine.reference import next_token_logits, reference_generate
+from kvscope.backend.model.tokenizer import EOS_TEXT, Tokenizer
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 512, 2, 4, 2, 64, 2048
 TEMPLATE = "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"

@@ -12,9 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from backend.engine.sampling_params import SamplingParams  # noqa: E402
-from backend.model.loader import SHIPPED_MODELS_DIR, load_model  # noqa: E402
-from backend.engine.reference import next_token_logits, reference_generate  # noqa: E402
+from kvscope.backend.engine.sampling_params import SamplingParams  # noqa: E402
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, load_model  # noqa: E402
+from kvscope.backend.engine.reference import next_token_logits, reference_generate  # noqa: E402
 
 TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=256, tie_word_embeddings=False)

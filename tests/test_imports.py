@@ -9,23 +9,28 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from kvscope import PARTS
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvscope", "backend", "frontend", "kernels")
+# Each folder of the repository and the package it installs as (pyproject.toml's package-dir).
+FOLDERS = {"kvscope": "kvscope", **{part: f"kvscope.{part}" for part in PARTS if part != "scenarios"}}
 
 # (importer prefix, imported prefix): the importer must never import the imported.
 FORBIDDEN = [
-    ("backend", "frontend"), ("backend", "kvscope"), ("frontend", "kvscope"), ("kernels", "backend"),
-    ("kernels", "frontend"), ("backend.model", "backend.engine"), ("backend.model", "backend.server"),
-    ("backend.engine", "backend.server"), ("backend.events", "backend.engine"),
-    ("backend.events", "backend.server"), ("backend.engine.kv_cache", "backend.engine.request"),
+    ("kvscope.backend", "kvscope.frontend"), ("kvscope.backend", "kvscope.cli"), ("kvscope.frontend", "kvscope.cli"),
+    ("kvscope.kernels", "kvscope.backend"), ("kvscope.kernels", "kvscope.frontend"),
+    ("kvscope.backend.model", "kvscope.backend.engine"), ("kvscope.backend.model", "kvscope.backend.server"),
+    ("kvscope.backend.engine", "kvscope.backend.server"), ("kvscope.backend.events", "kvscope.backend.engine"),
+    ("kvscope.backend.events", "kvscope.backend.server"),
+    ("kvscope.backend.engine.kv_cache", "kvscope.backend.engine.request"),
 ]
 
 
 def module_names() -> dict[str, Path]:
     names = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = (package, *path.relative_to(ROOT / folder).with_suffix("").parts)
             names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
@@ -100,5 +105,5 @@ def test_there_is_no_import_cycle():
 
 def test_the_walk_sees_real_imports():
     graph = import_graph()
-    assert "backend.engine.block_manager" in graph["backend.engine.scheduler"]
+    assert "kvscope.backend.engine.block_manager" in graph["kvscope.backend.engine.scheduler"]
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]

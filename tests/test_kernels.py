@@ -26,11 +26,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.cache_write import (dequantize_int8_reference, quantize_int8_reference, write_kv_cache,
+from kvscope.kernels.cache_write import (dequantize_int8_reference, quantize_int8_reference, write_kv_cache,
                                  write_kv_cache_reference)
-from kernels.mla_decode import mla_decode_attention, mla_decode_attention_reference
-from kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
-from kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from kvscope.kernels.mla_decode import mla_decode_attention, mla_decode_attention_reference
+from kvscope.kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from kvscope.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 FEW = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -50,7 +50,7 @@ def record_launches() -> list[tuple]:
     """Call every host wrapper on CPU tensors with kernel launches swapped for a recorder."""
     import torch
 
-    from kernels import cache_write, mla_decode, paged_decode, paged_prefill
+    from kvscope.kernels import cache_write, mla_decode, paged_decode, paged_prefill
 
     launches = []
     for kernel in (paged_decode._decode_split_kernel, paged_decode.combine_splits_kernel,

@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.engine import Engine, pick_attention_backend
-from backend.engine.request import RequestError
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine, pick_attention_backend
+from kvscope.backend.engine.request import RequestError
 from tests.conftest import make_tiny_model
 from tests.engine_helpers import mixed_workload, outputs, run_engine
 

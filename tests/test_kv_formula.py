@@ -1,6 +1,6 @@
 """The KV-cache size formula of the seeds: 2 · L · N_kv · D_h · bytes per token."""
 
-from backend.config import MLAConfig, ModelConfig
+from kvscope.backend.config import MLAConfig, ModelConfig
 
 MIB = 1024**2
 

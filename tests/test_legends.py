@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.palette import (BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS, FOCUS_COLOR, MANY_REQUESTS_COLOR,
+from kvscope.frontend.palette import (BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS, FOCUS_COLOR, MANY_REQUESTS_COLOR,
                               MASK_COLORS, PHASE_COLORS, SLOT_COLORS, SPEC_COLORS, TOKEN_MARK_COLORS, request_color)
-from frontend.sampling_math import STAGE_LABELS
-from frontend.views import attention, batch, block_pool, block_table, metrics, sampling, speculative, timeline
+from kvscope.frontend.sampling_math import STAGE_LABELS
+from kvscope.frontend.views import attention, batch, block_pool, block_table, metrics, sampling, speculative, timeline
 
 # view -> (its legend as (swatch css, label) pairs, the colours its marks are drawn in)
 VIEWS = {

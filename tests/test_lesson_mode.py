@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.events.moments import find_moments
-from frontend.lesson import FOCUS_CLASS, card_of, lesson_markdown, lesson_steps
+from kvscope.backend.events.moments import find_moments
+from kvscope.frontend.lesson import FOCUS_CLASS, card_of, lesson_markdown, lesson_steps
 from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until  # noqa: F401 (fixtures)
 
 
@@ -71,8 +71,8 @@ def test_the_drawer_lists_a_lessons_steps_with_their_moments() -> None:
 
 
 def test_every_moment_has_a_title() -> None:
-    from backend.events.moments import MOMENT_KINDS
-    from frontend.lesson import MOMENT_TITLES
+    from kvscope.backend.events.moments import MOMENT_KINDS
+    from kvscope.frontend.lesson import MOMENT_TITLES
 
     assert set(MOMENT_KINDS) | {"start"} == set(MOMENT_TITLES)
     assert find_moments([]) == []
@@ -94,7 +94,7 @@ async def test_compare_any_setting_of_one_scenario_side_by_side(dash: Dash) -> N
 
 
 def test_each_compare_axis_is_one_override() -> None:
-    from frontend.compare import AXES, override_of
+    from kvscope.frontend.compare import AXES, override_of
 
     assert override_of(AXES["attention"], "demo-mla") == {"model": "demo-mla"}
     assert override_of(AXES["speculative"], "off") == {"engine.speculative": None}

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from backend.config import MLAConfig, ModelConfig
-from backend.model.attention import DenseCausalBackend, causal_attention
-from backend.model.transformer import CausalLM
+from kvscope.backend.config import MLAConfig, ModelConfig
+from kvscope.backend.model.attention import DenseCausalBackend, causal_attention
+from kvscope.backend.model.transformer import CausalLM
 
 
 def tiny(n_kv_heads: int = 2, mla: MLAConfig | None = None) -> CausalLM:

@@ -8,15 +8,15 @@ import time
 
 import pytest
 
-from backend.events.history import Cell, Column
-from backend.perf.calibrate import CACHE_VERSION
-from backend.perf.cost_model import BatchItem, iteration_cost
-from backend.perf.errors import PerfError
-from backend.perf.hardware import profile_from
-from backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, modelled_latency,
+from kvscope.backend.events.history import Cell, Column
+from kvscope.backend.perf.calibrate import CACHE_VERSION
+from kvscope.backend.perf.cost_model import BatchItem, iteration_cost
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import profile_from
+from kvscope.backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, modelled_latency,
                                     modelled_times, run_deployment, run_shape)
-from backend.perf.shapes import get_shape
-from backend.perf.whatif import deployment
+from kvscope.backend.perf.shapes import get_shape
+from kvscope.backend.perf.whatif import deployment
 
 SMOL = get_shape("smollm2-135m").config
 FIGURES = {"version": CACHE_VERSION, "host": "h", "device": "test CPU", "fp32_flops": 7e10, "bf16_flops": 7e10,
@@ -135,7 +135,7 @@ def test_modelled_ttft_tpot_and_throughput_follow_the_engine_time_rules():
 # ---- the dashboard's side: priced columns, roofline points, this-machine -------------------------------
 
 def test_columns_are_priced_incrementally_as_the_events_are():
-    from frontend.hardware import ModelledRun
+    from kvscope.frontend.hardware import ModelledRun
 
     dep, shaped = run_deployment(HEADER, "h100")
     cols = [Column(0, 0.1, 0.1, [Cell("a", "prefill", 32, 32), Cell("b", "waiting")], 32, 64, 4),
@@ -151,7 +151,7 @@ def test_columns_are_priced_incrementally_as_the_events_are():
 
 
 def test_a_roofline_point_is_intensity_against_attained_flops_under_the_roofs():
-    from frontend.views.roofline import roof_line, roofline_point
+    from kvscope.frontend.views.roofline import roof_line, roofline_point
 
     step = modelled_times(HEADER, [iteration(3, *[("decode", 1, 1024)] * 4)], "h100")[0]
     x, y, at, micros = roofline_point(step)
@@ -166,8 +166,8 @@ def test_a_roofline_point_is_intensity_against_attained_flops_under_the_roofs():
 
 
 async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running(monkeypatch):
-    from frontend import hardware
-    from frontend.client import RunFeed
+    from kvscope.frontend import hardware
+    from kvscope.frontend.client import RunFeed
 
     loop_thread = threading.current_thread()
     measured_in: list[threading.Thread] = []
@@ -196,9 +196,9 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
 
 
 def test_a_simulated_run_is_kept_by_the_reducer_and_says_so_in_the_modelled_line():
-    from backend.events.state import RunState
-    from backend.perf.model_run import ModelledLatency
-    from frontend.views.metrics import modelled_text
+    from kvscope.backend.events.state import RunState
+    from kvscope.backend.perf.model_run import ModelledLatency
+    from kvscope.frontend.views.metrics import modelled_text
 
     header = {"type": "header", "seq": 0, "step": -1, "t": 0.0, "schema_version": 1, "run_id": "r", "scenario": None,
               "config": {}, "model": {"name": "llama-3-8b", "dtype": "bfloat16"}, "cache": {"num_blocks": 4}}

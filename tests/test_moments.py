@@ -10,10 +10,10 @@ from functools import cache
 
 import pytest
 
-from backend.events.bus import EventBus
-from backend.events.moments import MomentFinder, find_moments
-from backend.run import ScenarioRun
-from backend.scenario import load_scenario
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.moments import MomentFinder, find_moments
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import load_scenario
 
 
 @cache

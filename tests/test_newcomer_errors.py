@@ -12,10 +12,10 @@ import pytest
 from litestar.testing import TestClient
 
 from kvscope.cli import build_parser, main
-from backend.scenario import SCENARIOS_DIR, list_scenarios
-from backend.server.app import create_app
-from backend.server.manager import RunManager
-from backend.server.serve import free_port, serve_in_thread
+from kvscope.backend.scenario import SCENARIOS_DIR, list_scenarios
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import free_port, serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_a_run_whose_engine_cannot_start_is_one_line(capsys, monkeypatch):
     def refuse(*_, **__):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory\n  at alloc_cpu.cpp:127")
 
-    monkeypatch.setattr("backend.run.ScenarioRun", refuse)
+    monkeypatch.setattr("kvscope.backend.run.ScenarioRun", refuse)
     code, _, err = run_cli(capsys, "run", "shared-prefix")
     assert one_line_error(code, err) == \
         "kvscope run: the run could not start: RuntimeError: DefaultCPUAllocator: can't allocate memory"
@@ -117,8 +117,8 @@ def never_serves(monkeypatch):
     def refuse(*_, **__):
         raise AssertionError("the command started serving")
 
-    monkeypatch.setattr("backend.server.serve.serve_forever", refuse)
-    monkeypatch.setattr("backend.server.serve.serve_in_thread", refuse)
+    monkeypatch.setattr("kvscope.backend.server.serve.serve_forever", refuse)
+    monkeypatch.setattr("kvscope.backend.server.serve.serve_in_thread", refuse)
 
 
 @pytest.mark.parametrize("flag,value", [("--port", "99999"), ("--port", "0"), ("--ui-port", "http")])
@@ -126,8 +126,22 @@ def test_ports_outside_1_to_65535_are_refused_by_the_parser(capsys, never_serves
     with pytest.raises(SystemExit) as exit_:
         main(["serve", flag, value])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.strip().splitlines()[-1].endswith(
-        f"argument {flag}: '{value}' is not a port number (1-65535)")
+    assert exit_.value.code == 2 and err.strip() == (
+        f"kvscope serve: argument {flag}: '{value}' is not a port number (1-65535) (see kvscope serve --help)")
+
+
+@pytest.mark.parametrize("argv", [[], ["run"], ["serve", "--bogus"], ["generate", "--max-tokens", "many"],
+                                  ["export", "t.jsonl", "--out", "x.png", "--step", "1.5"]])
+def test_a_bad_command_line_is_one_line_naming_what_is_wrong_and_help_still_has_the_usage(capsys, never_serves,
+                                                                                        argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert err.startswith("kvscope") and err.rstrip().endswith("--help)")
+    with pytest.raises(SystemExit) as help_:
+        main([*argv[:1], "--help"])
+    assert help_.value.code == 0 and capsys.readouterr().out.startswith("usage: kvscope")
 
 
 @pytest.fixture
@@ -168,12 +182,12 @@ def test_run_start_failures_are_4xx_naming_the_cause_and_logged(client, monkeypa
     def refuse(*_, **__):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("backend.server.runs.ScenarioRun", refuse)
-    with caplog.at_level(logging.WARNING, logger="backend.server.app"):
+    monkeypatch.setattr("kvscope.backend.server.runs.ScenarioRun", refuse)
+    with caplog.at_level(logging.WARNING, logger="kvscope.backend.server.app"):
         r = client.post("/api/runs", json={"scenario": "shared-prefix"})
     assert r.status_code == 400
     assert r.json()["error"] == "the run could not start: OSError: [Errno 28] No space left on device"
-    record = next(r for r in caplog.records if r.name == "backend.server.app")
+    record = next(r for r in caplog.records if r.name == "kvscope.backend.server.app")
     assert "No space left on device" in record.getMessage() and record.exc_info  # the cause's traceback, logged
 
 
@@ -189,7 +203,7 @@ def test_real_run_start_failures_are_4xx(client, overrides, needle):
 
 
 def test_the_dashboard_client_gets_the_reason_to_show(monkeypatch):
-    from frontend.client import Backend, BackendError
+    from kvscope.frontend.client import Backend, BackendError
 
     manager = RunManager()
     with serve_in_thread(create_app(manager)) as url:

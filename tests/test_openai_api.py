@@ -10,13 +10,13 @@ import httpx
 import openai
 import pytest
 
-from backend.engine.sampling_params import SamplingParams
-from backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
-from backend.engine.reference import reference_generate
-from backend.server.app import create_app
-from backend.model.chat import ChatTemplateError, render_speeches, render_template, special_tokens
-from backend.server.manager import RunManager
-from backend.server.serve import serve_in_thread
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
+from kvscope.backend.engine.reference import reference_generate
+from kvscope.backend.server.app import create_app
+from kvscope.backend.model.chat import ChatTemplateError, render_speeches, render_template, special_tokens
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import serve_in_thread
 
 PROMPT = "ROMEO:\n"
 CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
@@ -204,7 +204,7 @@ def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(client, model_na
 def test_echo_returns_the_prompt_and_its_logprobs(client, model_name, loaded: LoadedModel) -> None:
     import torch
 
-    from backend.engine.reference import next_token_logits
+    from kvscope.backend.engine.reference import next_token_logits
 
     ids = loaded.tokenizer.encode(PROMPT + "Good")
     plain = client.completions.create(model=model_name, prompt=PROMPT + "Good", max_tokens=4, temperature=0)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from matplotlib.colors import to_hex
 
-from backend.events.bus import EventBus
-from backend.events.history import KINDS
-from frontend.export.replayed import replay
-from frontend.export.timeline import PHASE_LABELS, draw_timeline
-from frontend.palette import PHASE_COLORS, REQUEST_COLORS, RESERVED, for_js, request_color
-from frontend.views.timeline import PHASE_LEGEND, legend_items
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.history import KINDS
+from kvscope.frontend.export.replayed import replay
+from kvscope.frontend.export.timeline import PHASE_LABELS, draw_timeline
+from kvscope.frontend.palette import PHASE_COLORS, REQUEST_COLORS, RESERVED, for_js, request_color
+from kvscope.frontend.views.timeline import PHASE_LEGEND, legend_items
 
 FRONTEND = Path(__file__).resolve().parents[1] / "frontend"
 

@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.beam_search import select
-from backend.engine.engine import Engine
-from backend.engine.request import RequestError
-from backend.engine.sampling_params import SamplingParams
-from backend.events.schema import parse_event
-from backend.events.state import RunState
-from backend.engine.reference import next_token_logits, reference_generate
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.beam_search import select
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.events.schema import parse_event
+from kvscope.backend.events.state import RunState
+from kvscope.backend.engine.reference import next_token_logits, reference_generate
 from tests.engine_helpers import GREEDY, mixed_workload, run_engine
 
 CONFIG = EngineConfig(block_size=4, num_blocks=400, max_num_seqs=32)

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import ModelConfig
-from backend.engine.kv_cache import kv_bytes_per_token
-from backend.perf import calibrate
-from backend.perf.cost_model import (BatchItem, Deployment, experts_touched, iteration_cost, resident_bytes,
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.engine.kv_cache import kv_bytes_per_token
+from kvscope.backend.perf import calibrate
+from kvscope.backend.perf.cost_model import (BatchItem, Deployment, experts_touched, iteration_cost, resident_bytes,
                                      stored_bytes)
-from backend.perf.errors import PerfError
-from backend.perf.hardware import DATASHEET, HARDWARE_NAMES, HardwareProfile, LinkProfile, get_hardware, profile_from
-from backend.perf.shapes import SHAPES, Linear, get_shape, shape_from_config
-from backend.perf.whatif import decode_knee, deployment, format_table, whatif
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import DATASHEET, HARDWARE_NAMES, HardwareProfile, LinkProfile, get_hardware, profile_from
+from kvscope.backend.perf.shapes import SHAPES, Linear, get_shape, shape_from_config
+from kvscope.backend.perf.whatif import decode_knee, deployment, format_table, whatif
 from kvscope.cli import build_parser, cmd_whatif, main
 
 ROOT = Path(__file__).resolve().parents[1]

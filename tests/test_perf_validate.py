@@ -5,7 +5,7 @@ import json
 import pytest
 
 from bench import perf_validate
-from backend.perf import calibrate
+from kvscope.backend.perf import calibrate
 
 
 def test_the_overhead_fit_is_least_squares_with_no_negative_term():

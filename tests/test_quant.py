@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from backend.config import EngineConfig, ModelConfig
-from backend.engine.engine import Engine
-from backend.engine.kv_cache import KVCache, kv_bytes_per_token, quantize_rows_int8
-from backend.engine.request import RequestError
-from backend.events.bus import EventBus
-from backend.model.attention import DenseCausalBackend
-from backend.model.quant import (QuantError, QuantLinear, dequantize_weight, pack_int4, quantize_model,
+from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.kv_cache import KVCache, kv_bytes_per_token, quantize_rows_int8
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model.quant import (QuantError, QuantLinear, dequantize_weight, pack_int4, quantize_model,
                                  quantize_weight, unpack_int4, weight_bytes)
-from backend.model.transformer import CausalLM
+from kvscope.backend.model.transformer import CausalLM
 from tests.conftest import make_tiny_model
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -140,7 +140,7 @@ def test_int8_cache_round_trips_rows_within_half_a_step_and_copies_scales_with_b
 
 def test_the_torch_quantizer_matches_the_kernels_reference():
     pytest.importorskip("triton")
-    from kernels.cache_write import quantize_int8_reference
+    from kvscope.kernels.cache_write import quantize_int8_reference
 
     x = torch.randn(7, 3, 16, generator=torch.Generator().manual_seed(5))
     x[2, 1] = 0.0

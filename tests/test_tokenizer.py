@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.model.loader import SHIPPED_MODELS_DIR
-from backend.model.tokenizer import EOS_TEXT, Tokenizer, encode_corpus
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
+from kvscope.backend.model.tokenizer import EOS_TEXT, Tokenizer, encode_corpus
 
 TOK = Tokenizer.from_file(SHIPPED_MODELS_DIR / "tokenizer.json")
 

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from kvscope.cli import main
-from backend import model_card
-from backend.model import quality, train
-from backend.model.loader import SHIPPED_MODELS_DIR, load_model
+from kvscope.backend import model_card
+from kvscope.backend.model import quality, train
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from backend.engine.sequence import Sequence
+from kvscope.backend.engine.sequence import Sequence
 
 ROOT_HASH = 0  # parent hash of a sequence's first block; a constant keeps hashes reproducible
 ROOT_CONTENT = -1  # parent content id of a sequence's first block

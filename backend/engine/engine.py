@@ -16,24 +16,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.config import EngineConfig, ModelConfig
-from backend.engine.block_manager import BlockManager
-from backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_formula, num_blocks_for_budget
-from backend.engine.metrics import MetricsTracker
-from backend.engine.output_processor import OutputProcessor
-from backend.engine.request import Request, RequestError
-from backend.engine.request_tracker import RequestTracker
-from backend.engine.runner import ModelRunner
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
-from backend.engine.spec_decode import SpecDecoder, StepBatch, make_proposer
-from backend.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
-from backend.engine.step_events import StepEvents
-from backend.events.bus import EventBus
-from backend.events.schema import SCHEMA_VERSION
-from backend.model.loader import LoadedModel
-from backend.model.quant import QuantError, quantize_loaded
+from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_formula, num_blocks_for_budget
+from kvscope.backend.engine.metrics import MetricsTracker
+from kvscope.backend.engine.output_processor import OutputProcessor
+from kvscope.backend.engine.request import Request, RequestError
+from kvscope.backend.engine.request_tracker import RequestTracker
+from kvscope.backend.engine.runner import ModelRunner
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.scheduler import Scheduler
+from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.engine.spec_decode import SpecDecoder, StepBatch, make_proposer
+from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
+from kvscope.backend.engine.step_events import StepEvents
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.schema import SCHEMA_VERSION
+from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.quant import QuantError, quantize_loaded
 
 
 def pick_device(config: EngineConfig) -> torch.device:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.config import ModelConfig
+from kvscope.backend.config import ModelConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 INT8_MAX = 127.0

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from backend.engine.sequence import Sequence
+from kvscope.backend.engine.sequence import Sequence
 
 
 @dataclass

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.beam_search import Choice, Hypothesis, select
-from backend.engine.block_manager import BlockManager
-from backend.engine.request import Request
-from backend.engine.request_tracker import RequestTracker
-from backend.engine.sampler import constrain, sample
-from backend.engine.sequence import Sequence
-from backend.engine.spec_decode import SpecDecoder, StepBatch
-from backend.engine.step_events import StepEvents
+from kvscope.backend.engine.beam_search import Choice, Hypothesis, select
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.request import Request
+from kvscope.backend.engine.request_tracker import RequestTracker
+from kvscope.backend.engine.sampler import constrain, sample
+from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.engine.spec_decode import SpecDecoder, StepBatch
+from kvscope.backend.engine.step_events import StepEvents
 
 
 class OutputProcessor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.sampler import sample
-from backend.engine.sampling_params import SamplingParams
-from backend.model.attention import DenseCausalBackend
-from backend.model.transformer import CausalLM
+from kvscope.backend.engine.sampler import sample
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model.transformer import CausalLM
 
 
 @torch.no_grad()

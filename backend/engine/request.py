@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.beam_search import BeamState
-from backend.engine.metrics import RequestTimes
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Sequence
-from backend.errors import KvscopeError
-from backend.model.tokenizer import Tokenizer
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.beam_search import BeamState
+from kvscope.backend.engine.metrics import RequestTimes
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.model.tokenizer import Tokenizer
 
 
 class RequestError(KvscopeError):

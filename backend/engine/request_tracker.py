@@ -14,18 +14,18 @@ from collections.abc import Callable
 import torch
 from pydantic import ValidationError
 
-from backend.config import EngineConfig
-from backend.engine.beam_search import BeamState, Hypothesis
-from backend.engine.block_manager import BlockManager
-from backend.engine.metrics import RequestTimes
-from backend.engine.request import (Request, RequestError, check_fits, check_supported, check_token_ids,
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.beam_search import BeamState, Hypothesis
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.metrics import RequestTimes
+from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_supported, check_token_ids,
                                     finish_reason_after)
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence, SeqStatus
-from backend.engine.step_events import StepEvents
-from backend.errors import validation_error
-from backend.model.tokenizer import Tokenizer
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.scheduler import Scheduler
+from kvscope.backend.engine.sequence import Sequence, SeqStatus
+from kvscope.backend.engine.step_events import StepEvents
+from kvscope.backend.errors import validation_error
+from kvscope.backend.model.tokenizer import Tokenizer
 
 
 class RequestTracker:

@@ -15,10 +15,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from backend.engine.kv_cache import KVCache
-from backend.engine.scheduler import ScheduledSeq
-from backend.model.attention import causal_attention
-from backend.model.transformer import CausalLM
+from kvscope.backend.engine.kv_cache import KVCache
+from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.model.attention import causal_attention
+from kvscope.backend.model.transformer import CausalLM
 
 
 @dataclass
@@ -107,7 +107,7 @@ class PagedTritonBackend:
     absorb_mla = True
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
-        import kernels  # here, not at the top: triton must be imported after the engine checked TRITON_INTERPRET
+        from kvscope import kernels  # here, not at the top: triton must be imported after the engine checked TRITON_INTERPRET
 
         self.kernels, self.cache, self.meta = kernels, cache, meta
         dev = cache.data.device

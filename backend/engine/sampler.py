@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend.config import EngineConfig
-from backend.engine.block_manager import BlockManager
-from backend.engine.sequence import Sequence, SeqStatus
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.sequence import Sequence, SeqStatus
 
 
 @dataclass(frozen=True)  # the scheduler's decision: later stages build new entries, never edit one

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.block_manager import BlockManager
-from backend.engine.kv_cache import KVCache
-from backend.engine.request import RequestError
-from backend.engine.request_tracker import RequestTracker
-from backend.engine.runner import ModelRunner
-from backend.engine.sampler import distributions, penalised
-from backend.engine.scheduler import ScheduledSeq
-from backend.engine.sequence import Sequence
-from backend.engine.speculative import DraftModelProposer, NgramProposer, Proposal, SpecRequest, SpecStats, verify
-from backend.engine.step_events import StepEvents
-from backend.model.loader import LoadedModel, ModelLoadError, load_model
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.kv_cache import KVCache
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.request_tracker import RequestTracker
+from kvscope.backend.engine.runner import ModelRunner
+from kvscope.backend.engine.sampler import distributions, penalised
+from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, Proposal, SpecRequest, SpecStats, verify
+from kvscope.backend.engine.step_events import StepEvents
+from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model
 
 Proposer = NgramProposer | DraftModelProposer
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.kv_cache import KVCache
-from backend.engine.runner import ModelRunner
-from backend.engine.sampler import draw, sample
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.scheduler import ScheduledSeq
-from backend.engine.sequence import Sequence
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.kv_cache import KVCache
+from kvscope.backend.engine.runner import ModelRunner
+from kvscope.backend.engine.sampler import draw, sample
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.sequence import Sequence
 
 DRAFT_NAMESPACE = 1
 

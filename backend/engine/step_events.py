@@ -10,15 +10,15 @@ import math
 
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.block_manager import BlockManager
-from backend.engine.metrics import KVSnapshot
-from backend.engine.request import Request
-from backend.engine.scheduler import ScheduledSeq, Scheduler
-from backend.engine.sequence import Sequence
-from backend.engine.speculative import Verdict
-from backend.events.bus import EventBus
-from backend.model.tokenizer import Tokenizer
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.metrics import KVSnapshot
+from kvscope.backend.engine.request import Request
+from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
+from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.engine.speculative import Verdict
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.model.tokenizer import Tokenizer
 
 
 class StepEvents:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from backend.events.record import RunRecord
+from kvscope.backend.events.record import RunRecord
 
 # Scenario fields (besides the engine) that a comparison may vary: the workload's arrival rate.
 SCENARIO_FIELDS = ("generate.arrival.rate_per_step",)

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from backend.events.state import RunState
+from kvscope.backend.events.state import RunState
 
 Event = dict[str, Any]
 # "recompute" is a display phase: a decode step of a run without a KV cache (engine.kv_cache false),
@@ -243,8 +243,11 @@ class RunHistory:
         return self.engine_s.get(step - 1)
 
     def engine_ttft(self, arrival_step: int, first_token_step: int) -> float | None:
-        """Engine seconds from a request's arrival to the end of the iteration that gave its first token."""
-        first, before = self.engine_s.get(first_token_step), self.engine_before(arrival_step)
+        """Engine seconds from a request's arrival to the end of the iteration that gave its first token.
+
+        A request_arrived event's step is the last iteration before the arrival, so the first that
+        can serve it is the next one: iteration `arrival_step` itself ran before it existed."""
+        first, before = self.engine_s.get(first_token_step), self.engine_before(arrival_step + 1)
         return first - before if first is not None and before is not None else None
 
     def engine_tokens_per_s(self, step: int) -> float | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from backend.events.history import RunHistory
-from backend.events.state import RunState
+from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.state import RunState
 
 
 class RunRecord:

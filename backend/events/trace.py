@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from backend.errors import KvscopeError
-from backend.events.schema import describe_error, parse_event
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.schema import describe_error, parse_event
 
 log = logging.getLogger(__name__)
 

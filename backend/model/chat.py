@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError
 
 if TYPE_CHECKING:
-    from backend.model.loader import LoadedModel
+    from kvscope.backend.model.loader import LoadedModel
 
 # Speakers the demo models met often in training (ROMEO and JULIET have ~150 speeches each), so
 # they answer in character; a message's own `name` takes precedence.

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from backend.config import ModelConfig
-from backend.errors import ModelLoadError
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.errors import ModelLoadError
 
 CACHE_FORMAT = 1  # part of the cache key: bump when the converted folder's contents change
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

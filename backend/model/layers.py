@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn as nn
 
-from backend.config import RopeScaling
+from kvscope.backend.config import RopeScaling
 
 
 class RMSNorm(nn.Module):

@@ -9,8 +9,10 @@ server can show one clear line instead of a traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +21,10 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from backend.config import ModelConfig
-from backend.errors import ModelLoadError, validation_error
-from backend.model.tokenizer import Tokenizer, read_chat_template
-from backend.model.transformer import CausalLM
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.errors import ModelLoadError, validation_error
+from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
+from kvscope.backend.model.transformer import CausalLM
 
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
@@ -48,7 +50,7 @@ def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(str(path), "no such GGUF file")
-        from backend.model import gguf_loader  # here: it imports this module's error, and `gguf` only GGUF needs
+        from kvscope.backend.model import gguf_loader  # here: it imports this module's error, and `gguf` only GGUF needs
 
         return gguf_loader.gguf_model_dir(path, dtype)
     if not path.is_dir():
@@ -62,11 +64,25 @@ def model_facts(name_or_path: str | Path) -> tuple[ModelConfig, bool]:
     only, so a model picker does not wait for a first conversion)."""
     path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        from backend.model import gguf_loader  # here: `gguf` is needed only for GGUF files
-
-        return gguf_loader.gguf_facts(path)
+        stat = path.stat()
+        with _GGUF_FACTS_LOCK:
+            return _gguf_facts(path.resolve(), stat.st_size, stat.st_mtime_ns)
     model_dir = resolve_model_dir(name_or_path)
     return read_config(model_dir), read_chat_template(model_dir) is not None
+
+
+# Reading a GGUF file's metadata parses every field, the tokenizer's 49k strings included: seconds
+# of CPU. Every dashboard page asks for the model list, so the facts are read once per file version
+# (size and mtime in the key), and one lock makes pages that ask at once wait for that one read
+# instead of each starting its own: a dozen parallel reads starved the server's other requests.
+_GGUF_FACTS_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_facts(path: Path, size: int, mtime_ns: int) -> tuple[ModelConfig, bool]:
+    from kvscope.backend.model import gguf_loader  # here: `gguf` is needed only for GGUF files
+
+    return gguf_loader.gguf_facts(path)
 
 
 def missing_package(name: str) -> str | None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from backend.config import ModelConfig
-from backend.model.attention import AttentionBackend
-from backend.model.layers import RMSNorm, apply_rope
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.model.attention import AttentionBackend
+from kvscope.backend.model.layers import RMSNorm, apply_rope
 
 
 class MLAttention(nn.Module):

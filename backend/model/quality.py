@@ -7,9 +7,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from backend.model.attention import DenseCausalBackend
-from backend.model.tokenizer import Tokenizer, encode_corpus, read_corpus
-from backend.model.transformer import CausalLM
+from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model.tokenizer import Tokenizer, encode_corpus, read_corpus
+from kvscope.backend.model.transformer import CausalLM
 
 CONTEXT = 256
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backend.errors import KvscopeError
-from backend.model.loader import LoadedModel
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.model.loader import LoadedModel
 
 QuantMode = Literal["none", "int8", "int4"]
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code

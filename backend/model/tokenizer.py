@@ -71,7 +71,7 @@ def read_chat_template(model_dir: Path) -> str | None:
 
 def read_corpus(path: Path | None = None) -> tuple[str, str]:
     """The corpus (default: the bundled Tiny Shakespeare) split by position: first 90% train, last 10% validation."""
-    source = path or resources.files("backend") / "data" / CORPUS_NAME
+    source = path or resources.files("kvscope.backend") / "data" / CORPUS_NAME
     text = source.read_text(encoding="utf-8")
     cut = int(len(text) * 0.9)
     return text[:cut], text[cut:]

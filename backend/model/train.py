@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from backend.config import KVSCOPE_ARCHITECTURE, MLAConfig, ModelConfig
-from backend.errors import KvscopeError
-from backend.model.attention import DenseCausalBackend
-from backend.model.loader import SHIPPED_MODELS_DIR, save_model
-from backend.model.quality import CONTEXT, bits_per_char, evaluate, validation_windows
-from backend.model.tokenizer import Tokenizer, encode_corpus, read_corpus, train_bpe
-from backend.model.transformer import CausalLM, num_parameters
+from kvscope.backend.config import KVSCOPE_ARCHITECTURE, MLAConfig, ModelConfig
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, save_model
+from kvscope.backend.model.quality import CONTEXT, bits_per_char, evaluate, validation_windows
+from kvscope.backend.model.tokenizer import Tokenizer, encode_corpus, read_corpus, train_bpe
+from kvscope.backend.model.transformer import CausalLM, num_parameters
 
 VOCAB_SIZE = 2048
 TOKENIZER_PATH = SHIPPED_MODELS_DIR / "tokenizer.json"

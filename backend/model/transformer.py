@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backend.config import ModelConfig
-from backend.model.attention import AttentionBackend
-from backend.model.layers import RMSNorm, RotaryEmbedding, apply_rope
-from backend.model.mla import MLAttention
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.model.attention import AttentionBackend
+from kvscope.backend.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from kvscope.backend.model.mla import MLAttention
 
 
 class Attention(nn.Module):

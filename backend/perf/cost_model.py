@@ -31,12 +31,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backend.config import DTYPE_BYTES
-from backend.engine.kv_cache import kv_bytes_per_token
-from backend.model.quant import QuantError, check_group_size
-from backend.perf.errors import PerfError
-from backend.perf.hardware import HardwareProfile
-from backend.perf.shapes import Linear, ModelShape
+from kvscope.backend.config import DTYPE_BYTES
+from kvscope.backend.engine.kv_cache import kv_bytes_per_token
+from kvscope.backend.model.quant import QuantError, check_group_size
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import HardwareProfile
+from kvscope.backend.perf.shapes import Linear, ModelShape
 
 PHASES = ("prefill", "decode", "verify")
 TP_DEGREES = (1, 2, 4, 8)

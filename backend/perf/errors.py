@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError
 
 
 class PerfError(KvscopeError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from backend.perf.errors import PerfError, unknown_name
+from kvscope.backend.perf.errors import PerfError, unknown_name
 
 TERA, GIGA = 1e12, 1e9
 DEFAULT_ITERATION_OVERHEAD_S = 50e-6  # assumed: one CUDA-graph replay plus sampling, not a datasheet figure
@@ -90,7 +90,7 @@ HARDWARE_NAMES = [*DATASHEET, THIS_MACHINE]
 def get_hardware(name: str, link: str | None = None) -> HardwareProfile:
     """A named profile (`this-machine`: calibrated once, then read from the cache); link overrides its link."""
     if name == THIS_MACHINE:
-        from backend.perf.calibrate import this_machine  # here: it imports torch, needed only for this name
+        from kvscope.backend.perf.calibrate import this_machine  # here: it imports torch, needed only for this name
 
         profile = profile_from(this_machine())
     elif name in DATASHEET:

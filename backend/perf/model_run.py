@@ -19,13 +19,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from backend.config import DTYPE_BYTES, ModelConfig
-from backend.errors import ModelLoadError, validation_error
-from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, read_config
-from backend.perf.cost_model import BatchItem, Deployment, iteration_cost
-from backend.perf.errors import PerfError
-from backend.perf.hardware import HardwareProfile, get_hardware
-from backend.perf.shapes import SHAPES, ModelShape, shape_from_config
+from kvscope.backend.config import DTYPE_BYTES, ModelConfig
+from kvscope.backend.errors import ModelLoadError, validation_error
+from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, read_config
+from kvscope.backend.perf.cost_model import BatchItem, Deployment, iteration_cost
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import HardwareProfile, get_hardware
+from kvscope.backend.perf.shapes import SHAPES, ModelShape, shape_from_config
 
 ALIASES = {SMOLLM2: "smollm2-135m"}  # model names whose shape is a named one
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.config import MLAConfig, ModelConfig
-from backend.perf.errors import unknown_name
+from kvscope.backend.config import MLAConfig, ModelConfig
+from kvscope.backend.perf.errors import unknown_name
 
 
 @dataclass(frozen=True)

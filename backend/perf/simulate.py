@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from backend.config import EngineConfig, ModelConfig
-from backend.engine.engine import Runtime
-from backend.engine.kv_cache import kv_bytes_per_token
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.scheduler import ScheduledSeq
-from backend.model.loader import SHIPPED_MODELS_DIR
-from backend.model.tokenizer import Tokenizer
-from backend.perf.cost_model import BatchItem, Deployment, IterationCost, iteration_cost, resident_bytes
-from backend.perf.errors import PerfError
-from backend.perf.whatif import deployment
+from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.engine.engine import Runtime
+from kvscope.backend.engine.kv_cache import kv_bytes_per_token
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
+from kvscope.backend.model.tokenizer import Tokenizer
+from kvscope.backend.perf.cost_model import BatchItem, Deployment, IterationCost, iteration_cost, resident_bytes
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.whatif import deployment
 
 STAND_IN_MODEL = "demo"  # its tokenizer turns prompts into ids and names the stand-in tokens
 LOGIT_SCALE = 3.0  # spread of the stand-in logits: a few likely tokens per row, as a trained model has

@@ -7,11 +7,11 @@ roofline model of cost_model.py. Output: a table, or with --json one object whos
 
 from __future__ import annotations
 
-from backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
+from kvscope.backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
                                      iteration_cost, resident_bytes)
-from backend.perf.errors import PerfError
-from backend.perf.hardware import LINKS, HardwareProfile, get_hardware
-from backend.perf.shapes import ModelShape, get_shape
+from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.perf.hardware import LINKS, HardwareProfile, get_hardware
+from kvscope.backend.perf.shapes import ModelShape, get_shape
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 

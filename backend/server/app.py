@@ -22,14 +22,14 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import File
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backend.errors import KvscopeError
-from backend.events.trace import parse_trace
-from backend.model.chat import render_chat
-from backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ChatMessage, list_scenarios, load_scenario
-from backend.server.guards import require_token
-from backend.server.limits import ServiceLimits
-from backend.server.manager import RunManager
-from backend.server.runs import EngineRun, RunBusy, RunError, ServedRun
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.trace import parse_trace
+from kvscope.backend.model.chat import render_chat
+from kvscope.backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ChatMessage, list_scenarios, load_scenario
+from kvscope.backend.server.guards import require_token
+from kvscope.backend.server.limits import ServiceLimits
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.runs import EngineRun, RunBusy, RunError, ServedRun
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +238,10 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     `host`: the bind address (on loopback the Host header must be a loopback name); `public_watch`:
     off loopback, watching runs needs no token; `dashboard_origin`: a browser origin trusted like a
     --cors-origin (guards.py)."""
-    from backend.server.guards import CONNECTION_GUARDS
-    from backend.server.openai_api import openai_errors_under_v1, openai_routes
-    from backend.server.serve import is_loopback
-    from backend.server.ws import SendBudget, run_socket
+    from kvscope.backend.server.guards import CONNECTION_GUARDS
+    from kvscope.backend.server.openai_api import openai_errors_under_v1, openai_routes
+    from kvscope.backend.server.serve import is_loopback
+    from kvscope.backend.server.ws import SendBudget, run_socket
 
     manager = manager or RunManager(limits=limits)
     if limits is not None:

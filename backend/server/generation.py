@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from backend.model.attention import DenseCausalBackend
-from backend.model.loader import LoadedModel
-from backend.server.runs import EngineRun
+from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.server.runs import EngineRun
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 WANTED_EVENTS = frozenset({"request_arrived", "seq_fork", "token", "request_finished"})

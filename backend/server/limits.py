@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from backend.engine.kv_cache import DTYPE_NAMES, kv_bytes_per_token, num_blocks_for_budget
-from backend.model.loader import SHIPPED_MODELS, SMOLLM2, LoadedModel
-from backend.scenario import Scenario
+from kvscope.backend.engine.kv_cache import DTYPE_NAMES, kv_bytes_per_token, num_blocks_for_budget
+from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, LoadedModel
+from kvscope.backend.scenario import Scenario
 
 MB = 1024**2
 KV_SHARE_OF_MEMORY = 0.25  # of physical memory, for every run's KV cache together: the model, Python

@@ -15,15 +15,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from backend.config import EngineConfig, ModelConfig
-from backend.errors import ModelLoadError
-from backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
-from backend.run import cached_model
-from backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
+from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.errors import ModelLoadError
+from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
+from kvscope.backend.run import cached_model
+from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
-from backend.server.limits import MB, ServiceLimits, kv_cache_bytes
-from backend.server.replay import ReplayRun
-from backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
+from kvscope.backend.server.limits import MB, ServiceLimits, kv_cache_bytes
+from kvscope.backend.server.replay import ReplayRun
+from kvscope.backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
 
 API_RUN_ID = "api"  # the server's own model; another model named by an API request gets "api-<name>"
 # A model outside the shipped demos gets its KV cache by bytes: SmolLM2 in fp32 (46 KB per token)

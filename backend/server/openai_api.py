@@ -25,14 +25,14 @@ from litestar.response import ServerSentEvent
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
-from backend.engine.request import RequestError
-from backend.engine.sampling_params import SamplingParams
-from backend.errors import validation_error
-from backend.model.chat import ChatTemplateError, render_chat
-from backend.model.loader import ModelLoadError, missing_package
-from backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
-from backend.server.generation import Choice, Generation, prompt_logprobs
-from backend.server.runs import EngineRun, RunBusy, RunError
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.errors import validation_error
+from kvscope.backend.model.chat import ChatTemplateError, render_chat
+from kvscope.backend.model.loader import ModelLoadError, missing_package
+from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
+from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
+from kvscope.backend.server.runs import EngineRun, RunBusy, RunError
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 

@@ -12,9 +12,9 @@ import json
 import uuid
 from itertools import accumulate
 
-from backend.events.moments import MomentFinder
-from backend.events.state import RunState
-from backend.server.runs import DEFAULT_SPEED, Retention, ServedRun
+from kvscope.backend.events.moments import MomentFinder
+from kvscope.backend.events.state import RunState
+from kvscope.backend.server.runs import DEFAULT_SPEED, Retention, ServedRun
 
 
 class ReplayRun(ServedRun):

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from backend.errors import KvscopeError
-from backend.events.bus import EventBus
-from backend.events.moments import Moment, MomentFinder, lesson_moments
-from backend.events.state import RunState
-from backend.run import ScenarioRun
-from backend.scenario import Scenario
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
+from kvscope.backend.events.state import RunState
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import Scenario
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 WATCHER_QUEUE_LIMIT = 4096  # events a watcher may lag behind before it is resynced instead

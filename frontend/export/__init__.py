@@ -10,7 +10,7 @@ One module per output (timeline, blocks, batch, perfetto), with what they share 
 (what can be asked), replayed (the events replayed) and figure (the frame of every picture).
 """
 
-from frontend.export.options import FORMATS, VIEWS, X_UNITS, ExportError, check_options
-from frontend.export.write import render
+from kvscope.frontend.export.options import FORMATS, VIEWS, X_UNITS, ExportError, check_options
+from kvscope.frontend.export.write import render
 
 __all__ = ["FORMATS", "VIEWS", "X_UNITS", "ExportError", "check_options", "render"]

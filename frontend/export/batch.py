@@ -8,9 +8,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from frontend.export.figure import engine_facts, frame, legend_outside, request_colors, request_handles
-from frontend.export.replayed import ExportedRun
-from frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS
+from kvscope.frontend.export.figure import engine_facts, frame, legend_outside, request_colors, request_handles
+from kvscope.frontend.export.replayed import ExportedRun
+from kvscope.frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS
 
 IDLE_COLOR = "#f1f1f1"  # idle while nobody waits; idle while requests wait is SLOT_COLORS["idle"], as on the page
 QUEUE_COLOR = "#374151"  # the waiting-queue line

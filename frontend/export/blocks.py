@@ -12,9 +12,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from frontend.export.figure import frame, legend_outside, request_colors, request_handles
-from frontend.export.replayed import ExportedRun
-from frontend.palette import BLOCK_COLORS
+from kvscope.frontend.export.figure import frame, legend_outside, request_colors, request_handles
+from kvscope.frontend.export.replayed import ExportedRun
+from kvscope.frontend.palette import BLOCK_COLORS
 
 
 def grid_columns(num_blocks: int) -> int:

@@ -8,8 +8,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from frontend.export.replayed import ExportedRun
-from frontend.palette import request_color
+from kvscope.frontend.export.replayed import ExportedRun
+from kvscope.frontend.palette import request_color
 
 DPI = 110
 MAX_LEGEND_REQUESTS = 14

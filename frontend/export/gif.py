@@ -16,11 +16,11 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from PIL import Image
 
-from frontend import palette
-from frontend.export.blocks import draw_blocks
-from frontend.export.options import ExportError
-from frontend.export.replayed import Event, replay
-from frontend.export.timeline import draw_timeline
+from kvscope.frontend import palette
+from kvscope.frontend.export.blocks import draw_blocks
+from kvscope.frontend.export.options import ExportError
+from kvscope.frontend.export.replayed import Event, replay
+from kvscope.frontend.export.timeline import draw_timeline
 
 MAX_FRAMES = 400  # a slide, not a film: longer runs take a stride
 FRAME_MS = 250  # 4 iterations a second, the page's default speed

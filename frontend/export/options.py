@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError
 
 VIEWS = ("timeline", "blocks", "batch")
 FORMATS = (".png", ".svg", ".json", ".gif")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.export.replayed import Event, ExportedRun, segments
+from kvscope.frontend.export.replayed import Event, ExportedRun, segments
 
 
 def perfetto_trace(run: ExportedRun) -> dict[str, Any]:

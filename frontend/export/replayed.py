@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.events.history import RunHistory
-from backend.events.record import RunRecord
-from backend.events.state import RunState
-from frontend.export.options import ExportError
+from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.record import RunRecord
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.export.options import ExportError
 
 Event = dict[str, Any]
 # A request whose sequences are in different phases in one iteration shows the highest ranked one.

@@ -10,9 +10,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from frontend.export.figure import engine_facts, frame, legend_outside
-from frontend.export.replayed import ExportedRun, segments
-from frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
+from kvscope.frontend.export.figure import engine_facts, frame, legend_outside
+from kvscope.frontend.export.replayed import ExportedRun, segments
+from kvscope.frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
 
 FIRST_TOKEN_COLOR, ABORT_COLOR = "#111111", "#d62728"
 PHASE_LABELS = {"waiting": "waiting (queued)", "prefill": "prefill chunk", "decode": "decode (1 token / step)",

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import matplotlib
 
-from frontend.export.batch import draw_batch
-from frontend.export.blocks import draw_blocks
-from frontend.export.figure import DPI
-from frontend.export.gif import write_gif
-from frontend.export.options import check_options
-from frontend.export.perfetto import perfetto_trace
-from frontend.export.replayed import Event, busiest_step, replay
-from frontend.export.timeline import draw_timeline
+from kvscope.frontend.export.batch import draw_batch
+from kvscope.frontend.export.blocks import draw_blocks
+from kvscope.frontend.export.figure import DPI
+from kvscope.frontend.export.gif import write_gif
+from kvscope.frontend.export.options import check_options
+from kvscope.frontend.export.perfetto import perfetto_trace
+from kvscope.frontend.export.replayed import Event, busiest_step, replay
+from kvscope.frontend.export.timeline import draw_timeline
 
 DRAW = {"timeline": draw_timeline, "blocks": draw_blocks, "batch": draw_batch}
 

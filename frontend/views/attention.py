@@ -6,12 +6,12 @@ from typing import Any
 
 from nicegui import ui
 
-from frontend.client import LogEntry, RunFeed
-from frontend.palette import MASK_COLORS
-from frontend.selection import Selection
-from frontend.views.base import FeedView, Js, legend, view_card
-from frontend.views.charts import make_chart
-from frontend.views.live_text import LiveText
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.frontend.palette import MASK_COLORS
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.views.base import FeedView, Js, legend, view_card
+from kvscope.frontend.views.charts import make_chart
+from kvscope.frontend.views.live_text import LiveText
 
 EXPLANATION = """
 Rows are **queries** (the tokens computed in this iteration), columns are **keys** (every token

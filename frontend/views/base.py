@@ -17,7 +17,7 @@ from typing import Any
 
 from nicegui import ui
 
-from frontend.client import LogEntry, RunFeed
+from kvscope.frontend.client import LogEntry, RunFeed
 
 INTEGER_LABELS = {":formatter": "(v) => Number.isInteger(v) ? String(v) : ''"}  # iterations, not -0.5
 TICK_S = 0.05  # 20 Hz: smooth to the eye, and a bound on redraws however fast events come

@@ -6,14 +6,14 @@ from typing import Any
 
 from nicegui.events import EChartPointClickEventArguments
 
-from frontend.client import LogEntry, RunFeed
-from backend.events.history import Column, RunHistory
-from frontend.selection import Selection
-from frontend.palette import BUDGET_COLOR, MANY_REQUESTS_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
-from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
-from frontend.views.charts import make_chart
-from frontend.views.chunks import Chunks
-from frontend.views.live_text import LiveText
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.backend.events.history import Column, RunHistory
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.palette import BUDGET_COLOR, MANY_REQUESTS_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
+from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
+from kvscope.frontend.views.charts import make_chart
+from kvscope.frontend.views.chunks import Chunks
+from kvscope.frontend.views.live_text import LiveText
 
 EXPLANATION = """
 Each bar is one iteration: how many **tokens** went through the model, stacked by request

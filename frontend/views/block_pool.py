@@ -7,13 +7,13 @@ import html
 from nicegui import ui
 from nicegui.events import GenericEventArguments
 
-from backend.events.state import RunState
-from frontend.client import LogEntry, RunFeed
-from backend.events.history import RunHistory
-from frontend.selection import Selection
-from frontend.palette import BLOCK_COLORS, FLASH_COLORS, FLASH_LABELS, FOCUS_COLOR, REQUEST_COLORS, request_color
-from frontend.views.base import FeedView, legend, view_card
-from frontend.views.live_text import LiveText
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.backend.events.history import RunHistory
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.palette import BLOCK_COLORS, FLASH_COLORS, FLASH_LABELS, FOCUS_COLOR, REQUEST_COLORS, request_color
+from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.live_text import LiveText
 
 FREE, USED, CACHED = 0, 1, 2
 SHARED, DRAFT, PICKED = 1, 2, 4  # bits of a cell's marks (PICKED: held by the selected request)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import html
 
 
-from backend.events.state import RunState
-from frontend.client import RunFeed
-from backend.events.history import RunHistory
-from frontend.selection import Selection
-from frontend.palette import CHIP_COLORS, request_color
-from frontend.views.base import FeedView, legend, view_card
-from frontend.views.live_text import LiveText
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.client import RunFeed
+from kvscope.backend.events.history import RunHistory
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.palette import CHIP_COLORS, request_color
+from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.live_text import LiveText
 
 EXPLANATION = """
 A sequence sees its KV cache as consecutive **logical** blocks 0, 1, 2, ...; its **block table** maps

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from nicegui import ui
 
-from backend.events.state import RunState
-from frontend.client import RunFeed
-from frontend.views.base import FeedView, view_card
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.client import RunFeed
+from kvscope.frontend.views.base import FeedView, view_card
 
 EXPLANATION = """
 Every layer stores a **key** and a **value** vector per KV head for every token of the context:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import statistics
 
 
-from backend.perf.model_run import ModelledLatency, modelled_latency
-from frontend.client import LogEntry, RunFeed
-from backend.events.history import Finish, MetricPoint
-from frontend.hardware import HardwareChoice, request_steps
-from frontend.views.base import FeedView, view_card
-from frontend.views.charts import make_chart
-from frontend.views.live_text import LiveText
-from frontend.views.chunks import Chunks
-from frontend.views.kv_calc import memory_text
+from kvscope.backend.perf.model_run import ModelledLatency, modelled_latency
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.backend.events.history import Finish, MetricPoint
+from kvscope.frontend.hardware import HardwareChoice, request_steps
+from kvscope.frontend.views.base import FeedView, view_card
+from kvscope.frontend.views.charts import make_chart
+from kvscope.frontend.views.live_text import LiveText
+from kvscope.frontend.views.chunks import Chunks
+from kvscope.frontend.views.kv_calc import memory_text
 
 EXPLANATION = """
 Times here are **engine time**: the sum of the iterations' own durations (what the model took,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.client import LogEntry, RunFeed
-from frontend.hardware import HardwareChoice, ModelledRun
-from frontend.palette import PHASE_COLORS
-from frontend.views.base import FeedView, legend, view_card
-from frontend.views.charts import make_chart
-from frontend.views.chunks import Chunks
-from frontend.views.live_text import LiveText
-from backend.perf.model_run import ModelledStep
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.frontend.hardware import HardwareChoice, ModelledRun
+from kvscope.frontend.palette import PHASE_COLORS
+from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.charts import make_chart
+from kvscope.frontend.views.chunks import Chunks
+from kvscope.frontend.views.live_text import LiveText
+from kvscope.backend.perf.model_run import ModelledStep
 
 EXPLANATION = """
 A **roofline** says how fast a piece of work can run on a machine from one number: its

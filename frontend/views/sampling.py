@@ -7,14 +7,14 @@ import html
 from nicegui import ui
 from nicegui.events import GenericEventArguments
 
-from frontend.client import LogEntry, RunFeed
-from frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, knobs_of
-from frontend.selection import Selection
-from frontend.palette import TOKEN_MARK_COLORS
-from frontend.views.base import FeedView, legend, view_card
-from frontend.views.charts import make_chart, probability_bars
-from frontend.views.live_text import LiveText
-from frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, knobs_of
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.palette import TOKEN_MARK_COLORS
+from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.charts import make_chart, probability_bars
+from kvscope.frontend.views.live_text import LiveText
+from kvscope.frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
 
 EXPLANATION = """
 The model gives a probability to every token of the vocabulary (**raw**, the softmax at T = 1).

@@ -10,8 +10,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from backend.events.history import RunHistory, SeqToken
-from backend.events.state import RunState
+from kvscope.backend.events.history import RunHistory, SeqToken
+from kvscope.backend.events.state import RunState
 
 ROW_TOKENS = 48  # most recent tokens shown per row
 

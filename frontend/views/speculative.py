@@ -9,14 +9,14 @@ from typing import Any
 from nicegui import ui
 from nicegui.events import GenericEventArguments
 
-from backend.events.state import RunState
-from frontend.client import LogEntry, RunFeed
-from frontend.palette import SPEC_COLORS
-from frontend.selection import Selection
-from frontend.views.base import FeedView, legend, view_card
-from frontend.views.charts import make_chart, probability_bars
-from frontend.views.live_text import LiveText
-from frontend.views.sampling import token_label
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.frontend.palette import SPEC_COLORS
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.charts import make_chart, probability_bars
+from kvscope.frontend.views.live_text import LiveText
+from kvscope.frontend.views.sampling import token_label
 
 Event = dict[str, Any]
 

@@ -8,15 +8,15 @@ from typing import Any
 from nicegui import ui
 from nicegui.events import EChartPointClickEventArguments
 
-from backend.events.state import RunState, SeqView
-from frontend.client import LogEntry, RunFeed
-from backend.events.history import KINDS, Cell, Column, RunHistory
-from frontend.hardware import HardwareChoice
-from frontend.selection import Selection
-from frontend.palette import PHASE_COLORS
-from frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
-from frontend.views.charts import make_chart
-from frontend.views.chunks import Chunks
+from kvscope.backend.events.state import RunState, SeqView
+from kvscope.frontend.client import LogEntry, RunFeed
+from kvscope.backend.events.history import KINDS, Cell, Column, RunHistory
+from kvscope.frontend.hardware import HardwareChoice
+from kvscope.frontend.selection import Selection
+from kvscope.frontend.palette import PHASE_COLORS
+from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
+from kvscope.frontend.views.charts import make_chart
+from kvscope.frontend.views.chunks import Chunks
 
 EXPLANATION = """
 One row per request, one column per engine **iteration** (one forward pass over the whole batch).

@@ -1,0 +1,1 @@
+"""The dashboard's views: one module per view, each with its JavaScript beside it where it draws in the page."""
