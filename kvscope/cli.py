@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -493,6 +495,9 @@ def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Names
     except KvscopeError as e:
         print(f"kvscope {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvscope scenarios | head`: the reader left, which is no error to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second failure when Python flushes
+        return 128 + signal.SIGPIPE
     except OSError as e:  # e.g. --trace or --report in a folder that does not exist
         where = f"{e.filename}: " if e.filename else ""
         print(f"kvscope {args.command}: {where}{e.strerror or e}", file=sys.stderr)

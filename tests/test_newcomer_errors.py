@@ -6,6 +6,8 @@ import asyncio
 import logging
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,3 +212,12 @@ def test_the_dashboard_client_gets_the_reason_to_show(monkeypatch):
         with pytest.raises(BackendError, match="did you mean engine.block_size"):
             asyncio.run(Backend(url).start_run("shared-prefix", {"engine.block_sise": 8}))
     manager.stop_all()
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    """`kvscope scenarios | head -1`: the pipe closes under the command, which ends quietly, as SIGPIPE would."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvscope", "scenarios"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
