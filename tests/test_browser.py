@@ -184,7 +184,8 @@ def test_live_views_step_and_export(page, backend_url, dashboard_url, tiny_dir, 
     # pause, then one step at a time: the status and the views move by exactly one iteration
     page.locator("[data-kv=play]").click()
     page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('paused')")
-    time.sleep(0.3)
+    # the paused status and the timeline's last column arrive in updates of their own
+    wait_until(lambda: probe(page)["timeline_end"] == status_step(page) + 0.5, WAIT_S, "the timeline lags the status")
     step = status_step(page)
     assert probe(page)["timeline_end"] == step + 0.5  # cells span [step - 0.5, step + 0.5]
     page.locator("[data-kv=step]").click()
@@ -282,6 +283,21 @@ MEASURE = """() => {
 }""" % PROJECTOR_PX
 
 
+def laid_out(m: dict, projector: bool, layout: str) -> bool:
+    """What the checks below want of a measurement: the page settled in the mode asked for."""
+    fits = m["projector"] == projector and m["scroll"] <= m["inner"] and not m["outside"]
+    big = not m["small"] and (layout == "home" or m["chart_font"] >= PROJECTOR_PX)
+    return fits and (big or not projector)
+
+
+def measure_when(page, settled: Callable[[dict], bool]) -> dict:
+    """MEASURE once the page has settled (or the last one, at the deadline, for the asserts to name)."""
+    deadline = time.monotonic() + WAIT_S
+    while not settled(m := page.evaluate(MEASURE)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return m
+
+
 def shared_prefix_run(base: str, model: str, caching: bool, steps: int) -> str:
     """The shared-prefix lesson with the tiny model, stopped mid-way after `steps` iterations."""
     run_id = api(base, "/api/runs", {"scenario": "shared-prefix", "speed": 0, "paused": True,
@@ -305,20 +321,18 @@ def test_nothing_overflows_at_1280_and_projector_mode_makes_every_label_16px(pag
     page.goto(dashboard_url + path[layout])
     if layout != "home":
         page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
-    time.sleep(1.0)
     for projector in (False, True):
         if projector:
             page.locator("[data-kv=projector]").click()
-            time.sleep(0.8)  # the charts' fonts, the block pool's layout
         for width, height in VIEWPORTS:
             page.set_viewport_size({"width": width, "height": height})
-            time.sleep(0.5)
+            # the charts' fonts and the block pool's layout follow a resize or the switch a few frames later
+            m = measure_when(page, lambda m: laid_out(m, projector, layout))
             if SHOTS:
                 if layout == "home":  # the drawer's compare section, the bottom of the panel
                     page.get_by_text("Side by side").scroll_into_view_if_needed()
                 page.mouse.move(width - 2, height - 2)
                 page.screenshot(path=f"{SHOTS}/{layout}-{width}x{height}{'-projector' if projector else ''}.png")
-            m = page.evaluate(MEASURE)
             assert m["projector"] == projector
             assert m["scroll"] <= m["inner"], f"{width}x{height}: the page is wider than the window"
             assert m["outside"] == [], f"{width}x{height}: outside the window or the panel: {m['outside']}"
@@ -333,11 +347,9 @@ def test_nothing_overflows_at_1280_and_projector_mode_makes_every_label_16px(pag
         last = max(api(backend_url, f"/api/runs/{r}")["step"] for r in midway)
         assert ends == [last + 0.5] * 6
     page.reload()  # remembered for the session
-    time.sleep(1.0)
-    assert page.evaluate(MEASURE)["projector"]
+    assert measure_when(page, lambda m: m["projector"])["projector"]
     page.locator("[data-kv=projector]").click()
-    time.sleep(0.8)
-    m = page.evaluate(MEASURE)
+    m = measure_when(page, lambda m: not m["projector"] and m["small"])
     assert not m["projector"] and m["small"]  # back to the normal, smaller type
 
 
