@@ -25,7 +25,7 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.moments import MomentKind
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.model.chat import render_chat
+from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.model.tokenizer import Tokenizer, read_corpus
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, LINKS
 from kvscope.backend.perf.shapes import SHAPES
@@ -445,7 +445,7 @@ def plan_requests(scenario: Scenario, loaded: LoadedModel) -> list[PlannedReques
 def _prompt(r: RequestSpec, loaded: LoadedModel, rng: random.Random) -> str | list[int]:
     """An explicit request's prompt: as written, drawn from the pool, or its chat in the model's template."""
     if r.messages is not None:
-        return render_chat([m.model_dump() for m in r.messages], loaded)
+        return encode_chat([m.model_dump() for m in r.messages], loaded)
     return r.prompt if r.prompt is not None else draw_prompt(loaded.tokenizer, r.prompt_tokens, rng)
 
 

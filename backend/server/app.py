@@ -24,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
-from kvscope.backend.model.chat import render_chat
+from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, ChatMessage, YAMLTooDeep, list_scenarios,
                                      load_scenario, safe_load)
 from kvscope.backend.server.guards import require_token
@@ -236,15 +236,15 @@ def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddReque
     return {"request_id": run.add_request(prompt_of(data, run), data.max_tokens, data.sampling)}
 
 
-def prompt_of(data: AddRequest, run: EngineRun) -> str:
-    """The request's prompt: as given, or its chat written with the run's model's chat template."""
+def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
+    """The request's prompt: as given, or its chat written with the run's model's chat template (token ids)."""
     if (data.prompt is None) == (data.messages is None):
         raise RunError("prompt", "give exactly one of prompt and messages")
     if data.messages is not None and data.chat:
         raise RunError("chat", "goes with a prompt (messages are a chat already)")
     if data.messages is not None:
-        return render_chat([m.model_dump() for m in data.messages], run.sim.loaded)
-    return render_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
+        return encode_chat([m.model_dump() for m in data.messages], run.sim.loaded)
+    return encode_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)

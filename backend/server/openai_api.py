@@ -28,7 +28,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 from kvscope.backend.engine.request import RequestError, check_prompt_ids
 from kvscope.backend.engine.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams, StopString
 from kvscope.backend.errors import pydantic_reason, validation_error
-from kvscope.backend.model.chat import ChatTemplateError, render_chat
+from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.model.loader import ModelLoadError, missing_package
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
@@ -457,8 +457,8 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     messages = message_dicts(data.messages)
     run = await api_run(request, model, 1)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
-    prompt = await asyncio.to_thread(render_chat, messages, run.sim.loaded)  # reads the model folder
-    prompt_len = len(await asyncio.to_thread(token_ids, run, prompt))
+    prompt = await asyncio.to_thread(encode_chat, messages, run.sim.loaded)  # reads the model folder
+    prompt_len = len(prompt)
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
