@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.moments import MomentKind
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.chat import encode_chat
@@ -319,7 +319,7 @@ def _require_mapping(data: Any, source: str) -> None:
 def _describe(err: Any, source: str, blame: dict[str, str]) -> tuple[str, str]:
     """One validation error as (where, reason), where = the override that caused it, else source: field."""
     loc = tuple(str(p) for p in err["loc"])
-    reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else err["msg"]
+    reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else pydantic_reason(err["msg"])
     for key, label in reversed(blame.items()):
         parts = tuple(key.split("."))
         if loc[: len(parts)] == parts:  # inside the value the override set
@@ -455,8 +455,8 @@ def _generated(g: GenerateSpec, tokenizer: Tokenizer, rng: random.Random) -> lis
     for i in range(g.count):
         own = draw_prompt(tokenizer, rng.randint(g.prompt_tokens.min, g.prompt_tokens.max), rng)
         shares = g.shared_prefix is not None and rng.random() < g.shared_prefix.fraction
-        sampling = g.sampling.model_copy(update={"seed": (g.sampling.seed + i) % 2**63}) if g.sampling.seed is not None \
-            else g.sampling
+        seed = g.sampling.seed
+        sampling = g.sampling.model_copy(update={"seed": (seed + i) % 2**63}) if seed is not None else g.sampling
         out.append(PlannedRequest(f"g{i}", int(clock), (prefix if shares else []) + own,
                                   rng.randint(g.max_tokens.min, g.max_tokens.max), sampling))
         clock += _gap(g.arrival, rng)

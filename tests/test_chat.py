@@ -47,7 +47,8 @@ def test_markers_round_trip_any_text_their_own_sign_included():
     ("{{ 'x' * 1000000000 }}", f"needed more than {TEMPLATE_MAX_MB} MB and was stopped"),
     ("{{ range(100000)|join(messages[0].content * 10000) }}", f"needed more than {TEMPLATE_MAX_MB} MB and was stopped"),
     ("{{ 1 + 'a' }}", "failed (TypeError: unsupported operand type(s) for +: 'int' and 'str')"),
-    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "failed (RecursionError: maximum recursion depth exceeded)"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+     "failed (RecursionError: maximum recursion depth exceeded)"),
 ])
 def test_a_template_past_its_limits_is_stopped_with_the_reason(template, reason):
     with pytest.raises(ChatTemplateError) as e:

@@ -150,15 +150,20 @@ class TemplateRenderer:
         # -P: the script's folder (this package) does not shadow the modules the sandbox imports.
         child = subprocess.Popen([sys.executable, "-P", str(SANDBOX), str(TEMPLATE_MAX_MB)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
-        if _read_line(child.stdout, time.monotonic() + SANDBOX_START_S) != b"ready\n":
+        if _read_line(child.stdout, time.monotonic() + SANDBOX_START_S) != b"ready\n":  # chat_sandbox.READY
             child.kill()
-            raise ChatTemplateError("messages", "the chat-template renderer did not start (see the log)")
+            child.wait()
+            raise ChatTemplateError("messages", "the chat-template renderer did not start (its error is in the log)")
         self._child = child
         return child
 
     def _lost(self) -> dict[str, Any]:
-        code = self._child.wait() if self._child is not None else None
-        self._child = None
+        """The child died mid-render (killed from outside, or out of memory outside Python's reach)."""
+        try:
+            code = self._child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.close()
         return {"error": "died", "detail": f"exit status {code}"}
 
     def close(self) -> None:
