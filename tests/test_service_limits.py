@@ -112,7 +112,7 @@ def test_kv_ceilings_and_run_count_are_400s_naming_the_field_before_any_allocati
             assert huge.status_code == 400 and huge.json()["field"] == "engine.num_blocks"
             assert "the server allows 0.75 MB per run (--max-run-kv-memory-mb)" in huge.json()["error"]
             budget = client.post("/api/runs", json={"scenario": {**scenario(tiny_dir, num_blocks=None,
-                                                                             kv_cache_memory_mb=1e6)}})
+                                                                             kv_cache_memory_mb=1e12)}})
             assert budget.status_code == 400 and budget.json()["field"] == "engine.kv_cache_memory_mb"
         blocks = int(0.6 * MB // (per_token * 4))  # 0.6 MB: one fits, two pass the 1 MB total
         body = {"scenario": scenario(tiny_dir, num_blocks=blocks), "paused": True}
