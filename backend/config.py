@@ -185,6 +185,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(default=16, ge=1, le=256, description="tokens per KV block")
     num_blocks: int | None = Field(default=256, ge=1, le=1_000_000,
                                    description="KV blocks; null = derive from kv_cache_memory_mb")
+    # Unbounded here: a server's KV limits refuse an oversized budget naming themselves (limits.py).
     kv_cache_memory_mb: float = Field(default=64.0, gt=0, description="budget used when num_blocks is null")
     max_num_seqs: int = Field(default=8, ge=1, le=1024, description="sequences running at once")
     max_num_batched_tokens: int = Field(default=256, ge=1, le=65536, description="token budget per iteration")

@@ -28,9 +28,9 @@ def validation_error(error: ValidationError, prefix: str = "",
     first = error.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
     field = ".".join(p for p in (prefix, loc) if p) or None
-    return cls(field, _reason(first["msg"]))
+    return cls(field, pydantic_reason(first["msg"]))
 
 
-def _reason(msg: str) -> str:
-    # pydantic prefixes messages of custom validators with "Value error, "; the reason is what follows.
+def pydantic_reason(msg: str) -> str:
+    """The reason in one of pydantic's messages: custom validators' come prefixed with "Value error, "."""
     return msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.moments import MomentKind
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.model.chat import render_chat
+from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.model.tokenizer import Tokenizer, read_corpus
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, LINKS
 from kvscope.backend.perf.shapes import SHAPES
@@ -36,6 +36,14 @@ if TYPE_CHECKING:
 # Package data of the `scenarios` package, so that an installed wheel finds them too.
 SCENARIOS_DIR = Path(str(resources.files("kvscope.scenarios")))
 NAME_PATTERN = r"^[a-z0-9-]+$"
+MAX_YAML_DEPTH = 32  # as JSON bodies (server/guards.py); a scenario nests 4 deep
+# The planned work of one scenario, bounded before anything is built. Drawing prompts costs ~6 us a token
+# (1,000 prompts x 10,000 tokens planned for 61 s inside one request); a run holds a core until its
+# tokens are generated; every engine iteration records ~0.5 KB of events with the run's trace, even when
+# no request has arrived yet (a request at step 1,000,000 meant 480 MB of empty iterations).
+MAX_DRAWN_TOKENS = 250_000
+MAX_OUTPUT_TOKENS = 1_000_000
+MAX_ARRIVAL_STEP = 20_000
 
 
 class ScenarioError(KvscopeError):
@@ -46,6 +54,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+@dataclass(frozen=True)
+class PlannedWork:
+    """What planning a scenario draws from the prompt pool, and the most its run may generate."""
+
+    drawn_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: PlannedWork) -> PlannedWork:
+        return PlannedWork(self.drawn_tokens + other.drawn_tokens, self.output_tokens + other.output_tokens)
+
+    def check(self) -> None:
+        if self.drawn_tokens > MAX_DRAWN_TOKENS:
+            raise ValueError(f"{self.drawn_tokens} prompt tokens to draw from the pool (prompt_tokens, count x "
+                             f"prompt_tokens.max, shared_prefix.tokens); a scenario draws at most {MAX_DRAWN_TOKENS}")
+        if self.output_tokens > MAX_OUTPUT_TOKENS:
+            raise ValueError(f"up to {self.output_tokens} tokens to generate (max_tokens, count x max_tokens.max, "
+                             f"each x sampling.n or beam_width); a scenario generates at most {MAX_OUTPUT_TOKENS}")
+
+
 class ChatMessage(_Strict):
     role: str = Field(min_length=1, max_length=32, description="system, user, assistant, ...")
     content: str = Field(max_length=100_000)
@@ -53,13 +80,16 @@ class ChatMessage(_Strict):
 
 class RequestSpec(_Strict):
     id: str = Field(min_length=1, max_length=64)
-    arrival_step: int = Field(default=0, ge=0, le=1_000_000)
+    arrival_step: int = Field(default=0, ge=0, le=MAX_ARRIVAL_STEP)
     prompt: str | None = Field(default=None, max_length=200_000)
     prompt_tokens: int | None = Field(default=None, ge=1, le=100_000, description="drawn from the prompt pool")
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=64,
                                                description="a chat, written with the model's chat template")
     max_tokens: int = Field(default=32, ge=1, le=100_000)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+    def work(self) -> PlannedWork:
+        return PlannedWork(self.prompt_tokens or 0, self.max_tokens * self.sampling.sequences)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "RequestSpec":
@@ -81,7 +111,7 @@ class IntRange(_Strict):
 
 class Arrival(_Strict):
     process: Literal["poisson", "uniform", "burst"] = "poisson"
-    rate_per_step: float = Field(default=0.5, gt=0, le=1000)
+    rate_per_step: float = Field(default=0.5, ge=0.001, le=1000)
 
 
 class SharedPrefix(_Strict):
@@ -96,6 +126,21 @@ class GenerateSpec(_Strict):
     max_tokens: IntRange = Field(default_factory=lambda: IntRange(min=8, max=64))
     shared_prefix: SharedPrefix | None = None
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.0))
+
+    def work(self) -> PlannedWork:
+        prefix = self.shared_prefix.tokens if self.shared_prefix else 0
+        return PlannedWork(self.count * self.prompt_tokens.max + prefix,
+                           self.count * self.max_tokens.max * self.sampling.sequences)
+
+    @model_validator(mode="after")
+    def _arrivals_bounded(self) -> "GenerateSpec":
+        """The arrivals' expected span (exact for uniform) within MAX_ARRIVAL_STEP, like explicit arrival steps."""
+        span = 0.0 if self.arrival.process == "burst" else (self.count - 1) / self.arrival.rate_per_step
+        if span > MAX_ARRIVAL_STEP:
+            raise ValueError(f"{self.count} requests at arrival.rate_per_step={self.arrival.rate_per_step:g} arrive "
+                             f"over ~{span:.0f} engine steps; at most {MAX_ARRIVAL_STEP} (raise the rate or lower "
+                             "count)")
+        return self
 
 
 class LessonStep(_Strict):
@@ -155,6 +200,20 @@ class Scenario(_Strict):
         if isinstance(value, str):
             return [{"at": "start", "text": value}] if value.strip() else []
         return value
+
+    @field_validator("requests")
+    @classmethod
+    def _requests_bounded(cls, requests: list[RequestSpec]) -> list[RequestSpec]:
+        sum((r.work() for r in requests), PlannedWork()).check()
+        return requests
+
+    @field_validator("generate")
+    @classmethod
+    def _generate_bounded(cls, generate: GenerateSpec | None, info: ValidationInfo) -> GenerateSpec | None:
+        """Together with the explicit requests (validated before: they come first)."""
+        if generate is not None:
+            sum((r.work() for r in info.data.get("requests") or []), generate.work()).check()
+        return generate
 
     @model_validator(mode="after")
     def _has_requests(self) -> "Scenario":
@@ -223,7 +282,7 @@ def parse_assignment(assignment: str) -> tuple[str, Any]:
     if not sep:
         raise ScenarioError(f"--set {assignment!r}", "expected KEY=VALUE, e.g. engine.block_size=8")
     try:
-        return key, yaml.safe_load(raw)
+        return key, safe_load(raw)
     except yaml.YAMLError as e:
         raise ScenarioError(f"--set {assignment}", f"the value is not valid YAML ({getattr(e, 'problem', e)})") from None
 
@@ -260,7 +319,7 @@ def _require_mapping(data: Any, source: str) -> None:
 def _describe(err: Any, source: str, blame: dict[str, str]) -> tuple[str, str]:
     """One validation error as (where, reason), where = the override that caused it, else source: field."""
     loc = tuple(str(p) for p in err["loc"])
-    reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else err["msg"]
+    reason = _unknown_field(loc) if err["type"] == "extra_forbidden" else pydantic_reason(err["msg"])
     for key, label in reversed(blame.items()):
         parts = tuple(key.split("."))
         if loc[: len(parts)] == parts:  # inside the value the override set
@@ -303,10 +362,31 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
 
 
+class YAMLTooDeep(yaml.MarkedYAMLError):
+    """Collections nested deeper than MAX_YAML_DEPTH."""
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load, refusing collections nested deeper than MAX_YAML_DEPTH first (YAMLTooDeep).
+
+    Building the data recurses once per level (2,000 levels ran out of Python's stack: a 500); the
+    parser's events, counted here, come from a state machine that does not."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise YAMLTooDeep(problem=f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                  problem_mark=event.start_mark)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.safe_load(text)
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's data; a syntax error is one line, `file:line:col: problem`."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return safe_load(path.read_text(encoding="utf-8"))
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -365,7 +445,7 @@ def plan_requests(scenario: Scenario, loaded: LoadedModel) -> list[PlannedReques
 def _prompt(r: RequestSpec, loaded: LoadedModel, rng: random.Random) -> str | list[int]:
     """An explicit request's prompt: as written, drawn from the pool, or its chat in the model's template."""
     if r.messages is not None:
-        return render_chat([m.model_dump() for m in r.messages], loaded)
+        return encode_chat([m.model_dump() for m in r.messages], loaded)
     return r.prompt if r.prompt is not None else draw_prompt(loaded.tokenizer, r.prompt_tokens, rng)
 
 
@@ -375,8 +455,8 @@ def _generated(g: GenerateSpec, tokenizer: Tokenizer, rng: random.Random) -> lis
     for i in range(g.count):
         own = draw_prompt(tokenizer, rng.randint(g.prompt_tokens.min, g.prompt_tokens.max), rng)
         shares = g.shared_prefix is not None and rng.random() < g.shared_prefix.fraction
-        sampling = g.sampling.model_copy(update={"seed": g.sampling.seed + i}) if g.sampling.seed is not None \
-            else g.sampling
+        seed = g.sampling.seed
+        sampling = g.sampling.model_copy(update={"seed": (seed + i) % 2**63}) if seed is not None else g.sampling
         out.append(PlannedRequest(f"g{i}", int(clock), (prefix if shares else []) + own,
                                   rng.randint(g.max_tokens.min, g.max_tokens.max), sampling))
         clock += _gap(g.arrival, rng)

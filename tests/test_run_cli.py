@@ -52,7 +52,7 @@ def test_the_table_reports_sharing_and_speculation(tmp_path, capsys):
     ({"engine": {"block_sise": 4}}, "engine.block_sise: unknown field; did you mean engine.block_size?"),
     ({"engine": {"block_size": 0}}, "engine.block_size: Input should be greater than or equal to 1"),
     ({"name": "Bad Name"}, "name: String should match pattern"),
-    ({"requests": [{"id": "a", "max_tokens": 3}]}, "requests.0: Value error, give exactly one of prompt"),
+    ({"requests": [{"id": "a", "max_tokens": 3}]}, "requests.0: give exactly one of prompt"),
     ({"requests": [{"id": "a", "prompt": "x", "sampling": {"top_p": -1}}]}, "requests.0.sampling.top_p"),
 ])
 def test_bad_scenario_fields_exit_2_naming_the_field(tmp_path, capsys, changes, needle):

@@ -99,11 +99,19 @@ def check_supported(params: SamplingParams, config: EngineConfig) -> None:
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse logit_bias or allowed_token_ids naming a token outside the vocabulary."""
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+    """Refuse sampling settings naming a token outside the vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids)):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise RequestError(f"sampling.{name}", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """Refuse a prompt of token ids naming a token outside the vocabulary (before any forward pass reads it)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def finish_reason_after(req: Request, seq: Sequence, token: int, eos_ids: list[int], max_model_len: int,

@@ -18,8 +18,8 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.beam_search import BeamState, Hypothesis
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.metrics import RequestTimes
-from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_supported, check_token_ids,
-                                    finish_reason_after)
+from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_prompt_ids, check_supported,
+                                    check_token_ids, finish_reason_after)
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.scheduler import Scheduler
 from kvscope.backend.engine.sequence import Sequence, SeqStatus
@@ -74,8 +74,7 @@ class RequestTracker:
         check_supported(params, self.config)
         check_token_ids(params, self.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise RequestError("prompt", f"token ids must lie in [0, {self.vocab_size})")
+        check_prompt_ids(ids, self.vocab_size)
         check_fits(self.config, num_blocks, len(ids), max_tokens)
         seq = Sequence(self.new_seq_id(), request_id, list(ids), len(ids))
         seed = params.seed if params.seed is not None else seed * 1_000_003 + seq.seq_id

@@ -1,10 +1,13 @@
 """EventBus: numbers, time-stamps and fans out events to subscribers (trace writer, websocket, ...).
 
-Events are plain dicts and nothing is validated here: emit runs inside the step loop.
+Events are plain dicts and nothing is validated here: emit runs inside the step loop. `encode_event` is
+the one way an event becomes JSON text (trace files, websocket frames, /trace).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -85,3 +88,26 @@ class EventBus:
         for fn in self._subscribers:
             fn(event)
         return event
+
+
+def encode_event(event: dict[str, Any], ensure_ascii: bool = True) -> str:
+    """One event as compact JSON text. A NaN or an infinity is a ValueError naming the event and the
+    field: Python's json would write a bare `NaN`, which no JSON parser (the browser's included) reads.
+    Inputs are bounded so that none arises; this is where one would be caught."""
+    try:
+        return json.dumps(event, separators=(",", ":"), ensure_ascii=ensure_ascii, allow_nan=False)
+    except ValueError:
+        field = next(_non_finite(event), "a value")
+        raise ValueError(f"{event.get('type', 'an')} event: {field} is not a finite number") from None
+
+
+def _non_finite(value: Any, path: str = ""):
+    """Dotted paths of the NaN and infinite floats inside value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path or "the value"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _non_finite(item, f"{path}[{i}]")

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.bus import encode_event
 from kvscope.backend.events.schema import describe_error, parse_event
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class TraceWriter:
         self._unflushed = 0
 
     def __call__(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(event, separators=(",", ":"), ensure_ascii=False) + "\n")
+        self._file.write(encode_event(event, ensure_ascii=False) + "\n")
         self._unflushed += 1
         if self._unflushed >= self._flush_every:
             self.flush()
@@ -96,7 +97,7 @@ def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
 
 def _parse_line(line: str, is_first: bool) -> dict[str, Any]:
     try:
-        event = json.loads(line)
+        event = json.loads(line, parse_constant=_not_a_number)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(event, dict):
@@ -108,6 +109,12 @@ def _parse_line(line: str, is_first: bool) -> dict[str, Any]:
     if is_first and event["type"] != "header":
         raise ValueError(f"the first event must be a header, not {event['type']!r}")
     return event
+
+
+def _not_a_number(constant: str) -> None:
+    # Python's json reads NaN and Infinity, which JSON itself does not have: a trace holding one would be
+    # replayed to viewers as JSON that their parsers refuse.
+    raise ValueError(f"not JSON ({constant} is not a number JSON allows)")
 
 
 def strip_times(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ and an end-of-text token is placed between them, so that the models learn to sto
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -43,6 +45,38 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens (control tokens such as <|im_start|>, the end-of-text token)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def _plain(self) -> HFTokenizer:
+        """A copy that reads special-token text as plain text. A copy, not a switch: other threads encode
+        with the shared tokenizer meanwhile."""
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode_template(self, text: str, restore: Callable[[str], str]) -> list[int]:
+        """Ids of a template's output: its special tokens are control tokens; the text between them, passed
+        through `restore` (which may bring back special-token text a message spelled), is plain text.
+
+        The tokenizer splits at special tokens before anything else, so where `restore` changes nothing
+        this is exactly encode(text)."""
+        ids, start = [], 0
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self._special_ids:
+                ids += self._plain.encode(restore(text[start:begin]), add_special_tokens=False).ids
+                ids.append(token_id)
+                start = end
+        return ids + self._plain.encode(restore(text[start:]), add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

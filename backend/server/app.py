@@ -20,12 +20,13 @@ from litestar.params import FromPath, JSONBody
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.response import File
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from kvscope.backend.errors import KvscopeError
+from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
-from kvscope.backend.model.chat import render_chat
-from kvscope.backend.scenario import NAME_PATTERN, SCENARIOS_DIR, ChatMessage, list_scenarios, load_scenario
+from kvscope.backend.model.chat import encode_chat
+from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, ChatMessage, YAMLTooDeep, list_scenarios,
+                                     load_scenario, safe_load)
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
@@ -41,6 +42,21 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+# Iterations per second. Below the floor the worker's wait for its next iteration overflowed the timer
+# (speed 1e-300 killed the run's thread); one iteration in 100 s is slower than anyone watches.
+MIN_SPEED, MAX_SPEED = 0.01, 10_000.0
+
+
+def _paced(speed: float) -> float:
+    if 0 < speed < MIN_SPEED:
+        raise ValueError(f"speed is 0 (unpaced) or {MIN_SPEED:g}..{MAX_SPEED:g} iterations per second")
+    return speed
+
+
+Speed = Annotated[float, Field(ge=0, le=MAX_SPEED, description="iterations per second; 0 = unpaced"),
+                  AfterValidator(_paced)]
+
+
 class StartRun(_Body):
     scenario: str | dict[str, Any] | None = Field(default=None, description="a bundled scenario's name or an "
                                                                            "inline scenario")
@@ -49,7 +65,7 @@ class StartRun(_Body):
         Field(default_factory=dict, max_length=64, description="dotted paths, e.g. engine.block_size")
     trace: str | None = Field(default=None, description="JSONL text of a recorded trace to replay (bounded by "
                                                         "the body size limit)")
-    speed: float = Field(default=4.0, ge=0, le=10_000, description="iterations per second; 0 = unpaced")
+    speed: Speed = 4.0
     paused: bool = False
     lesson: bool = Field(default=False, description="lesson mode: pause after each iteration in which a moment "
                                                     "the scenario's lesson explains happened")
@@ -65,6 +81,19 @@ class StartRun(_Body):
 class Control(_Body):
     action: Literal["pause", "resume", "step", "speed", "seek", "lesson"]
     value: float | None = Field(default=None, ge=0, le=1_000_000)
+
+    @field_validator("value")
+    @classmethod
+    def _fits_action(cls, value: float | None, info: ValidationInfo) -> float | None:
+        """speed within Speed's range; step (a count) and seek (a step number) whole numbers."""
+        action = info.data.get("action")
+        if value is not None and action == "speed":
+            if value > MAX_SPEED:
+                raise ValueError(f"speed is at most {MAX_SPEED:g} iterations per second")
+            return _paced(value)
+        if value is not None and action in ("step", "seek") and value != int(value):
+            raise ValueError(f"{action} takes a whole number, not {value:g}")
+        return value
 
 
 class AddRequest(_Body):
@@ -98,7 +127,8 @@ def http_error(_: Request, exc: HTTPException) -> Response:
     field = None
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         field = extra[0].get("key")
-        message = f"{field}: {extra[0].get('message')}" if field else str(extra[0].get("message"))
+        reason = pydantic_reason(str(extra[0].get("message")))
+        message = f"{field}: {reason}" if field else reason
     else:
         message = exc.detail
     return _error(exc.status_code, message, field)
@@ -172,7 +202,9 @@ def _start(manager: RunManager, data: StartRun) -> ServedRun:
 def inline_yaml(text: str) -> dict[str, Any]:
     """A scenario sent as YAML text; a syntax error names its line and column, nothing else."""
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
+    except YAMLTooDeep as e:
+        raise RunError("yaml", f"{e.problem} at line {e.problem_mark.line + 1}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -204,15 +236,15 @@ def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddReque
     return {"request_id": run.add_request(prompt_of(data, run), data.max_tokens, data.sampling)}
 
 
-def prompt_of(data: AddRequest, run: EngineRun) -> str:
-    """The request's prompt: as given, or its chat written with the run's model's chat template."""
+def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
+    """The request's prompt: as given, or its chat written with the run's model's chat template (token ids)."""
     if (data.prompt is None) == (data.messages is None):
         raise RunError("prompt", "give exactly one of prompt and messages")
     if data.messages is not None and data.chat:
         raise RunError("chat", "goes with a prompt (messages are a chat already)")
     if data.messages is not None:
-        return render_chat([m.model_dump() for m in data.messages], run.sim.loaded)
-    return render_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
+        return encode_chat([m.model_dump() for m in data.messages], run.sim.loaded)
+    return encode_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)

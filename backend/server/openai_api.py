@@ -25,10 +25,10 @@ from litestar.response import ServerSentEvent
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
-from kvscope.backend.engine.request import RequestError
-from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.errors import validation_error
-from kvscope.backend.model.chat import ChatTemplateError, render_chat
+from kvscope.backend.engine.request import RequestError, check_prompt_ids
+from kvscope.backend.engine.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams, StopString
+from kvscope.backend.errors import pydantic_reason, validation_error
+from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.model.loader import ModelLoadError, missing_package
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
@@ -79,12 +79,20 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None  # vLLM's extras, handy to watch a long generation
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     n: int | None = Field(default=None, ge=1, le=16)
-    stop: Annotated[str, Field(max_length=256)] | Annotated[list[Annotated[str, Field(max_length=256)]],
-                                                            Field(max_length=8)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = None
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=1024)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Name | None = None  # an end user's id, for OpenAI's abuse monitoring: nothing to act on here
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_strings(cls, stop: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(stop)
+        except ValidationError:  # pydantic's message names a branch of the union: say what is expected
+            raise ValueError(f"a string or a list of up to {MAX_STOPS}, each of 1..{MAX_STOP_CHARS} characters "
+                             "(an empty one would end every answer before it starts)") from None
 
     def refuse_unimplemented(self) -> None:
         """400 for a value kvscope cannot honour (fields it does not know at all fail validation)."""
@@ -196,7 +204,7 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
         first = exc.extra[0] if isinstance(exc.extra[0], dict) else {}
         param = first.get("key") or None
-        message = first.get("message")
+        message = pydantic_reason(str(first.get("message")))
         if message == "Extra inputs are not permitted":  # pydantic's words for a field the body does not declare
             message = "not supported by kvscope"
         return _error_response(OpenAIError(400, f"{param or 'body'}: {message}", param))
@@ -272,7 +280,12 @@ def fit_in_context(run: EngineRun, prompt_len: int, asked: int | None, default: 
 
 
 def token_ids(run: EngineRun, prompt: str | list[int]) -> list[int]:
-    return run.sim.loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    """A prompt's token ids; ids sent as such are checked against the vocabulary now, before an echo's
+    forward pass reads them (RequestError naming `prompt`)."""
+    if isinstance(prompt, str):
+        return run.sim.loaded.tokenizer.encode(prompt)
+    check_prompt_ids(prompt, run.sim.loaded.config.vocab_size)
+    return prompt
 
 
 async def set_echo(run: EngineRun, gen: Generation, prompts: list[str | list[int]], ids: list[list[int]],
@@ -444,8 +457,8 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     messages = message_dicts(data.messages)
     run = await api_run(request, model, 1)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
-    prompt = await asyncio.to_thread(render_chat, messages, run.sim.loaded)  # reads the model folder
-    prompt_len = len(await asyncio.to_thread(token_ids, run, prompt))
+    prompt = await asyncio.to_thread(encode_chat, messages, run.sim.loaded)  # reads the model folder
+    prompt_len = len(prompt)
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)

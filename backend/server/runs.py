@@ -16,7 +16,6 @@ bounded whatever its age; the whole trace can stream to a file instead (`Retenti
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvscope.backend.errors import KvscopeError
-from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.bus import EventBus, encode_event
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
 from kvscope.backend.events.state import RunState
 from kvscope.backend.run import ScenarioRun
@@ -165,7 +164,7 @@ class ServedRun:
             self.moment = self.moment or (found[0] if found else None)
         with self.lock:
             self.state.apply(event)
-            line = json.dumps(event, separators=(",", ":"))  # encoded once, for the trace and every watcher
+            line = encode_event(event)  # encoded once, for the trace and every watcher
             if self.keeps_trace:
                 self._record(line, event["type"] == "header")
             for w in self.watchers:
@@ -227,7 +226,7 @@ class ServedRun:
 
     def _resync_locked(self) -> ResyncCache:
         if self._resync_cache is None or self._resync_cache.stale:
-            self._resync_cache = ResyncCache(json.dumps(self._resync_message_locked(), separators=(",", ":")))
+            self._resync_cache = ResyncCache(encode_event(self._resync_message_locked()))
         return self._resync_cache
 
     def resync_all(self) -> None:
