@@ -165,6 +165,7 @@ async def test_the_chat_switch_is_on_for_a_model_with_a_template_and_sends_messa
     dash.user.find(marker="prompt-send").click()
     await until(lambda: "live-1" in feed.state.requests)
     assert feed.state.requests["live-1"].prompt_text == "<user>Hark<bot>"
+    await until(lambda: box.prompt.value == "")  # cleared once the server answered: its events may come first
 
     dash.user.find(marker="prompt-chat").click()  # off: the text goes as it is
     assert box.chat is False

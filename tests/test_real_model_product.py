@@ -48,7 +48,9 @@ def test_a_scenario_chat_on_a_demo_model_is_written_as_speeches():
     scenario = validate(chat_scenario(messages=[{"role": "system", "content": "Verona."},
                                                 {"role": "user", "content": "Hello?"}]), "t")
     (planned,) = plan_requests(scenario, cached_model(DEMO))
-    assert planned.prompt == "CHORUS:\nVerona.\n<|endoftext|>ROMEO:\nHello?\n<|endoftext|>JULIET:\n"
+    # token ids: the template's own <|endoftext|> marks are the control token (messages' text never is)
+    speeches = "CHORUS:\nVerona.\n<|endoftext|>ROMEO:\nHello?\n<|endoftext|>JULIET:\n"
+    assert planned.prompt == cached_model(DEMO).tokenizer.encode(speeches)
 
 
 @pytest.mark.parametrize("request_fields", [{}, {"prompt": "x", "messages": FRANCE}, {"messages": []},
