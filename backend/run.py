@@ -15,32 +15,36 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.engine import Engine, Runtime
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.events.bus import EventBus
-from kvscope.backend.model.loader import LoadedModel, load_model
+from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.simulate import ShapeOnlyModel, simulated_sampling, simulation
 from kvscope.backend.scenario import PlannedRequest, Scenario, ScenarioError, check_available, plan_requests
 
-_MODEL_CACHE: dict[str, LoadedModel] = {}
+WEIGHTS = WeightCache()  # the process's weight copies: headless runs, and a server's unless it brings its own
 
 
 def cached_model(name: str) -> LoadedModel:
     """Models are read-only at inference, so runs in one process share them."""
-    if name not in _MODEL_CACHE:
-        _MODEL_CACHE[name] = load_model(name)
-    return _MODEL_CACHE[name]
+    return WEIGHTS.model(name)
 
 
 class ScenarioRun:
-    def __init__(self, scenario: Scenario, bus: EventBus | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, scenario: Scenario, bus: EventBus | None = None, loaded: LoadedModel | None = None,
+                 weights: WeightCache | None = None) -> None:
+        """`loaded`: run this model (built by the caller, never shared); else the scenario's model, its
+        quantized copy and its draft model come from `weights` (default: the process's WEIGHTS), shared
+        with every other run of the same model and settings."""
         self.scenario = scenario
+        shared = None if loaded is not None else weights or WEIGHTS  # a caller's own model shares nothing
         if scenario.simulate is not None:  # a shape on a GPU type: no weights, modelled time
             self.loaded, config, runtime = simulated(scenario)
             bus = bus or EventBus(level=config.events)
             bus.use_clock(runtime.clock)
         else:
             check_available(scenario)
-            self.loaded, config, runtime = loaded or cached_model(scenario.model), scenario.engine, None
-        self.engine = Engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime)
+            self.loaded, config, runtime = shared.model(scenario.model) if shared else loaded, scenario.engine, None
+        self.engine = Engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime, shared=shared)
         self.bus = self.engine.bus
         planned = plan_requests(scenario, self.loaded)
         if runtime is not None:

@@ -128,8 +128,9 @@ def _limits(args: argparse.Namespace):
 
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
-    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_runs", "max_waiting", "request_timeout_s", "max_viewers",
-             "viewer_events_per_s", "paused_ttl_s", "history", "trace_window", "trace_dir")
+    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
+             "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "history", "trace_window",
+             "trace_dir")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -415,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument("--max-kv-memory-mb", type=positive(float),
                          help="KV cache memory of all runs together (default: a quarter of physical memory)")
         lim.add_argument("--max-run-kv-memory-mb", type=positive(float), help="KV cache memory of one run")
+        lim.add_argument("--max-weight-memory-mb", type=positive(float),
+                         help="weight copies of all runs together; runs of one model and settings share one "
+                              "(default: a quarter of physical memory)")
         lim.add_argument("--max-runs", type=positive(int), help="runs held at once (default 16)")
         lim.add_argument("--max-waiting", type=positive(int), help="requests waiting in a run; more get 429 (default 64)")
         lim.add_argument("--request-timeout-s", type=positive(float), help="a /v1 request is aborted after this (600)")

@@ -32,8 +32,9 @@ from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer
 from kvscope.backend.engine.step_events import StepEvents
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import SCHEMA_VERSION
-from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.model.quant import QuantError, quantize_loaded
+from kvscope.backend.model.weights import WeightCache
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -84,10 +85,14 @@ class Runtime:
     iteration_fields: Callable[[], dict] = dict  # extra fields of the next `iteration` event
 
 
-def load_runtime(loaded: LoadedModel, config: EngineConfig) -> Runtime:
-    """The real runtime: weights (quantized as configured) on the device, a KV cache of real tensors."""
+def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache | None = None) -> Runtime:
+    """The real runtime: weights (quantized as configured) on the device, a KV cache of real tensors.
+
+    `shared`: the cache `loaded` came from, whose quantized copy runs of the same settings share;
+    without it the engine quantizes a copy of its own."""
+    quantize = shared.quantized if shared is not None else quantize_loaded
     try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
-        loaded, weights = quantize_loaded(loaded, config.weight_quant, config.quant_group_size)
+        loaded, weights = quantize(loaded, config.weight_quant, config.quant_group_size)
     except QuantError as e:
         raise RequestError(e.field, e.reason) from None
     dtype = next(loaded.model.parameters()).dtype
@@ -106,11 +111,12 @@ class Engine:
     """One model, one KV cache, one queue of requests, composed of one object per stage of the step."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
-                 draft: LoadedModel | None = None, runtime: Runtime | None = None) -> None:
+                 draft: LoadedModel | None = None, runtime: Runtime | None = None,
+                 shared: WeightCache | None = None) -> None:
         if config.speculative is not None and not config.kv_cache:
             raise RequestError("engine.speculative", "speculative decoding verifies against the KV cache: "
                                                      "it needs kv_cache: true")
-        self.runtime = runtime or load_runtime(loaded, config)
+        self.runtime = runtime or load_runtime(loaded, config, shared)
         self.loaded, self.config, self.seed = loaded, config, seed
         self.bus = bus or EventBus(level=config.events)
         self.bus.level = config.events
@@ -126,7 +132,7 @@ class Engine:
                                       loaded.config.vocab_size, self._on_seq_end, self.clock)
         self.spec = SpecDecoder(make_proposer(config, loaded.config.vocab_size, draft, self.cache,
                                               self.attention_backend, self.blocks, self.events.eos_ids,
-                                              self.tracker.new_seq_id),
+                                              self.tracker.new_seq_id, shared.model if shared else load_model),
                                 config, self.blocks, self.tracker, self.events) if config.speculative else None
         self.outputs = OutputProcessor(self.tracker, self.events, self.blocks, config.max_model_len, self.spec)
         self.metrics = MetricsTracker()

@@ -129,14 +129,16 @@ class SpecDecoder:
 
 def make_proposer(config: EngineConfig, vocab_size: int, draft: LoadedModel | None, target_cache: KVCache,
                   attention_backend: str, blocks: BlockManager, eos_ids: list[int],
-                  new_seq_id: Callable[[], int]) -> Proposer:
-    """The proposer `engine.speculative` asks for; a draft model gets its own KV tensors over the shared blocks."""
+                  new_seq_id: Callable[[], int], load: Callable[[str], LoadedModel] = load_model) -> Proposer:
+    """The proposer `engine.speculative` asks for; a draft model gets its own KV tensors over the shared blocks.
+
+    `draft` None: `load` reads the draft model (a server's shared copy, or a fresh one)."""
     spec = config.speculative
     if spec.method == "ngram":
         return NgramProposer(vocab_size)
     if draft is None:
         try:
-            draft = load_model(spec.draft_model)
+            draft = load(spec.draft_model)
         except ModelLoadError as e:
             raise RequestError("engine.speculative.draft_model", str(e)) from None
     if draft.config.vocab_size != vocab_size:

@@ -119,10 +119,10 @@ class Deployment:
 
     def weight_bytes(self, w: Linear) -> float:
         """One rank's stored bytes of a linear layer."""
-        return stored_bytes(w, self.dtype, self.weight_quant, self.quant_group_size) / self.split(w)
+        return rank_bytes(w, self.dtype, self.weight_quant, self.quant_group_size, self.tp)
 
     def split(self, w: Linear) -> int:
-        return 1 if w.replicated else self.tp
+        return split(w, self.tp)
 
 
 def check_tp(tp: int, shape: ModelShape, hardware: HardwareProfile) -> None:
@@ -145,6 +145,16 @@ def check_quant_groups(shape: ModelShape, mode: str, group_size: int) -> None:
             check_group_size(w.in_features, group_size, mode, w.name)
     except QuantError as e:
         raise PerfError(e.field.removeprefix("engine."), e.reason) from None
+
+
+def split(w: Linear, tp: int) -> int:
+    """Ranks a weight is divided between."""
+    return 1 if w.replicated else tp
+
+
+def rank_bytes(w: Linear, dtype: str, quant: str, group_size: int, tp: int = 1) -> float:
+    """One rank's stored bytes of a linear layer."""
+    return stored_bytes(w, dtype, quant, group_size) / split(w, tp)
 
 
 def stored_bytes(w: Linear, dtype: str, quant: str, group_size: int) -> float:
@@ -305,15 +315,24 @@ def all_reduces(dep: Deployment, tokens: int) -> OpCost:
 
 def resident_bytes(dep: Deployment) -> float:
     """One rank's weights in memory: every expert, the embedding in the activation dtype (quant.py keeps it)."""
-    shape, c = dep.shape, dep.shape.config
-    per_layer = sum(dep.weight_bytes(w) for w in shape.attention_linears())
-    total = shape.num_layers * per_layer
-    total += (shape.num_layers - shape.num_moe_layers) * sum(dep.weight_bytes(w) for w in shape.dense_mlp_linears())
+    return model_bytes(dep.shape, dep.weight_quant, dep.quant_group_size, dep.tp)
+
+
+def model_bytes(shape: ModelShape, weight_quant: str = "none", quant_group_size: int = 64, tp: int = 1) -> float:
+    """resident_bytes without a GPU: what one rank of the shape's weights takes, stored as asked (the
+    server sizes a weight copy by it before building one)."""
+    c = shape.config
+
+    def weight(w: Linear) -> float:
+        return rank_bytes(w, shape.dtype, weight_quant, quant_group_size, tp)
+
+    total = shape.num_layers * sum(weight(w) for w in shape.attention_linears())
+    total += (shape.num_layers - shape.num_moe_layers) * sum(weight(w) for w in shape.dense_mlp_linears())
     if shape.moe is not None:
         experts = shape.moe.num_shared_experts + shape.moe.num_routed_experts
-        total += shape.num_moe_layers * (experts * sum(dep.weight_bytes(w) for w in shape.expert_linears())
-                                         + dep.weight_bytes(shape.router()))
-    embedding = c.vocab_size * c.hidden_size * DTYPE_BYTES[dep.dtype] / dep.tp
+        total += shape.num_moe_layers * (experts * sum(weight(w) for w in shape.expert_linears())
+                                         + weight(shape.router()))
+    embedding = c.vocab_size * c.hidden_size * DTYPE_BYTES[shape.dtype] / tp
     # Tied and quantized: lm_head has its own quantized copy beside the embedding (quant.py).
-    lm_head_separate = not c.tie_word_embeddings or dep.weight_quant != "none"
-    return total + embedding + (dep.weight_bytes(shape.lm_head()) if lm_head_separate else 0.0)
+    lm_head_separate = not c.tie_word_embeddings or weight_quant != "none"
+    return total + embedding + (weight(shape.lm_head()) if lm_head_separate else 0.0)

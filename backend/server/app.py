@@ -145,8 +145,9 @@ def run_or_404(request: Request, run_id: str) -> ServedRun:
 
 
 @get("/api/health")
-async def health() -> dict:
-    return {"status": "ok"}
+async def health(request: Request) -> dict:
+    """Up, and what the memory limits count: KV caches and weight copies, held and allowed (bytes)."""
+    return {"status": "ok", "memory": request.app.state.manager.memory()}
 
 
 @get("/api/scenarios", sync_to_thread=True)

@@ -1,4 +1,4 @@
-"""What a long-lived server allows: KV memory, runs, queues, viewers, time, and which models and files.
+"""What a long-lived server allows: KV and weight memory, runs, queues, viewers, time, which models and files.
 
 Every limit is checked before anything is allocated, and going past one is a 400 (or, for a full
 queue, a 429) that names the field and the limit: never an allocation attempt, never a 500.
@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from kvscope.backend.engine.kv_cache import DTYPE_NAMES, kv_bytes_per_token, num_blocks_for_budget
-from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, LoadedModel
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.engine.kv_cache import kv_bytes_per_token, num_blocks_for_budget
+from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, model_facts
+from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
+from kvscope.backend.perf.cost_model import model_bytes
+from kvscope.backend.perf.shapes import shape_from_config
 from kvscope.backend.scenario import Scenario
+from kvscope.backend.server.runs import RunError
 
 MB = 1024**2
 KV_SHARE_OF_MEMORY = 0.25  # of physical memory, for every run's KV cache together: the model, Python
 # and the other programs on the machine need the rest
+WEIGHT_SHARE_OF_MEMORY = 0.25  # of physical memory, for every weight copy the server holds (models and
+# their quantized copies): with the KV caches' quarter, half the machine is the server's at most
 
 
 def physical_memory_mb() -> int:
@@ -28,6 +35,7 @@ class ServiceLimits:
 
     max_kv_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * KV_SHARE_OF_MEMORY)
     max_run_kv_memory_mb: float | None = None  # one run's ceiling; None: the total
+    max_weight_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * WEIGHT_SHARE_OF_MEMORY)
     max_runs: int = 16  # runs held at once (finished ones are forgotten first to make room)
     max_waiting: int = 64  # requests queued in one run before /v1 answers 429
     request_timeout_s: float = 600.0  # a /v1 request is aborted after this long
@@ -48,15 +56,59 @@ class ServiceLimits:
         return (*SHIPPED_MODELS, SMOLLM2, *(m for m in self.served_models if m not in SHIPPED_MODELS + (SMOLLM2,)))
 
 
-def kv_cache_bytes(scenario: Scenario, loaded: LoadedModel, draft: LoadedModel | None = None) -> int:
+class WeightMemoryError(RunError):
+    """A run that needs a new weight copy the server has no room for: the client's model or settings to change."""
+
+
+@dataclass(frozen=True)
+class WeightNeed:
+    """A weight copy a run would hold: its key, its bytes estimated before loading, the field that asks for it."""
+
+    key: WeightKey
+    bytes: int
+    field: str
+
+
+def model_config(name: str) -> ModelConfig:
+    """A model's config without loading its weights (a GGUF file: its metadata)."""
+    return model_facts(name)[0]
+
+
+def draft_model(scenario: Scenario) -> str | None:
+    spec = scenario.engine.speculative
+    return spec.draft_model if spec is not None and spec.method == "draft" else None
+
+
+def weight_needs(scenario: Scenario) -> list[WeightNeed]:
+    """The weight copies a run of the scenario holds: its model's own, the quantized copy the engine runs
+    (made from the model's own, which the run keeps for its tokenizer and prompt logprobs) and a draft
+    model's, each sized from its config before anything is loaded."""
+    engine, draft = scenario.engine, draft_model(scenario)
+    config = model_config(scenario.model)
+    needs = [WeightNeed(WeightKey(scenario.model), weight_copy_bytes(config), "model")]
+    if engine.weight_quant != "none":
+        key = WeightKey.of(scenario.model, engine.weight_quant, engine.quant_group_size)
+        needs.append(WeightNeed(key, weight_copy_bytes(config, key.quant, key.group_size), "engine.weight_quant"))
+    if draft is not None:
+        needs.append(WeightNeed(WeightKey(draft), weight_copy_bytes(model_config(draft)),
+                                "engine.speculative.draft_model"))
+    return needs
+
+
+def weight_copy_bytes(config: ModelConfig, quant: str = "none", group_size: int = 0) -> int:
+    """A copy's bytes by the cost model's formula (cost_model.model_bytes), in the dtype the cache loads:
+    within 0.3% of the built copy's (norms are left out)."""
+    shape = shape_from_config(config.model_copy(update={"torch_dtype": LOAD_DTYPE}))
+    return int(model_bytes(shape, quant, group_size))
+
+
+def kv_cache_bytes(scenario: Scenario, config: ModelConfig, draft: ModelConfig | None = None) -> int:
     """The bytes the scenario's engine will allocate for KV caches (the draft model's included), by the
-    engine's own formula: what Engine.__init__ would size, computed before building it."""
+    engine's own formula: what Engine.__init__ would size, computed from the configs before building it."""
     engine = scenario.engine
-    kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else DTYPE_NAMES[next(loaded.model.parameters()).dtype]
-    blocks = engine.num_blocks or num_blocks_for_budget(loaded.config, engine.block_size,
-                                                        engine.kv_cache_memory_mb, kv_dtype)
-    per_token = kv_bytes_per_token(loaded.config, kv_dtype)
-    if draft is not None:  # the draft's cache has the target's blocks (speculative_steps._make_proposer)
-        draft_dtype = "int8" if engine.kv_cache_dtype == "int8" else DTYPE_NAMES[next(draft.model.parameters()).dtype]
-        per_token += kv_bytes_per_token(draft.config, draft_dtype)
+    kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else LOAD_DTYPE  # the cache is in the weights' dtype
+    blocks = engine.num_blocks or num_blocks_for_budget(config, engine.block_size, engine.kv_cache_memory_mb, kv_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    if draft is not None:  # the draft's cache has the target's blocks (spec_decode.make_proposer)
+        per_token += kv_bytes_per_token(draft, kv_dtype)
     return blocks * engine.block_size * per_token

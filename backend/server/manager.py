@@ -1,8 +1,9 @@
 """The runs a server holds: start them from scenarios or traces, find them, and the API's own run.
 
 Every start is checked against the server's limits (limits.py) before anything is built: the KV
-bytes its engine would allocate, per run and for all runs together, and how many runs are held.
-Finished and expired runs are forgotten first to make room.
+bytes its engine would allocate, per run and for all runs together, the bytes of the weight copies
+it would add (runs of one model and settings share one), and how many runs are held. Finished and
+expired runs are forgotten first to make room; a forgotten run lets go of its weight copies.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ import json
 import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.errors import ModelLoadError
 from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
-from kvscope.backend.run import cached_model
+from kvscope.backend.model.weights import WeightCache, WeightKey
+from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
-from kvscope.backend.server.limits import MB, ServiceLimits, kv_cache_bytes
+from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
+                                           kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
 from kvscope.backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
 
@@ -64,14 +67,25 @@ def model_entry(name: str, served: bool) -> dict:
     return entry
 
 
+def estimates(needs: Sequence[WeightNeed]) -> dict[WeightKey, int]:
+    """WeightCache's view of needs: key -> estimated bytes (a model that is its own draft counts once)."""
+    return {n.key: n.bytes for n in needs}
+
+
+def describe_copy(need: WeightNeed) -> str:
+    quant = f" {need.key.quant}, group {need.key.group_size or 'per-tensor'}" if need.key.quant != "none" else ""
+    return f"{need.key.model}{quant}: {need.bytes / MB:.1f} MB"
+
+
 class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
-                 limits: ServiceLimits | None = None) -> None:
+                 limits: ServiceLimits | None = None, weights: WeightCache | None = None) -> None:
         self.default_model = default_model
         self.watcher_queue_limit = watcher_queue_limit
         self.limits = limits or ServiceLimits()
         self.runs: dict[str, ServedRun] = {}
         self.kv_bytes: dict[str, int] = {}  # run id -> the KV cache bytes it holds (or is being built with)
+        self.weights = weights or WEIGHTS  # the weight copies, held by run id
         self._lock = threading.Lock()
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
 
@@ -94,11 +108,12 @@ class RunManager:
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
         resolved = self.resolve(scenario, overrides)
-        kv = self.kv_bytes_of(resolved)
+        kv, needs = self.kv_bytes_of(resolved), self.weight_needs_of(resolved)
         planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
         retention = self.retention(planned=planned)
-        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson), kv,
-                         "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb")
+        kv_field = "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb"
+        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson,
+                                                  weights=self.weights), kv, kv_field, needs=needs)
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
                      lesson: bool = False) -> ServedRun:
@@ -133,8 +148,9 @@ class RunManager:
                                             model=model, seed=0, engine=api_engine(model), requests=[],
                                             generate=None)
         run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
-                                            retention=self.retention(open_ended=True)),
-                        self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id)
+                                            retention=self.retention(open_ended=True), weights=self.weights),
+                        self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id,
+                        needs=self.weight_needs_of(scenario))
         assert isinstance(run, EngineRun)
         return run
 
@@ -179,24 +195,39 @@ class RunManager:
     # ---- limits -------------------------------------------------------------------------------------
 
     def kv_bytes_of(self, scenario: Scenario) -> int:
-        """The KV bytes the scenario's engine would allocate (loads the model, never the cache)."""
-        spec = scenario.engine.speculative
-        draft = spec.draft_model if spec is not None and spec.method == "draft" else None
-        return build_run(lambda: kv_cache_bytes(scenario, cached_model(scenario.model),
-                                                cached_model(draft) if draft else None))
+        """The KV bytes the scenario's engine would allocate (from the models' configs: nothing is loaded)."""
+        draft = draft_model(scenario)
+        return build_run(lambda: kv_cache_bytes(scenario, model_config(scenario.model),
+                                                model_config(draft) if draft else None))
+
+    def weight_needs_of(self, scenario: Scenario) -> list[WeightNeed]:
+        """The weight copies the scenario's run would hold, sized from the configs (nothing is loaded)."""
+        return build_run(lambda: weight_needs(scenario))
+
+    def memory(self) -> dict:
+        """What the memory limits count now (GET /api/health): KV caches and weight copies, held and allowed."""
+        with self._lock:
+            kv = self._kv_held()
+        lim = self.limits
+        return {"kv_bytes": kv, "max_kv_bytes": int(lim.max_kv_memory_mb * MB),
+                "weight_bytes": self.weights.held_bytes(), "max_weight_bytes": int(lim.max_weight_memory_mb * MB),
+                "weight_copies": self.weights.describe()}
 
     def _add(self, build: Callable[[str], ServedRun], kv: int, kv_field: str = "engine.num_blocks",
-             run_id: str | None = None) -> ServedRun:
-        """Reserve room (or refuse, naming kv_field), build the run outside the lock, then start it."""
+             run_id: str | None = None, needs: Sequence[WeightNeed] = ()) -> ServedRun:
+        """Reserve room (or refuse, naming kv_field or the weight copy's field), build the run outside the
+        lock, then start it."""
         run_id = run_id or uuid.uuid4().hex[:12]
         with self._lock:
-            self._make_room_locked(kv, kv_field)
+            self._make_room_locked(kv, kv_field, needs)
             self.kv_bytes[run_id] = kv
+            self.weights.hold(run_id, estimates(needs))
         try:
             run = build_run(lambda: build(run_id))
         except BaseException:
             with self._lock:
                 self.kv_bytes.pop(run_id, None)
+                self.weights.release(run_id)
             raise
         if self.watcher_queue_limit:
             run.queue_limit = self.watcher_queue_limit
@@ -204,14 +235,15 @@ class RunManager:
             self.runs[run_id] = run
         return run.start()
 
-    def _make_room_locked(self, kv: int, kv_field: str) -> None:
+    def _make_room_locked(self, kv: int, kv_field: str, needs: Sequence[WeightNeed] = ()) -> None:
         lim = self.limits
         if kv > lim.run_kv_ceiling_mb * MB:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
                                      f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)")
         self._sweep_locked()
         finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
-        while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB):
+        while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB
+                            or self._weights_over_locked(needs)):
             self._forget_locked(finished.pop(0))
         if len(self.kv_bytes) >= lim.max_runs:
             raise RunError(None, f"too many runs at once (at most {lim.max_runs}, --max-runs); let one finish first")
@@ -219,9 +251,24 @@ class RunManager:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB, and the runs held now "
                                      f"take {self._kv_held() / MB:.1f} of the server's {lim.max_kv_memory_mb:g} MB "
                                      "(--max-kv-memory-mb); let a run finish first")
+        if self._weights_over_locked(needs):
+            self._refuse_weights_locked(needs)
 
     def _kv_held(self) -> int:
         return sum(self.kv_bytes.values())
+
+    def _weights_over_locked(self, needs: Sequence[WeightNeed]) -> bool:
+        """Would the new copies among `needs` pass --max-weight-memory-mb? (Shared ones add nothing.)"""
+        new = self.weights.new_bytes(estimates(needs))
+        return new > 0 and self.weights.held_bytes() + new > self.limits.max_weight_memory_mb * MB
+
+    def _refuse_weights_locked(self, needs: Sequence[WeightNeed]) -> None:
+        new = [n for n in needs if self.weights.new_bytes({n.key: n.bytes})]
+        copies = " and ".join(describe_copy(n) for n in new)
+        raise WeightMemoryError(new[0].field, f"this run needs a new weight copy ({copies}), and the copies "
+                                              f"held now take {self.weights.held_bytes() / MB:.1f} of the server's "
+                                              f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
+                                              "use a model and settings a run already uses, or let a run finish")
 
     def _sweep_locked(self) -> None:
         """Forget the runs that expired (paused and untouched too long)."""
@@ -230,6 +277,7 @@ class RunManager:
 
     def _forget_locked(self, run_id: str) -> None:
         self.kv_bytes.pop(run_id, None)
+        self.weights.release(run_id)
         run = self.runs.pop(run_id, None)
         if run is not None:
             run.stop()

@@ -30,6 +30,7 @@ from kvscope.backend.engine.sampling_params import MAX_STOP_CHARS, MAX_STOPS, Sa
 from kvscope.backend.errors import pydantic_reason, validation_error
 from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.model.loader import ModelLoadError, missing_package
+from kvscope.backend.server.limits import WeightMemoryError
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
 from kvscope.backend.server.runs import EngineRun, RunBusy, RunError
@@ -197,6 +198,8 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, RunBusy):
         return _error_response(OpenAIError(429, str(exc), None, "rate_limit_exceeded", "rate_limit_error",
                                            {"Retry-After": str(exc.retry_after_s)}))
+    if isinstance(exc, WeightMemoryError):  # the model the client named needs weights the server has no room for
+        return _error_response(OpenAIError(400, str(exc), "model"))
     if isinstance(exc, RunError):  # the API's run could not start: the server's limits, not the request
         return _error_response(OpenAIError(503, str(exc), type="server_error"))
     if isinstance(exc, ChatTemplateError):

@@ -30,6 +30,7 @@ from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus, encode_event
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
 from kvscope.backend.events.state import RunState
+from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import Scenario
 
@@ -402,13 +403,13 @@ class EngineRun(ServedRun):
 
     def __init__(self, scenario: Scenario, speed: float = DEFAULT_SPEED, paused: bool = False,
                  run_id: str | None = None, open_ended: bool = False, retention: Retention = Retention(),
-                 lesson: bool = False) -> None:
+                 lesson: bool = False, weights: WeightCache | None = None) -> None:
         super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention, lesson)
         self.scenario = scenario
         self.open_ended = open_ended  # the API run waits for requests forever
         self.bus = EventBus(level=scenario.engine.events)
         self.bus.subscribe(self.publish)
-        self.sim = ScenarioRun(scenario, self.bus)
+        self.sim = ScenarioRun(scenario, self.bus, weights=weights)  # the server's shared weight copies
         self._live_counter = 0
         self.adds_pending = 0  # add_request calls on their way to the worker thread
         self.finished_ids: list[str] = []  # requests finished this step: the open-ended run forgets them after it
