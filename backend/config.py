@@ -169,6 +169,12 @@ class ModelConfig(BaseModel):
 
 # ---- Engine configuration -----------------------------------------------------------------------
 
+# The engine's own ceilings, also what a trace read from anywhere may claim (backend/events/bounds.py):
+# the reducer and every picture size a pool and its block tables from them.
+MAX_BLOCK_SIZE = 256
+MAX_NUM_BLOCKS = 1_000_000
+MAX_MODEL_LEN = 1_000_000
+
 
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -182,8 +188,8 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    block_size: int = Field(default=16, ge=1, le=256, description="tokens per KV block")
-    num_blocks: int | None = Field(default=256, ge=1, le=1_000_000,
+    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, description="tokens per KV block")
+    num_blocks: int | None = Field(default=256, ge=1, le=MAX_NUM_BLOCKS,
                                    description="KV blocks; null = derive from kv_cache_memory_mb")
     # Unbounded here: a server's KV limits refuse an oversized budget naming themselves (limits.py).
     kv_cache_memory_mb: float = Field(default=64.0, gt=0, description="budget used when num_blocks is null")
@@ -195,7 +201,7 @@ class EngineConfig(BaseModel):
     prefix_caching: bool = True
     chunked_prefill: bool = True
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    max_model_len: int = Field(default=1024, ge=2, le=1_000_000, description="prompt + output limit")
+    max_model_len: int = Field(default=1024, ge=2, le=MAX_MODEL_LEN, description="prompt + output limit")
     events: Literal["full", "summary", "off"] = "full"
     dist_top_n: int = Field(default=10, ge=1, le=100, description="tokens kept in each token event's dist")
     speculative: SpeculativeConfig | None = None

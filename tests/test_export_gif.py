@@ -27,7 +27,7 @@ def test_a_gif_has_a_frame_per_stride_and_the_pages_colours(pressure, tmp_path):
     last = replay(events).last
     out = render(events, "timeline", tmp_path / "run.gif", stride=4)
     with Image.open(out) as gif:
-        assert gif.n_frames == len(range(0, last + 1, 4)) + (last % 4 != 0) == len(frame_steps(last, 4))
+        assert gif.n_frames == len(range(0, last + 1, 4)) + (last % 4 != 0) == len(frame_steps(0, last, 4))
         assert gif.info["loop"] == 0
         seen = set()
         for index in range(gif.n_frames):  # requests own blocks mid-run, phases fill the timeline by the end
@@ -44,7 +44,7 @@ def test_cli_writes_a_gif_with_a_stride(pressure, tmp_path, capsys):
     assert main(["export", str(path), "--out", str(out), "--stride", "10"]) in (0, None)
     assert "block pool and timeline, animated" in capsys.readouterr().out
     with Image.open(out) as gif:
-        assert gif.n_frames == len(frame_steps(replay(events).last, 10))
+        assert gif.n_frames == len(frame_steps(0, replay(events).last, 10))
 
 
 def test_a_stride_below_one_is_one_line_and_exit_2(pressure, tmp_path, capsys):

@@ -216,8 +216,10 @@ class RunState:
         self._retire(rid)
 
     def _mark_running(self, rid: str) -> None:
-        view = self.requests.get(rid)
-        if view is None or view.status in ("running", "finished", "rejected"):
+        # A request first named by an iteration arrived before the trace began (the server's windowed
+        # /trace): it is running, its prompt unknown. Live runs never get here; finished ones never run again.
+        view = self.requests.setdefault(rid, RequestView(id=rid))
+        if view.status in ("running", "finished", "rejected"):
             return
         self._leave_queues(rid)
         self.running.append(rid)

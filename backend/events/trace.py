@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvscope.backend.errors import KvscopeError
+from kvscope.backend.events.bounds import MAX_TRACE_BYTES, MAX_TRACE_EVENTS, TraceBounds, check_values
 from kvscope.backend.events.bus import encode_event
 from kvscope.backend.events.schema import describe_error, parse_event
 
@@ -58,6 +59,9 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise TraceError(str(path), "no such trace file")
+    if path.stat().st_size > MAX_TRACE_BYTES:
+        raise TraceError(str(path), f"{path.stat().st_size:,} bytes; a trace is read whole, at most "
+                                    f"{MAX_TRACE_BYTES:,} bytes")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -70,10 +74,16 @@ def read_trace(path: str | Path) -> list[dict[str, Any]]:
 def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
     """Every event of JSONL trace text, each validated and in step order; TraceError names `source:line`.
 
+    Each event is checked against the bounds in bounds.py (its header's pool and lengths), so that
+    whatever replays or draws the events can size itself from them.
+
     A last line cut short (a writer killed mid-line: no newline after it and not JSON) is dropped with
     a warning, so that the trace of a crashed run still replays up to where it stopped."""
     lines = text.splitlines()
+    if len(lines) > MAX_TRACE_EVENTS:
+        raise TraceError(str(source), f"{len(lines):,} lines; a trace has at most {MAX_TRACE_EVENTS:,} events")
     cut_short = not text.endswith(("\n", "\r"))
+    bounds = TraceBounds()
     events: list[dict[str, Any]] = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -89,6 +99,10 @@ def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
         if events and event["step"] < events[-1]["step"]:
             raise TraceError(f"{source}:{line_no}", f"step {event['step']} comes after step {events[-1]['step']}; "
                                                     "a trace's events must be in step order")
+        try:
+            bounds.check(event)
+        except ValueError as e:
+            raise TraceError(f"{source}:{line_no}", str(e)) from None
         events.append(event)
     if not events:
         raise TraceError(str(source), "empty trace")
@@ -97,11 +111,14 @@ def parse_trace(text: str, source: str = "trace") -> list[dict[str, Any]]:
 
 def _parse_line(line: str, is_first: bool) -> dict[str, Any]:
     try:
-        event = json.loads(line, parse_constant=_not_a_number)
+        event = json.loads(line, parse_constant=_not_a_number, parse_float=_finite)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("not JSON this reader takes (nested too deep)") from None
     if not isinstance(event, dict):
         raise ValueError(f"expected a JSON object, got {type(event).__name__}")
+    check_values(event)
     try:
         parse_event(event)
     except ValidationError as e:
@@ -115,6 +132,13 @@ def _not_a_number(constant: str) -> None:
     # Python's json reads NaN and Infinity, which JSON itself does not have: a trace holding one would be
     # replayed to viewers as JSON that their parsers refuse.
     raise ValueError(f"not JSON ({constant} is not a number JSON allows)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"not JSON this reader takes ({text} is too large for a float)")
+    return value
 
 
 def strip_times(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

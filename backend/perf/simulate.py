@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.engine import Runtime
 from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.engine.sampling_params import SamplingParams
@@ -136,6 +136,10 @@ def simulation(model_shape: str, hardware: str, tp: int, link: str | None, utili
     if num_blocks < 1:
         raise PerfError("simulate", f"the KV pool ({pool / 1e6:,.1f} MB per GPU) holds no block of "
                                     f"{config.block_size} tokens")
+    if num_blocks > MAX_NUM_BLOCKS:  # its trace's pool, which a replay and every picture size themselves from
+        raise PerfError("engine.block_size", f"the KV pool ({pool / 1e9:,.1f} GB per GPU) holds {num_blocks:,} blocks of "
+                                             f"{config.block_size} tokens, more than the {MAX_NUM_BLOCKS:,} an engine "
+                                             "has: raise engine.block_size")
     shape_config = dep.shape.config
     dtype = getattr(torch, dep.dtype)
     kv_dtype = "int8" if config.kv_cache_dtype == "int8" else dep.dtype

@@ -43,10 +43,14 @@ def _palette_image() -> Image.Image:
     return image
 
 
-def frame_steps(last: int, stride: int) -> list[int]:
-    """The iterations shown: every stride-th, and always the last."""
-    steps = list(range(0, last + 1, stride))
-    return steps if steps[-1] == last else [*steps, last]
+def frame_steps(first: int, last: int, stride: int) -> list[int]:
+    """The iterations shown: every stride-th from the first, and always the last; ExportError past
+    MAX_FRAMES, counted before any list is made (a trace's steps may lie far apart)."""
+    shown = range(first, last + 1, stride)
+    count = len(shown) + (shown[-1] != last)
+    if count > MAX_FRAMES:
+        raise ExportError("stride", f"{count} frames; use a stride of at least {-(-(last - first + 1) // MAX_FRAMES)}")
+    return list(shown) if shown[-1] == last else [*shown, last]
 
 
 def _pixels(fig: Figure, width: int) -> Image.Image:
@@ -56,11 +60,11 @@ def _pixels(fig: Figure, width: int) -> Image.Image:
     return image.resize((width, round(image.height * width / image.width)), Image.Resampling.LANCZOS)
 
 
-def draw_frame(events: list[Event], step: int, last: int) -> Image.Image:
+def draw_frame(events: list[Event], step: int, first: int, last: int) -> Image.Image:
     """One frame: the block pool and the timeline as of iteration `step`, stacked."""
     run = replay(events, step)
     timeline = draw_timeline(run)
-    timeline.axes[0].set_xlim(0, last + 1.5)  # the whole run's range in every frame
+    timeline.axes[0].set_xlim(first, last + 1.5)  # the whole run's range in every frame
     top, bottom = _pixels(draw_blocks(run), WIDTH_PX), _pixels(timeline, WIDTH_PX)
     image = Image.new("RGB", (WIDTH_PX, top.height + bottom.height), "white")
     image.paste(top, (0, 0))
@@ -70,12 +74,10 @@ def draw_frame(events: list[Event], step: int, last: int) -> Image.Image:
 
 def write_gif(events: list[Event], out_path: Path, stride: int = 1) -> Path:
     """Write the animation; ExportError when it would have more than MAX_FRAMES frames."""
-    last = replay(events).last
-    steps = frame_steps(last, stride)
-    if len(steps) > MAX_FRAMES:
-        raise ExportError("stride", f"{len(steps)} frames; use a stride of at least {-(-(last + 1) // MAX_FRAMES)}")
+    run = replay(events)
     fixed = _palette_image()
-    frames = [draw_frame(events, step, last).quantize(palette=fixed, dither=Image.Dither.NONE) for step in steps]
+    frames = [draw_frame(events, step, run.first, run.last).quantize(palette=fixed, dither=Image.Dither.NONE)
+              for step in frame_steps(run.first, run.last, stride)]
     height = max(f.height for f in frames)  # the timeline's legend may grow as phases appear
     frames = [f if f.height == height else _pad(f, height) for f in frames]
     frames[0].save(out_path, save_all=True, append_images=frames[1:], duration=FRAME_MS, loop=0, optimize=False)

@@ -29,6 +29,7 @@ class ExportedRun:
     starts: dict[int, float]  # iteration -> t when it started
     end_t: float  # t when the last iteration ended
     last: int  # the last iteration
+    first: int  # the first iteration (a trace that starts mid-run, the server's windowed /trace: not 0)
 
     @property
     def title(self) -> str:
@@ -57,8 +58,9 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     iterations = [e for e in events if e["type"] == "iteration"]
     if not iterations:
         raise ExportError("trace", "no iteration events to draw (recorded with engine.events=off?)")
-    if step is not None and not 0 <= step <= iterations[-1]["step"]:
-        raise ExportError("step", f"{step} is outside the trace's iterations 0..{iterations[-1]['step']}")
+    first, last = iterations[0]["step"], iterations[-1]["step"]
+    if step is not None and not first <= step <= last:
+        raise ExportError("step", f"{step} is outside the trace's iterations {first}..{last}")
     if step is not None:
         events = [e for e in events if e["step"] <= step]
         iterations = [e for e in iterations if e["step"] <= step]
@@ -72,7 +74,7 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     order = [rid for rid, view in state.requests.items() if view.status != "rejected"]
     return ExportedRun(events, state, history, order, batches, ran,
                        {it["step"]: it["t"] - it["duration_s"] for it in iterations}, iterations[-1]["t"],
-                       iterations[-1]["step"])
+                       iterations[-1]["step"], first)
 
 
 def busiest_step(events: list[Event]) -> int | None:

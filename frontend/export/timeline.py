@@ -68,7 +68,7 @@ def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool) -
     if len(rows) <= 60:
         ax.set_yticks(range(len(rows)), rows, fontsize=9 if len(rows) <= 30 else 7)
     ax.set_ylabel("request (arrival order)")
-    left, right = run.at(0, seconds), run.at(run.last + 1, seconds)
+    left, right = run.at(run.first, seconds), run.at(run.last + 1, seconds)
     ax.set_xlim(left, right + 0.015 * (right - left))  # room for the last finish mark
     ax.set_xlabel("seconds since the run started" if seconds else "engine iteration (step)")
     if not seconds:
