@@ -36,7 +36,7 @@ def wait_for(predicate, timeout=30.0):
 
 
 def test_health_scenarios_and_openapi(client):
-    assert client.get("/api/health").json() == {"status": "ok"}
+    assert client.get("/api/health").json()["status"] == "ok"
     names = [s["name"] for s in client.get("/api/scenarios").json()]
     assert "shared-prefix" in names
     assert client.get("/api/scenarios/shared-prefix").json()["name"] == "shared-prefix"
