@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (CI must not meet a new example by chance, on
+# the submitting machine, on the day it decides), and no example has a time limit (hypothesis's
+# 200 ms deadline is a wall-clock bound that a loaded machine breaks). `pytest --hypothesis-profile
+# explore` draws new examples, to look for cases the fixed ones miss.
+settings.register_profile("deterministic", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile("deterministic")
 
 from kvscope.backend.model.loader import LoadedModel, load_model
 

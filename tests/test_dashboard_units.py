@@ -53,6 +53,9 @@ def test_stages_match_the_engine_sampler_when_the_whole_vocabulary_is_shown(kw):
     assert ours(**kw) == pytest.approx(engine_final(**kw), abs=1e-6)
 
 
+# At an exact tie (top_p equal to a cumulative sum: three equal weights and p = 1/3) the keep-or-cut
+# decision rests on the last bit of rounding, which this module's float arithmetic and torch's may
+# make differently: `--hypothesis-profile explore` finds such examples now and then (conftest.py).
 @settings(max_examples=60, deadline=None)
 @given(weights=st.lists(st.floats(0.01, 1.0), min_size=2, max_size=12), t=st.floats(0.1, 3.0),
        k=st.integers(0, 12), p=st.floats(0.05, 1.0), m=st.floats(0.0, 1.0))

@@ -92,7 +92,7 @@ def test_bad_requests_are_refused_with_a_reason_while_others_finish(tiny):
         (("unknown", [1, 2], 4, {"temprature": 1}), "sampling.temprature", "Extra inputs"),
         (("zero", [1, 2], 0, None), "max_tokens", "at least 1"),
         (("empty", [], 4, None), "prompt", "empty"),
-        (("vocab", [99999], 4, None), "prompt", "token ids"),
+        (("vocab", [99999], 4, None), "prompt", "outside the vocabulary"),
         (("bias", [1, 2], 4, {"logit_bias": {99999: 1.0}}), "sampling.logit_bias", "token id 99999"),
         (("allowed", [1, 2], 4, {"allowed_token_ids": [3, -1]}), "sampling.allowed_token_ids", "token id -1"),
     ]
