@@ -783,7 +783,8 @@ async def test_the_selected_request_stands_out_in_the_batch_chart_and_the_block_
     column.picker.set_value(rid)
     held = sorted({b for s, r in feed.state.seq_request.items() if r == rid for b in feed.state.block_tables.get(s, ())})
     await until(lambda: pool.picked_sent == held and held)
-    await until(lambda: any(item[6] == rid for _, data in batch.segments.all() for item in data))
+    # the batch chart redraws on its own tick: its segments existed (unmarked) before the pick
+    await until(lambda: {item[8] for _, data in batch.segments.all() for item in data if item[6] == rid} == {1})
     segments = [item for _, data in batch.segments.all() for item in data]
     assert {item[8] for item in segments if item[6] == rid} == {1}  # outlined
     assert {item[8] for item in segments if item[6] != rid} <= {2}  # dimmed
