@@ -126,7 +126,7 @@ def test_the_accounting_returns_to_baseline_and_the_copy_is_freed_when_the_runs_
             assert time.monotonic() < deadline, "the paused runs never expired"
             time.sleep(0.05)
         assert cache.held_bytes() == 0 and cache.describe() == []
-        assert client.get("/api/health").json()["memory"]["weight_bytes"] == 0
+        assert client.get("/api/limits").json()["weight_bytes"] == 0
         deadline = time.monotonic() + 60
         while copy() is not None:  # the forgotten runs' worker threads end, then nothing refers to the copy
             assert time.monotonic() < deadline, "the quantized copy is still referenced"
@@ -135,16 +135,17 @@ def test_the_accounting_returns_to_baseline_and_the_copy_is_freed_when_the_runs_
     manager.stop_all()
 
 
-def test_health_reports_the_kv_and_weight_bytes_held_and_allowed(tiny_dir):
-    client, manager, cache, _ = serving(tiny_dir, max_kv_memory_mb=64, max_weight_memory_mb=32)
+def test_the_limits_route_reports_the_kv_and_weight_bytes_held_and_allowed(tiny_dir):
+    client, manager, cache, _ = serving(tiny_dir, max_kv_memory_mb=64, max_weight_memory_mb=32, max_runs=5)
     with client:
         start(client, int8(tiny_dir, 32))
-        memory = client.get("/api/health").json()["memory"]
+        held = client.get("/api/limits").json()
         per_token = 2 * 2 * 2 * 16 * 4  # 2 layers, K and V, 2 KV heads of 16, fp32
-        assert (memory["kv_bytes"], memory["max_kv_bytes"]) == (16 * 4 * per_token, 64 * MB)
-        assert (memory["weight_bytes"], memory["max_weight_bytes"]) == (cache.held_bytes(), 32 * MB)
-        assert [(c["model"], c["quant"], c["built"]) for c in memory["weight_copies"]] == \
-            [(tiny_dir, "none", True), (tiny_dir, "int8", True)]
+        assert (held["runs"], held["max_runs"]) == (1, 5)
+        assert (held["kv_bytes"], held["max_kv_bytes"]) == (16 * 4 * per_token, 64 * MB)
+        assert (held["weight_bytes"], held["max_weight_bytes"]) == (cache.held_bytes(), 32 * MB)
+        assert [(c["model"], c["quant"], c["group_size"], c["runs"], c["built"]) for c in held["weight_copies"]] == \
+            [(tiny_dir, "none", None, 1, True), (tiny_dir, "int8", 32, 1, True)]
     manager.stop_all()
 
 

@@ -145,9 +145,14 @@ def run_or_404(request: Request, run_id: str) -> ServedRun:
 
 
 @get("/api/health")
-async def health(request: Request) -> dict:
-    """Up, and what the memory limits count: KV caches and weight copies, held and allowed (bytes)."""
-    return {"status": "ok", "memory": request.app.state.manager.memory()}
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@get("/api/limits")
+async def limits_held(request: Request) -> dict:
+    """What the limits count now and what they allow: runs, KV cache bytes, weight copies and their bytes."""
+    return request.app.state.manager.usage()
 
 
 @get("/api/scenarios", sync_to_thread=True)
@@ -280,8 +285,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     if limits is not None:
         manager.limits = limits
     app = Litestar(
-        route_handlers=[health, scenarios, models, scenario, list_runs, start_run, run_snapshot, control, add_request,
-                        run_trace, run_socket, *openai_routes],
+        route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
+                        add_request, run_trace, run_socket, *openai_routes],
         exception_handlers={KvscopeError: user_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,

@@ -204,12 +204,12 @@ class RunManager:
         """The weight copies the scenario's run would hold, sized from the configs (nothing is loaded)."""
         return build_run(lambda: weight_needs(scenario))
 
-    def memory(self) -> dict:
-        """What the memory limits count now (GET /api/health): KV caches and weight copies, held and allowed."""
+    def usage(self) -> dict:
+        """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies."""
         with self._lock:
-            kv = self._kv_held()
+            runs, kv = len(self.kv_bytes), self._kv_held()
         lim = self.limits
-        return {"kv_bytes": kv, "max_kv_bytes": int(lim.max_kv_memory_mb * MB),
+        return {"runs": runs, "max_runs": lim.max_runs, "kv_bytes": kv, "max_kv_bytes": int(lim.max_kv_memory_mb * MB),
                 "weight_bytes": self.weights.held_bytes(), "max_weight_bytes": int(lim.max_weight_memory_mb * MB),
                 "weight_copies": self.weights.describe()}
 
