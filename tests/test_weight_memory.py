@@ -115,6 +115,31 @@ def test_a_copy_past_the_weight_limit_is_a_400_naming_the_flag_and_builds_nothin
     manager.stop_all()
 
 
+def test_a_finished_run_is_forgotten_to_make_room_for_a_new_copy(tiny_dir):
+    config = model_config(tiny_dir)
+    room = 1.2 * (weight_copy_bytes(config) + weight_copy_bytes(config, "int8", 32))  # not for a second int8 copy
+    client, manager, cache, _ = serving(tiny_dir, max_weight_memory_mb=room / MB)
+    with client:
+        done = start(client, {**int8(tiny_dir, 32), "paused": False, "speed": 0})
+        deadline = time.monotonic() + 60
+        while not manager.get(done).finished:
+            assert time.monotonic() < deadline, "the run never finished"
+            time.sleep(0.05)
+        start(client, int8(tiny_dir, 16))
+        assert manager.get(done) is None
+        assert [(c["quant"], c["group_size"]) for c in cache.describe()] == [("none", None), ("int8", 16)]
+    manager.stop_all()
+
+
+def test_a_run_that_cannot_build_lets_go_of_what_it_reserved(tiny_dir):
+    client, manager, cache, _ = serving(tiny_dir)
+    with client:
+        refused = client.post("/api/runs", json=int8(tiny_dir, 48))  # 48 does not divide the width 64
+        assert refused.status_code == 400 and refused.json()["field"] == "engine.quant_group_size"
+        assert cache.describe() == [] and client.get("/api/limits").json()["runs"] == 0
+    manager.stop_all()
+
+
 def test_the_accounting_returns_to_baseline_and_the_copy_is_freed_when_the_runs_are_gone(tiny_dir):
     client, manager, cache, _ = serving(tiny_dir, paused_ttl_s=0.2)
     with client:
