@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,37 +19,56 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 class RopeScaling(BaseModel):
     """Llama 3 style frequency scaling; `rope_type: default` means none."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     rope_type: Literal["default", "linear", "llama3"] = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: float = Field(default=1.0, gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_position_embeddings: int = Field(default=8192, gt=0)
+
+    @model_validator(mode="after")
+    def _factors_apart(self) -> "RopeScaling":
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:  # they divide their difference
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must be above low_freq_factor "
+                             f"({self.low_freq_factor})")
+        return self
+
+
+# Ceilings of a model's shape: far above any published model's, and low enough that a config.json's
+# numbers alone (a vocabulary of 1e12) never size an allocation; the weights must match them too
+# (transformer.check_weights, before a model is built).
+MAX_VOCAB = 1 << 22
+MAX_HIDDEN = 1 << 17
+MAX_INTERMEDIATE = 1 << 20
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_POSITIONS = 1 << 24
 
 
 class MLAConfig(BaseModel):
     """DeepSeek-V2 multi-head latent attention sizes."""
 
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0, le=MAX_HIDDEN)
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
+    v_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
 
 
 class ModelConfig(BaseModel):
     """Everything the reference decoder needs to build itself."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     architecture: str = KVSCOPE_ARCHITECTURE
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    max_position_embeddings: int = Field(default=2048, gt=0)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    hidden_size: int = Field(gt=0, le=MAX_HIDDEN)
+    intermediate_size: int = Field(gt=0, le=MAX_INTERMEDIATE)
+    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_attention_heads: int = Field(gt=0, le=MAX_HEADS)
+    num_key_value_heads: int = Field(gt=0, le=MAX_HEADS)
+    head_dim: int = Field(gt=0, le=MAX_HEAD_DIM, description="absent: hidden_size / num_attention_heads")
+    max_position_embeddings: int = Field(default=2048, gt=0, le=MAX_POSITIONS)
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = Field(default=1e-5, gt=0)
@@ -62,13 +81,33 @@ class ModelConfig(BaseModel):
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_head_dim(cls, data: Any) -> Any:
+        """Without head_dim (Hugging Face leaves it out) a head is hidden_size / num_attention_heads, which must divide."""
+        if not isinstance(data, dict) or data.get("head_dim") is not None:
+            return data
+        hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+        if type(hidden) is not int or type(heads) is not int or heads <= 0:
+            return {k: v for k, v in data.items() if k != "head_dim"}  # the field checks name what is wrong
+        if hidden % heads:
+            raise ValueError(f"head_dim: not given, and hidden_size ({hidden}) is not a multiple of "
+                             f"num_attention_heads ({heads})")
+        return {**data, "head_dim": hidden // heads}
+
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _shapes_fit(self) -> "ModelConfig":
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        rotary = self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if rotary % 2:  # RoPE rotates pairs of numbers
+            raise ValueError(f"{'mla.qk_rope_head_dim' if self.mla else 'head_dim'} ({rotary}) must be even (RoPE)")
+        for name, token in (("bos_token_id", self.bos_token_id), *(("eos_token_id", t) for t in self.eos_token_ids)):
+            if token is not None and not 0 <= token < self.vocab_size:
+                raise ValueError(f"{name}: {token} is not a token of the vocabulary (0..{self.vocab_size - 1})")
         return self
 
     @property
@@ -101,43 +140,45 @@ class ModelConfig(BaseModel):
     # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Read a Hugging Face style config.json dict (Llama, Qwen2, Mistral or kvscope's own)."""
+    def from_hf_dict(cls, d: Any) -> "ModelConfig":
+        """Read a Hugging Face style config.json dict (Llama, Qwen2, Mistral or kvscope's own).
+
+        Strictly typed: "256" or true is not a size, 6.5 is not a layer count (pydantic's usual
+        coercion would take them). Raises KeyError for a missing field, ValueError for the rest."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config is a JSON object, not {type(d).__name__}")
         archs = d.get("architectures") or []
-        arch = archs[0] if archs else ""
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
         if arch not in HF_ARCHITECTURES + (KVSCOPE_ARCHITECTURE,):
             known = ", ".join(HF_ARCHITECTURES + (KVSCOPE_ARCHITECTURE,))
             raise ValueError(f"architectures: unsupported architecture {arch or '(none)'!r}; known: {known}")
-        n_heads = d["num_attention_heads"]
-        hidden = d["hidden_size"]
-        head_dim = d.get("head_dim") or hidden // n_heads
-        attn_bias = bool(d.get("attention_bias", False))
-        mla = MLAConfig(**d["mla"]) if d.get("mla") else None
         scaling = d.get("rope_scaling") or d.get("rope_parameters")  # transformers 5 writes rope_parameters
-        rope_theta = d.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0
-        rope_scaling = RopeScaling(**scaling) if scaling and scaling.get("rope_type", "default") != "default" else None
-        return cls(
-            architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            qkv_bias=attn_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attn_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            mla=mla,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype") or "float32",
-        )
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError("rope_scaling: an object ({rope_type, factor, ...}) or null")
+        attn_bias = _flag(d, "attention_bias")
+        n_heads = d["num_attention_heads"]
+        return cls.model_validate({
+            "architecture": arch,
+            "vocab_size": d["vocab_size"],
+            "hidden_size": d["hidden_size"],
+            "intermediate_size": d["intermediate_size"],
+            "num_hidden_layers": d["num_hidden_layers"],
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": _given(d, "num_key_value_heads", n_heads),
+            "head_dim": d.get("head_dim"),  # None: derived from hidden_size
+            "max_position_embeddings": _given(d, "max_position_embeddings", 2048),
+            "rope_theta": d.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0,
+            "rope_scaling": scaling if scaling and scaling.get("rope_type", "default") != "default" else None,
+            "rms_norm_eps": _given(d, "rms_norm_eps", 1e-6),
+            "tie_word_embeddings": _given(d, "tie_word_embeddings", False),
+            "qkv_bias": attn_bias or arch == "Qwen2ForCausalLM",
+            "o_bias": attn_bias,
+            "mlp_bias": _flag(d, "mlp_bias"),
+            "mla": d.get("mla") or None,
+            "bos_token_id": d.get("bos_token_id"),
+            "eos_token_id": d.get("eos_token_id"),
+            "torch_dtype": d.get("torch_dtype") or d.get("dtype") or "float32",
+        }, strict=True)
 
     def to_hf_dict(self) -> dict:
         """The config.json that transformers reads (Llama form) or kvscope's own form (MLA)."""
@@ -165,6 +206,19 @@ class ModelConfig(BaseModel):
         if self.mla is not None:
             d["mla"] = self.mla.model_dump()
         return d
+
+
+def _given(d: dict, key: str, default: Any) -> Any:
+    """d[key], or the default when it is absent or null (Hugging Face writes both)."""
+    value = d.get(key)
+    return default if value is None else value
+
+
+def _flag(d: dict, key: str) -> bool:
+    value = _given(d, key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: {value!r} is not true or false")
+    return value
 
 
 # ---- Engine configuration -----------------------------------------------------------------------

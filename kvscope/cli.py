@@ -35,12 +35,13 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "min_p": "--min-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width",
                   "length_penalty": "--length-penalty"}
 ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
+                "engine.speculative.num_tokens": "--num-draft-tokens",
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
                 "engine.kv_cache_dtype": "--kv-cache-dtype", "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from kvscope.backend.config import EngineConfig
+    from kvscope.backend.config import MAX_MODEL_LEN, EngineConfig
     from kvscope.backend.engine.engine import Engine
     from kvscope.backend.engine.request import RequestError
     from kvscope.backend.engine.sampling_params import SamplingParams
@@ -55,14 +56,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise UserError(SAMPLING_FLAGS.get(error.field, error.field), error.reason) from None
     speculative = None if args.speculative == "off" else {"method": args.speculative, "num_tokens": args.num_draft_tokens}
     loaded = load_model(args.model)
-    context = loaded.config.max_position_embeddings
+    context = min(loaded.config.max_position_embeddings, MAX_MODEL_LEN)  # a longer context is the model's, not ours
     try:
         config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
                               weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype)
+    except ValidationError as e:  # only flags reach the config: name the one that was wrong
+        error = validation_error(e, "engine")
+        raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
+    try:
         engine = Engine(loaded, config)
         req = engine.add_request("cli", args.prompt, args.max_tokens, params)
-    except ValidationError as e:
-        raise UserError("--num-draft-tokens", validation_error(e).reason) from None
     except RequestError as e:
         flag = {"prompt": "--prompt", "max_tokens": "--max-tokens", **ENGINE_FLAGS}.get(e.field, e.field)
         raise UserError(str(flag), str(e.reason)) from None

@@ -26,12 +26,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+from pydantic import ValidationError
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.errors import ModelLoadError
+from kvscope.backend.errors import ModelLoadError, validation_error
+from kvscope.backend.model.gguf_layout import check_layout
+from kvscope.backend.model.transformer import check_weights
 
 CACHE_FORMAT = 1  # part of the cache key: bump when the converted folder's contents change
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -78,7 +81,17 @@ class GGUFFile:
             if default is _MISSING:
                 raise ModelLoadError(str(self.path), f"missing metadata {key}")
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except ValueError as e:  # a string that is not UTF-8
+            raise ModelLoadError(str(self.path), f"{key}: not readable ({e})") from None
+
+    def strings(self, key: str) -> list[str]:
+        """A metadata array of strings (the vocabulary, the merges), or one line saying it is not one."""
+        value = self.get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ModelLoadError(str(self.path), f"{key}: not an array of strings")
+        return value
 
 
 def cache_root() -> Path:
@@ -115,10 +128,16 @@ def gguf_model_dir(path: Path, dtype: torch.dtype = torch.float32) -> Path:
 
 
 def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype) -> None:
-    """Write the model folder for a GGUF file: config, de-quantized weights, tokenizer."""
+    """Write the model folder for a GGUF file: config, de-quantized weights, tokenizer.
+
+    Everything is checked before anything is sized from it: the header's lengths against the file
+    (gguf_layout.py), the metadata as a config (model_config), the tensor infos' names, shapes and
+    types against that config, the vocabulary against its size; then the tensors are read."""
     f = open_gguf(path)
     config = hf_config(f, dtype)
-    tokenizer, tokenizer_config = build_tokenizer(f)
+    model = model_config(f, config)
+    check_tensor_infos(f, model)
+    tokenizer, tokenizer_config = build_tokenizer(f, model.vocab_size)
     tensors = read_tensors(f, config, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -129,13 +148,14 @@ def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype) -> None:
 def gguf_facts(path: Path) -> tuple[ModelConfig, bool]:
     """The file's config and whether it has a chat template, from its metadata alone (no conversion)."""
     f = open_gguf(path)
-    return ModelConfig.from_hf_dict(hf_config(f, torch.float32)), f.get("tokenizer.chat_template", None) is not None
+    return model_config(f, hf_config(f, torch.float32)), f.get("tokenizer.chat_template", None) is not None
 
 
 def open_gguf(path: Path) -> GGUFFile:
+    check_layout(path)
     try:
         return GGUFFile(path, GGUFReader(path))
-    except (ValueError, OSError, IndexError) as e:  # the reader raises ValueError on a bad magic or version
+    except (ValueError, OSError, IndexError, KeyError) as e:  # bad magic or version; KeyError: a key twice
         raise ModelLoadError(str(path), f"not a readable GGUF file ({e})") from None
 
 
@@ -145,23 +165,20 @@ def hf_config(f: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(str(f.path), f"general.architecture: unsupported {arch!r} "
                                           f"(supported: {', '.join(ARCHITECTURES)}; Mistral files are llama)")
-    heads, hidden = f.get(f"{arch}.attention.head_count"), f.get(f"{arch}.embedding_length")
-    head_dim = f.get(f"{arch}.attention.key_length", hidden // heads)
-    if f.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(str(f.path), f"{arch}.rope.dimension_count: partial rotary embeddings are not supported")
+    heads = f.get(f"{arch}.attention.head_count")
     tensor_names = {t.name for t in f.reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError(str(f.path), "rope_freqs.weight: per-frequency RoPE factors (Llama 3.1) are not supported")
     name = str(f.get("general.name", ""))
     return {
         "architectures": ["MistralForCausalLM" if arch == "llama" and "mistral" in name.lower() else ARCHITECTURES[arch]],
-        "vocab_size": f.get(f"{arch}.vocab_size", None) or len(f.get("tokenizer.ggml.tokens")),
-        "hidden_size": hidden,
+        "vocab_size": f.get(f"{arch}.vocab_size", None) or len(f.strings("tokenizer.ggml.tokens")),
+        "hidden_size": f.get(f"{arch}.embedding_length"),
         "intermediate_size": f.get(f"{arch}.feed_forward_length"),
         "num_hidden_layers": f.get(f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": f.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
+        "head_dim": f.get(f"{arch}.attention.key_length", None),  # None: hidden_size / head_count
         "max_position_embeddings": f.get(f"{arch}.context_length", 2048),
         "rope_theta": f.get(f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling(f, arch),
@@ -171,6 +188,46 @@ def hf_config(f: GGUFFile, dtype: torch.dtype) -> dict[str, Any]:
         "eos_token_id": eos_token_ids(f),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+# The metadata key each config field is read from ({arch}: general.architecture), to name in errors.
+METADATA_KEYS = {
+    "vocab_size": "{arch}.vocab_size", "hidden_size": "{arch}.embedding_length",
+    "intermediate_size": "{arch}.feed_forward_length", "num_hidden_layers": "{arch}.block_count",
+    "num_attention_heads": "{arch}.attention.head_count", "num_key_value_heads": "{arch}.attention.head_count_kv",
+    "head_dim": "{arch}.attention.key_length", "max_position_embeddings": "{arch}.context_length",
+    "rope_theta": "{arch}.rope.freq_base", "rope_scaling": "{arch}.rope.scaling.factor",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon", "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
+
+
+def model_config(f: GGUFFile, config: dict[str, Any]) -> ModelConfig:
+    """hf_config's dict as a validated ModelConfig (types, ranges, heads that divide); errors name the metadata key."""
+    arch = f.get("general.architecture")
+    try:
+        model = ModelConfig.from_hf_dict(config)
+    except ValidationError as e:
+        error = validation_error(e)
+        # A field's own check names it in `field`; one across fields starts its reason with it ("eos_token_id: ...").
+        field, reason = (error.field, error.reason) if error.field else error.reason.partition(": ")[::2]
+        key = METADATA_KEYS.get(field.split(".")[0])
+        raise ModelLoadError(str(f.path), f"{key.format(arch=arch)}: {reason}" if key else error.reason) from None
+    except ValueError as e:  # from_hf_dict's own checks of the dict's shape
+        raise ModelLoadError(str(f.path), str(e)) from None
+    if f.get(f"{arch}.rope.dimension_count", model.head_dim) != model.head_dim:
+        raise ModelLoadError(str(f.path), f"{arch}.rope.dimension_count: partial rotary embeddings are not supported")
+    return model
+
+
+def check_tensor_infos(f: GGUFFile, config: ModelConfig) -> None:
+    """The tensors' types, names and shapes (from their infos, before any data is read) against the config."""
+    for t in f.reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise ModelLoadError(str(f.path), f"tensor {t.name} has type {t.tensor_type.name} (supported: {names})")
+    shapes = {hf_tensor_name(f, t.name): tuple(int(n) for n in reversed(t.shape)) for t in f.reader.tensors}
+    check_weights(config, shapes, f.path, implied_by="the metadata")
 
 
 def rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -188,14 +245,20 @@ def eos_token_ids(f: GGUFFile) -> list[int]:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
-def build_tokenizer(f: GGUFFile) -> tuple[HFTokenizer, dict[str, Any]]:
+def build_tokenizer(f: GGUFFile, vocab_size: int) -> tuple[HFTokenizer, dict[str, Any]]:
     """The byte-level BPE tokenizer the metadata describes, and its tokenizer_config.json."""
     kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelLoadError(str(f.path), f"tokenizer.ggml.model: {kind!r} is not supported (only 'gpt2', byte-level BPE)")
-    tokens: list[str] = f.get("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges")]
-    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokens = f.strings("tokenizer.ggml.tokens")
+    if len(tokens) > vocab_size:  # ids past the embedding's rows would be sampled and looked up
+        raise ModelLoadError(str(f.path), f"tokenizer.ggml.tokens: {len(tokens):,} tokens, more than the "
+                                          f"{vocab_size:,} rows of token_embd.weight")
+    merges = [tuple(m.split(" ", 1)) for m in f.strings("tokenizer.ggml.merges")]
+    try:
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    except Exception as e:  # tokenizers raises its own Exception subclass for merges it cannot use
+        raise ModelLoadError(str(f.path), f"tokenizer.ggml.merges: {e}") from None
     splits = PRE_TOKENIZER_SPLITS.get(f.get("tokenizer.ggml.pre", "default"), [GPT2_SPLIT])
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
@@ -225,9 +288,9 @@ def read_tensors(f: GGUFFile, config: dict[str, Any], dtype: torch.dtype) -> dic
     if f.get("general.architecture") not in PERMUTED_ARCHITECTURES:
         rope_heads = {}
     tensors = {}
-    for t in f.reader.tensors:
+    for t in f.reader.tensors:  # check_tensor_infos has held their names, shapes and types to the config
         name = hf_tensor_name(f, t.name)
-        w = dequantize_tensor(f, t)
+        w = dequantize_tensor(t)
         kind = t.name.split(".")[-2]  # "blk.3.attn_q.weight" -> "attn_q"
         if kind in rope_heads:
             w = unpermute_rope_rows(w, rope_heads[kind])
@@ -245,11 +308,8 @@ def hf_tensor_name(f: GGUFFile, name: str) -> str:
     raise ModelLoadError(str(f.path), f"tensor {name}: not part of a Llama-style decoder")
 
 
-def dequantize_tensor(f: GGUFFile, t: ReaderTensor) -> torch.Tensor:
+def dequantize_tensor(t: ReaderTensor) -> torch.Tensor:
     """The tensor as float32 in PyTorch's row-major shape (GGUF lists dimensions innermost first)."""
-    if t.tensor_type not in SUPPORTED_TYPES:
-        names = ", ".join(q.name for q in SUPPORTED_TYPES)
-        raise ModelLoadError(str(f.path), f"tensor {t.name} has type {t.tensor_type.name} (supported: {names})")
     values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))  # F32 comes back as a read-only view
 

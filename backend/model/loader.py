@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.errors import ModelLoadError, validation_error
 from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
-from kvscope.backend.model.transformer import CausalLM
+from kvscope.backend.model.transformer import CausalLM, check_weights
 
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
@@ -136,11 +136,23 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def weight_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape from the safetensors headers alone (the library checks them against the file's size)."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         if not f.is_file():
             raise ModelLoadError(str(f), "missing (named by the safetensors index)")
+        try:
+            with safe_open(str(f), framework="pt") as header:
+                shapes |= {name: tuple(header.get_slice(name).get_shape()) for name in header.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(str(f), f"corrupt safetensors file ({e})") from None
+    return shapes
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
         try:
             tensors.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as e:
@@ -148,25 +160,11 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor], where: Path) -> None:
-    """Copy tensors into the model, insisting on exact names and shapes."""
-    params = dict(model.named_parameters())
-    if model.config.tie_word_embeddings:
-        params.pop("lm_head.weight", None)
-        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    missing = sorted(set(params) - set(tensors))
-    if missing:
-        raise ModelLoadError(str(where), f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    unexpected = sorted(k for k in set(tensors) - set(params) if not k.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise ModelLoadError(str(where), f"unexpected tensor {unexpected[0]} for this config.json")
+def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model (check_weights has held their names and shapes to its config)."""
     with torch.no_grad():
-        for name, param in params.items():
-            t = tensors[name]
-            if tuple(t.shape) != tuple(param.shape):
-                raise ModelLoadError(str(where), f"tensor {name} has shape {list(t.shape)}, "
-                                                 f"config.json implies {list(param.shape)}")
-            param.copy_(t.to(param.dtype))
+        for name, param in model.named_parameters():
+            param.copy_(tensors[name].to(param.dtype))
 
 
 def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "cpu",
@@ -181,8 +179,10 @@ def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "
         tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None, read_chat_template(model_dir))
     except Exception as e:  # tokenizers raises its own Exception subclass for any bad file
         raise ModelLoadError(str(tok_path), f"cannot read tokenizer ({e})") from None
+    files = weight_files(model_dir)
+    check_weights(config, weight_shapes(files), model_dir)
     model = CausalLM(config).to(dtype)
-    load_weights(model, read_weights(weight_files(model_dir)), model_dir)
+    load_weights(model, read_weights(files))
     model = model.to(device).eval()
     return LoadedModel(str(name_or_path), model_dir, config, model, tokenizer)
 

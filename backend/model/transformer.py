@@ -8,11 +8,15 @@ every layer works on the trailing dimensions only, and the attention backend han
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvscope.backend.config import ModelConfig
+from kvscope.backend.errors import ModelLoadError
 from kvscope.backend.model.attention import AttentionBackend
 from kvscope.backend.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kvscope.backend.model.mla import MLAttention
@@ -121,6 +125,62 @@ class CausalLM(nn.Module):
 
 
 def num_parameters(config: ModelConfig) -> int:
-    """Parameter count of a model of this shape, counting tied embeddings once (built on the meta device)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in CausalLM(config).parameters())
+    """Parameter count of a model of this shape, counting tied embeddings once."""
+    return sum(math.prod(shape) for shape in parameter_shapes(config).values())
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter CausalLM(config) has, name -> shape, without building it (a tied lm_head is the
+    embedding's): weights on disk are checked against these before anything is allocated. Not built on
+    the meta device, whose random init first imports torch._dynamo (seconds). tests/test_hostile_files.py
+    holds these equal to a built model's for every attention variant."""
+    hidden, inter, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+             **_attention_shapes(config), **_linear_shapes("mlp.gate_proj", hidden, inter, config.mlp_bias),
+             **_linear_shapes("mlp.up_proj", hidden, inter, config.mlp_bias),
+             **_linear_shapes("mlp.down_proj", inter, hidden, config.mlp_bias)}
+    shapes = {"model.embed_tokens.weight": (v, hidden)}
+    for i in range(config.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, hidden)
+    return shapes
+
+
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, heads, m = config.hidden_size, config.num_attention_heads, config.mla
+    if m is not None:  # mla.py: MLAttention
+        return {**_linear_shapes("self_attn.q_proj", hidden, heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)),
+                **_linear_shapes("self_attn.kv_a_proj_with_mqa", hidden, m.kv_lora_rank + m.qk_rope_head_dim),
+                "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+                **_linear_shapes("self_attn.kv_b_proj", m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+                **_linear_shapes("self_attn.o_proj", heads * m.v_head_dim, hidden)}
+    q, kv, bias = heads * config.head_dim, config.num_key_value_heads * config.head_dim, config.qkv_bias
+    return {**_linear_shapes("self_attn.q_proj", hidden, q, bias), **_linear_shapes("self_attn.k_proj", hidden, kv, bias),
+            **_linear_shapes("self_attn.v_proj", hidden, kv, bias),
+            **_linear_shapes("self_attn.o_proj", q, hidden, config.o_bias)}
+
+
+def _linear_shapes(name: str, fan_in: int, fan_out: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """nn.Linear(fan_in, fan_out)'s parameters: weight [out, in], and bias [out]."""
+    return {f"{name}.weight": (fan_out, fan_in), **({f"{name}.bias": (fan_out,)} if bias else {})}
+
+
+def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: Path,
+                  implied_by: str = "config.json") -> None:
+    """The tensors on disk are exactly the ones the config implies, names and shapes: checked before the
+    model is built, which sizes itself from the config alone."""
+    expected = parameter_shapes(config)
+    found = {k: v for k, v in shapes.items() if not k.endswith("rotary_emb.inv_freq")
+             and not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ModelLoadError(str(where), f"missing tensor {missing[0]} ({len(missing)} missing in all)")
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise ModelLoadError(str(where), f"unexpected tensor {unexpected[0]} for this {implied_by}")
+    for name, shape in expected.items():
+        if tuple(found[name]) != shape:
+            raise ModelLoadError(str(where), f"tensor {name} has shape {list(found[name])}, "
+                                             f"{implied_by} implies {list(shape)}")
