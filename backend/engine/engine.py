@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_formula, num_blocks_for_budget
 from kvscope.backend.engine.metrics import MetricsTracker
@@ -102,6 +102,11 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
     kv_dtype = "int8" if config.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
     num_blocks = config.num_blocks or num_blocks_for_budget(
         loaded.config, config.block_size, config.kv_cache_memory_mb, kv_dtype)
+    if num_blocks > MAX_NUM_BLOCKS:  # what num_blocks may say, and the pool every trace of the run is read with
+        raise RequestError("engine.kv_cache_memory_mb", f"{config.kv_cache_memory_mb:g} MB holds {num_blocks:,} blocks "
+                                                        f"of {config.block_size} tokens; an engine has at most "
+                                                        f"{MAX_NUM_BLOCKS:,} (raise engine.block_size, or set "
+                                                        "engine.num_blocks)")
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     return Runtime(cache, ModelRunner(loaded.model.to(device), cache, attention_backend), str(device),
                    attention_backend, weights)

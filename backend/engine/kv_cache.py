@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvscope.backend.config import MAX_NUM_BLOCKS, ModelConfig
-from kvscope.backend.errors import KvscopeError
+from kvscope.backend.config import ModelConfig
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 INT8_MAX = 127.0
@@ -123,14 +122,8 @@ class KVCache:
 
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, memory_mb: float, dtype: str) -> int:
-    """How many blocks fit a memory budget, by the KV formula (int8: scales included); at most MAX_NUM_BLOCKS,
-    the pool a trace of the run may claim (backend/events/bounds.py)."""
-    blocks = max(1, int(memory_mb * 1024**2 // (kv_bytes_per_token(config, dtype) * block_size)))
-    if blocks > MAX_NUM_BLOCKS:
-        raise KvscopeError("engine.kv_cache_memory_mb", f"{memory_mb:g} MB holds {blocks:,} blocks of {block_size} "
-                                                        f"tokens; an engine has at most {MAX_NUM_BLOCKS:,} (raise "
-                                                        "engine.block_size, or set engine.num_blocks)")
-    return blocks
+    """How many blocks fit a memory budget, by the KV formula (int8: scales included)."""
+    return max(1, int(memory_mb * 1024**2 // (kv_bytes_per_token(config, dtype) * block_size)))
 
 
 def kv_formula(config: ModelConfig, kv_dtype: str) -> dict:

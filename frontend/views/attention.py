@@ -42,17 +42,19 @@ MASK_SERIES = {"id": "mask", "type": "custom", "renderItem": Js("kvscope.maskRow
 
 
 def mask_items(events: list[dict], rows_of: dict[str, int]) -> tuple[list[list[Any]], int, int]:
-    """[row, key offset, cached, q, key_len, colour, request_id] per query row; (items, rows, keys)."""
+    """[row, key offset, cached, q, key_len, colour, request_id] per drawn query row; (items, rows, keys).
+
+    Only the drawn rows are built (every stride-th past MAX_ROWS): a step's queries may number a million."""
+    total = sum(e["query_positions"][1] - e["query_positions"][0] for e in events)
+    stride = max(1, -(-total // MAX_ROWS))
     items, row, offset = [], 0, 0
     for e in events:
         start, end = e["query_positions"]
-        for q in range(start, end):
-            items.append([row, offset, start, q, e["key_len"], rows_of.get(e["request_id"], 0), e["request_id"]])
-            row += 1
+        for q in range(start + (-row) % stride, end, stride):  # the queries whose row is a multiple of stride
+            items.append([row + q - start, offset, start, q, e["key_len"], rows_of.get(e["request_id"], 0),
+                          e["request_id"]])
+        row += end - start
         offset += e["key_len"]
-    if len(items) > MAX_ROWS:
-        stride = -(-len(items) // MAX_ROWS)
-        items = items[::stride]
     return items, row, offset
 
 
