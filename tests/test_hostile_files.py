@@ -293,11 +293,14 @@ def windowed(tiny_dir, tmp_path_factory) -> Path:
     return path
 
 
-def test_the_windowed_download_starts_mid_run(windowed):
+def test_the_windowed_download_starts_mid_run_and_its_requests_are_running(windowed):
     events = read_trace(windowed)
     types = [e["type"] for e in events]
     assert types[0] == "header" and "request_arrived" not in types and "request_finished" not in types
-    assert replay(events).first > 0
+    run = replay(events)
+    assert run.first > 0 and run.state.running == ["live-1", "live-2"]
+    for view in run.state.requests.values():  # arrived before the window: its first token is not this one
+        assert (view.status, view.joined, view.first_token_step) == ("running", True, None) and view.output_token_ids
 
 
 @pytest.mark.parametrize("view, suffix", EXPORTS)
@@ -525,6 +528,14 @@ def patched(path: Path, offset: int, fmt: str, value) -> Path:
     return path
 
 
+def patched_bytes(path: Path, old: bytes, new: bytes) -> Path:
+    """The file with the first `old` (of the same length) replaced."""
+    data = path.read_bytes()
+    assert len(old) == len(new) and old in data
+    path.write_bytes(data.replace(old, new, 1))
+    return path
+
+
 def value_offset(path: Path, key: str) -> int:
     """Where a metadata field's value starts (after its key and type); an array's: its item type."""
     field = gguf.GGUFReader(path).fields[key]
@@ -562,6 +573,16 @@ HOSTILE_GGUFS = [
      "tensor token_embd.weight: its 35,184,372,088,832 bytes at offset", "reader"),
     ("a tensor of 9 dimensions", lie("<I", lambda p: tensor_dims_offset(p, "token_embd.weight"), 9),
      "tensor token_embd.weight: 9 dimensions (1 to 4)", "reader"),
+    ("an unknown value type", lie("<I", lambda p: value_offset(p, "llama.block_count") - 4, 99),
+     "llama.block_count: unknown value type 99", "reader"),
+    ("an unknown tensor type", lie("<I", lambda p: tensor_dims_offset(p, "token_embd.weight") + 4 + 2 * 8, 999),
+     "tensor token_embd.weight: unknown tensor type 999", "reader"),
+    ("tensor data past the end", lie("<Q", lambda p: tensor_dims_offset(p, "token_embd.weight") + 4 + 2 * 8 + 4,
+                                     2**40), "tensor token_embd.weight: its 512 bytes at offset", "reader"),
+    ("a key given twice", lambda p: patched_bytes(write_gguf(p, {"x.a": 1, "x.b": 2}), b"x.b", b"x.a"),
+     "x.a: given twice", "reader"),
+    ("an architecture that is not UTF-8", lambda p: patched_bytes(write_gguf(p), b"llama", b"ll\xffma"),
+     "general.architecture: not readable", "data"),
     ("zero heads", lambda p: write_gguf(p, {"llama.attention.head_count": 0}),
      "llama.attention.head_count: Input should be greater than 0", "data"),
     ("a head count as text", lambda p: write_gguf(p, {"llama.attention.head_count": "2"}),

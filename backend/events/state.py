@@ -44,6 +44,7 @@ class RequestView:
     e2e_s: float | None = None
     seq_ids: list[int] = field(default_factory=list)  # its sequences: the first, then each fork (n > 1, beams)
     outputs: list[dict[str, Any]] | None = None  # every returned sequence, best first (n > 1, beams)
+    joined: bool = False  # first seen running: it arrived before the trace began (prompt, first token unknown)
 
 
 @dataclass
@@ -218,7 +219,7 @@ class RunState:
     def _mark_running(self, rid: str) -> None:
         # A request first named by an iteration arrived before the trace began (the server's windowed
         # /trace): it is running, its prompt unknown. Live runs never get here; finished ones never run again.
-        view = self.requests.setdefault(rid, RequestView(id=rid))
+        view = self.requests.setdefault(rid, RequestView(id=rid, joined=True))
         if view.status in ("running", "finished", "rejected"):
             return
         self._leave_queues(rid)
@@ -248,7 +249,7 @@ class RunState:
             return
         view.output_token_ids.append(e["token_id"])
         view.output_text += e["text"]
-        if view.first_token_step is None:
+        if view.first_token_step is None and not view.joined:  # a joined one's came before the trace
             view.first_token_step = e["step"]
 
     def _on_request_finished(self, e: Event) -> None:

@@ -106,9 +106,12 @@ def check_layout(path: Path) -> None:
 def _metadata(walk: _Walk, fields: int) -> int:
     """Walk the key-value section; the data alignment it sets (general.alignment), or the default."""
     walk.count(fields, "GGUF.kv_count")
-    alignment = DEFAULT_ALIGNMENT
+    alignment, seen = DEFAULT_ALIGNMENT, set()
     for _ in range(fields):
         key = walk.string("a metadata key").decode("utf-8", "replace")
+        if key in seen:
+            raise walk.fail(key, "given twice")
+        seen.add(key)
         (vtype,) = walk.unpack("I", key)
         if key == "general.alignment" and vtype == V.UINT32:
             alignment = struct.unpack_from(walk.order + "I", walk.data, walk.at)[0] or DEFAULT_ALIGNMENT
@@ -118,9 +121,11 @@ def _metadata(walk: _Walk, fields: int) -> int:
 
 def _tensor_infos(walk: _Walk, tensors: int, alignment: int) -> None:
     """Each tensor's dims and type, and its data inside the file."""
-    spans = []
+    spans: dict[str, tuple[int, int]] = {}
     for _ in range(tensors):
         name = walk.string("a tensor name").decode("utf-8", "replace")
+        if name in spans:
+            raise walk.fail(f"tensor {name}", "given twice")
         (n_dims,) = walk.unpack("I", name)
         if not 1 <= n_dims <= MAX_DIMS:
             raise walk.fail(f"tensor {name}", f"{n_dims} dimensions (1 to {MAX_DIMS})")
@@ -132,9 +137,9 @@ def _tensor_infos(walk: _Walk, tensors: int, alignment: int) -> None:
             raise walk.fail(f"tensor {name}", f"unknown tensor type {raw_type}") from None
         if 0 in dims or dims[0] % block:
             raise walk.fail(f"tensor {name}", f"shape {list(dims)} is not whole blocks of {block} values")
-        spans.append((name, offset, math.prod(dims) // block * type_bytes))
+        spans[name] = offset, math.prod(dims) // block * type_bytes
     start = -(-walk.at // alignment) * alignment
-    for name, offset, size in spans:
+    for name, (offset, size) in spans.items():
         if start + offset + size > len(walk.data):
             raise walk.fail(f"tensor {name}", f"its {size:,} bytes at offset {start + offset:,} run past the end "
                                               f"of the file ({len(walk.data):,} bytes)")

@@ -155,7 +155,7 @@ def open_gguf(path: Path) -> GGUFFile:
     check_layout(path)
     try:
         return GGUFFile(path, GGUFReader(path))
-    except (ValueError, OSError, IndexError, KeyError) as e:  # bad magic or version; KeyError: a key twice
+    except (ValueError, OSError, IndexError) as e:  # the reader raises ValueError on a bad magic or version
         raise ModelLoadError(str(path), f"not a readable GGUF file ({e})") from None
 
 
