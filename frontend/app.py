@@ -35,7 +35,9 @@ def page_url(run_id: str | None, compare: str | None = None) -> str:
 
 
 def run_state(run: dict) -> str:
-    """running, paused or finished, from one entry of `GET /api/runs`."""
+    """running, paused, finished or failed, from one entry of `GET /api/runs`."""
+    if run.get("failed"):
+        return "failed"
     return "finished" if run["finished"] else ("paused" if run["paused"] else "running")
 
 

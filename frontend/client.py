@@ -141,7 +141,7 @@ class RunFeed:
         kind = message.get("type")
         if kind == "snapshot":
             self._resync(message)
-        elif kind == "error":  # the socket's only error: no such run
+        elif kind == "error" and "seq" not in message:  # the socket's own (no such run), not a run's error event
             self.missing = True
             self.status = f"error: {message.get('error')}"
         elif self.record is not None:
@@ -210,7 +210,7 @@ def resynced_record(snapshot: dict) -> RunRecord:
     if past is None:
         return RunRecord.from_snapshot(snapshot)
     record = RunRecord.from_events(past)
-    for name in ("paused", "speed", "lesson", "finished"):  # the server's now, as a plain snapshot gives them
+    for name in ("paused", "speed", "lesson", "finished", "failed", "error"):  # the server's now, as a snapshot has them
         setattr(record.state, name, snapshot[name])
     return record
 

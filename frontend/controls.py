@@ -108,6 +108,8 @@ def _status(feed: RunFeed) -> str:
     s = feed.state
     if s is None:
         return f"{feed.run_id}: {feed.status}"
+    if s.failed:  # the reason, from its error event: a dead run must not look like one still going
+        return f"{feed.run_id} · step {max(s.step, 0)} · failed · {s.error}"
     mode = "finished" if s.finished else ("paused" if s.paused else "running")
     return (f"{feed.run_id} · step {max(s.step, 0)} · {mode} · {len(s.running)} running · {len(s.waiting)} waiting"
             + ("" if feed.status == "live" else f" · {feed.status}"))

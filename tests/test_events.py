@@ -160,6 +160,7 @@ EXAMPLES: dict[str, dict] = {
         "spec_tokens_per_verify": 2.0,
     },
     "run_finished": {"num_steps": 12, "reason": "all requests finished"},
+    "error": {"message": "the run failed (RuntimeError: boom)", "fatal": True},
     "control": {"action": "speed", "value": 2.0},
 }
 
@@ -293,6 +294,7 @@ def test_off_keeps_only_request_lifecycle_and_metrics():
         "request_finished",
         "metrics",
         "run_finished",
+        "error",
     ]
 
 

@@ -22,7 +22,7 @@ LEVELS: tuple[str, ...] = ("full", "summary", "off")
 SUMMARY_DROPPED = frozenset({"attention_mask", "spec_propose"})
 SUMMARY_STRIPPED = {"token": "dist"}
 OFF_KEPT = frozenset(
-    {"header", "request_arrived", "request_finished", "run_finished", "metrics", "request_rejected"}
+    {"header", "request_arrived", "request_finished", "run_finished", "metrics", "request_rejected", "error"}
 )
 
 

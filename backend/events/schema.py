@@ -307,6 +307,15 @@ class RunFinishedEvent(_Event):
     reason: str
 
 
+class ErrorEvent(_Event):
+    """Something went wrong on the server's side of a served run: the exception's type and a short reason
+    (never a path or a traceback; those are in the server's log)."""
+
+    type: Literal["error"]
+    message: str
+    fatal: bool  # true: the run failed and stopped; false: it goes on (e.g. without its trace file)
+
+
 class ControlEvent(_Event):
     """pause / resume / step / speed, recorded so that replay shows them."""
 
@@ -335,6 +344,7 @@ EVENT_MODELS: tuple[type[_Event], ...] = (
     RequestFinishedEvent,
     MetricsEvent,
     RunFinishedEvent,
+    ErrorEvent,
     ControlEvent,
 )
 EVENT_TYPES: tuple[str, ...] = tuple(m.model_fields["type"].annotation.__args__[0] for m in EVENT_MODELS)

@@ -15,7 +15,7 @@ Event = dict[str, Any]
 # Snapshot keys restored as they are; the rest need int keys back or a rebuilt structure.
 _PLAIN_FIELDS = (
     "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
-    "metrics", "num_preemptions", "paused", "speed", "lesson", "finished", "finish_reason",
+    "metrics", "num_preemptions", "paused", "speed", "lesson", "finished", "finish_reason", "failed", "error",
     "last_token_by_request", "weights", "draft_model", "simulated",
 )  # fmt: skip
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
@@ -126,6 +126,8 @@ class RunState:
         self.lesson = False  # lesson mode: the run pauses at the moments its lesson explains
         self.finished = False
         self.finish_reason: str | None = None
+        self.failed = False  # a fatal error event ended the run (finished too, finish_reason "failed")
+        self.error: str | None = None  # the newest error event's message, fatal or not
         self.step = -1
         self.last_seq = -1
 
@@ -189,6 +191,12 @@ class RunState:
     def _on_run_finished(self, e: Event) -> None:
         self.finished = True
         self.finish_reason = e["reason"]
+
+    def _on_error(self, e: Event) -> None:
+        self.error = e["message"]
+        if e["fatal"]:
+            self.failed = self.finished = True
+            self.finish_reason = "failed"
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -420,6 +428,8 @@ class RunState:
             "lesson": self.lesson,
             "finished": self.finished,
             "finish_reason": self.finish_reason,
+            "failed": self.failed,
+            "error": self.error,
             "weights": self.weights,
             "draft_model": self.draft_model,
             "simulated": self.simulated,
