@@ -132,8 +132,8 @@ def _limits(args: argparse.Namespace):
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
     names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
-             "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "history", "trace_window",
-             "trace_dir")
+             "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "stall_timeout_s", "history",
+             "trace_window", "trace_dir")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -430,9 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="sent to all websocket viewers together, so that they cannot starve the engine (4000)")
         lim.add_argument("--paused-ttl-s", type=positive(float),
                          help="a run left paused this long expires; the api run resumes (default 900)")
+        lim.add_argument("--stall-timeout-s", type=positive(float),
+                         help="a run whose step takes longer fails; the api run restarts (default 300)")
         lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")
         lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
-        lim.add_argument("--trace-dir", help="write every run's whole trace to DIR/<run_id>.jsonl")
+        lim.add_argument("--trace-dir", help="write every run's whole trace to DIR/<run_id>.jsonl (never over an "
+                                             "earlier one: DIR/<run_id>-N.jsonl)")
         lim.add_argument("--allow-paths", action="store_true",
                          help="let clients name scenario files and model folders on this machine")
         v.set_defaults(func=cmd_serve)

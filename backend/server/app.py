@@ -254,12 +254,15 @@ def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)
-def run_trace(request: Request, run_id: FromPath[str]) -> str | File:
+def run_trace(request: Request, run_id: FromPath[str]) -> str | File | Response:
     """The whole trace when the server writes trace files (--trace-dir), else what the run keeps."""
     run = run_or_404(request, run_id)
     path = run.flush_trace()
     if path is not None:
         return File(path, media_type="application/x-ndjson", content_disposition_type="inline")
+    if run.trace_fault is not None:  # the whole trace is lost: the window would pass for it, so say so
+        return _error(503, f"this run's trace file stopped ({run.trace_fault}), so its whole trace is not "
+                           "available; the run went on without it")
     return run.trace_jsonl()
 
 

@@ -16,10 +16,11 @@ import torch
 
 from kvscope.backend.model.attention import DenseCausalBackend
 from kvscope.backend.model.loader import LoadedModel
-from kvscope.backend.server.runs import EngineRun
+from kvscope.backend.server.runs import EngineRun, RunFailed
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
-WANTED_EVENTS = frozenset({"request_arrived", "seq_fork", "token", "request_finished"})
+# "error": only a fatal one reaches a request's listener (the run failed under it: ServedRun.fail)
+WANTED_EVENTS = frozenset({"request_arrived", "seq_fork", "token", "request_finished", "error"})
 
 
 class TextStream:
@@ -121,9 +122,13 @@ class Generation:
         return deliver
 
     async def updates(self) -> AsyncIterator[tuple[Choice, str, dict | None]]:
-        """(choice, new text, its token event) until every choice has finished; None: it finished."""
+        """(choice, new text, its token event) until every choice has finished; None: it finished.
+
+        RunFailed if the run fails first (its fatal error event)."""
         while any(c.finish_reason is None for c in self.choices):
             event = await self.queue.get()
+            if event["type"] == "error":
+                raise RunFailed(self.run.run_id, self.run.failure or event["message"])
             rid = event["request_id"]
             mine = self.choices_of(rid)
             if event["type"] == "request_arrived":

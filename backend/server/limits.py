@@ -42,9 +42,10 @@ class ServiceLimits:
     max_viewers: int = 32  # websocket viewers per run
     viewer_events_per_s: float = 4000.0  # sent to all viewers together: the engine and /v1 keep the CPU
     paused_ttl_s: float = 900.0  # a paused run untouched this long expires (the api run resumes instead)
+    stall_timeout_s: float | None = 300.0  # a run's step (or command) taking longer fails the run; None: never
     history: int = 256  # finished requests a run keeps in memory (and in its snapshot)
     trace_window: int = 20_000  # events a run keeps in memory for /trace (the whole trace: trace_dir)
-    trace_dir: str | None = None  # write each engine run's whole trace to <trace_dir>/<run_id>.jsonl
+    trace_dir: str | None = None  # each engine run's whole trace to <trace_dir>/<run_id>.jsonl (or -N, never over one)
     allow_paths: bool = False  # scenario files and model folders named by clients
     served_models: tuple[str, ...] = ()  # models given on the command line, by name
 

@@ -3,7 +3,10 @@
 Every start is checked against the server's limits (limits.py) before anything is built: the KV
 bytes its engine would allocate, per run and for all runs together, the bytes of the weight copies
 it would add (runs of one model and settings share one), and how many runs are held. Finished and
-expired runs are forgotten first to make room; a forgotten run lets go of its weight copies.
+expired runs are forgotten first to make room; a forgotten run lets go of its weight copies. A failed
+run counts as finished, so dead runs never hold the server's places. A watchdog thread fails the runs
+whose worker makes no progress for --stall-timeout-s, and the API's run, once failed, is replaced by a
+fresh one on the next request.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -88,6 +92,8 @@ class RunManager:
         self.weights = weights or WEIGHTS  # the weight copies, held by run id
         self._lock = threading.Lock()
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
+        self._watchdog: threading.Thread | None = None  # started with the first run
+        self._closing = threading.Event()
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -103,7 +109,8 @@ class RunManager:
         lim = self.limits
         return Retention(history=lim.history if open_ended else lim.history + planned,
                          trace_window=lim.trace_window if open_ended else None, trace_dir=lim.trace_dir,
-                         paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers)
+                         paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers,
+                         stall_timeout_s=lim.stall_timeout_s)
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
@@ -140,6 +147,9 @@ class RunManager:
             with self._lock:
                 self._sweep_locked()
                 run = self.runs.get(run_id)
+                if run is not None and run.failure is not None:  # the service restarts itself
+                    self._forget_locked(run_id)
+                    run = None
             return run if run is not None else self._start_api_run(model, run_id)
 
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
@@ -233,6 +243,7 @@ class RunManager:
             run.queue_limit = self.watcher_queue_limit
         with self._lock:
             self.runs[run_id] = run
+            self._start_watchdog_locked()
         return run.start()
 
     def _make_room_locked(self, kv: int, kv_field: str, needs: Sequence[WeightNeed] = ()) -> None:
@@ -241,7 +252,7 @@ class RunManager:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
                                      f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)")
         self._sweep_locked()
-        finished = [rid for rid, r in self.runs.items() if r.finished and rid != API_RUN_ID]
+        finished = [rid for rid, r in self.runs.items() if r.finished]  # failed ones too (the API's finish no other way)
         while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB
                             or self._weights_over_locked(needs)):
             self._forget_locked(finished.pop(0))
@@ -282,11 +293,30 @@ class RunManager:
         if run is not None:
             run.stop()
 
+    # ---- supervision ----------------------------------------------------------------------------
+
+    def _start_watchdog_locked(self) -> None:
+        if self._watchdog is None and self.limits.stall_timeout_s is not None:
+            self._watchdog = threading.Thread(target=self._watch, name="run-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Fail every run whose worker is past its deadline: a step or a command that never returns."""
+        stall = self.limits.stall_timeout_s
+        while not self._closing.wait(min(1.0, stall / 4)):
+            with self._lock:
+                runs = list(self.runs.values())
+            now = time.monotonic()
+            for run in runs:
+                if run.stalled(now):
+                    run.fail(f"no progress for {stall:g} s (--stall-timeout-s)")
+
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """Every engine run ends its unfinished requests (finish_reason abort); does not wait."""
         for run in list(self.runs.values()):
             run.abort_in_flight(reason)
 
     def stop_all(self) -> None:
+        self._closing.set()
         for run in list(self.runs.values()):
             run.stop()

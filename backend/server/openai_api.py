@@ -33,7 +33,7 @@ from kvscope.backend.model.loader import ModelLoadError, missing_package
 from kvscope.backend.server.limits import WeightMemoryError
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
-from kvscope.backend.server.runs import EngineRun, RunBusy, RunError
+from kvscope.backend.server.runs import EngineRun, RunBusy, RunError, RunFailed
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
@@ -200,6 +200,8 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
                                            {"Retry-After": str(exc.retry_after_s)}))
     if isinstance(exc, WeightMemoryError):  # the model the client named needs weights the server has no room for
         return _error_response(OpenAIError(400, str(exc), "model"))
+    if isinstance(exc, RunFailed):
+        return _error_response(run_failed(exc))
     if isinstance(exc, RunError):  # the API's run could not start: the server's limits, not the request
         return _error_response(OpenAIError(503, str(exc), type="server_error"))
     if isinstance(exc, ChatTemplateError):
@@ -216,6 +218,12 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
     if isinstance(exc, ModelLoadError):
         return _error_response(OpenAIError(503, f"the model cannot be loaded: {exc}", type="server_error"))
     return _error_response(OpenAIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def run_failed(exc: RunFailed) -> OpenAIError:
+    """The run failed under the request (a server fault, not the client's): retry, a fresh run takes it."""
+    return OpenAIError(503, f"the server's run failed under this request ({exc.cause}); the next request starts "
+                            "a fresh run: try again", None, "run_failed", "server_error", {"Retry-After": "1"})
 
 
 def openai_errors_under_v1(handler: Callable[[Request, Exception], Response]) -> Callable[[Request, Exception], Response]:
@@ -378,12 +386,17 @@ async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat
     try:
         for opening in _opening_chunks(gen, kind, logprobs):
             yield json.dumps(_envelope(gen, obj, model, [opening]))
-        async for choice, delta, token in gen.updates():
-            if not delta and token is not None and not logprobs:
-                continue  # held back for now (a possible stop string); it comes with a later chunk
-            yield json.dumps(_envelope(gen, obj, model, [_chunk_choice(choice, delta, token, kind, logprobs)]))
-        if include_usage:
-            yield json.dumps({**_envelope(gen, obj, model, []), "usage": gen.usage()})
+        try:
+            async for choice, delta, token in gen.updates():
+                if not delta and token is not None and not logprobs:
+                    continue  # held back for now (a possible stop string); it comes with a later chunk
+                yield json.dumps(_envelope(gen, obj, model, [_chunk_choice(choice, delta, token, kind, logprobs)]))
+            if include_usage:
+                yield json.dumps({**_envelope(gen, obj, model, []), "usage": gen.usage()})
+        except RunFailed as e:  # the status line is sent: the error goes in the stream (as vLLM's), then [DONE]
+            error = run_failed(e)
+            yield json.dumps({"error": {"message": error.message, "type": error.type, "param": None,
+                                        "code": error.code}})
         yield "[DONE]"
     finally:
         gen.close()  # a client that disconnected mid-stream lands here: its requests are aborted
@@ -501,6 +514,6 @@ openai_routes: list = [
            # Keyed like app.py's handlers, so that these (the nearer layer) win for /v1 routes.
            exception_handlers={exc: _to_openai_error for exc in (
                OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError,
-               Exception)},
+               RunFailed, Exception)},
            tags=["OpenAI-compatible"]),
 ]

@@ -11,13 +11,25 @@ for: its queue is dropped and it is told to resync from a fresh snapshot.
 
 A run may live forever (the API's): it keeps a bounded window of finished requests (its reducer's
 `max_finished`) and of events (`Retention.trace_window`), so its memory and its snapshot stay
-bounded whatever its age; the whole trace can stream to a file instead (`Retention.trace_dir`).
+bounded whatever its age; the whole trace can stream to a file instead (`Retention.trace_dir`,
+trace_file.py: a disk fault ends the file, never the run).
+
+A run is supervised: an exception on its worker thread, or a worker late by more than
+`Retention.stall_timeout_s` for what it is doing (a step, a command, its pacing), fails the run. It
+then publishes one fatal `error` event (the exception's type and a short reason; the traceback goes
+to the server's log only), takes nothing more (RunFailed at once, for the requests waiting on it
+and any later call) and counts as finished, so the manager forgets it first to make room and
+replaces the API's run with a fresh one.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +45,9 @@ from kvscope.backend.events.state import RunState
 from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import Scenario
+from kvscope.backend.server.trace_file import TraceFile
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 WATCHER_QUEUE_LIMIT = 4096  # events a watcher may lag behind before it is resynced instead
@@ -41,6 +56,21 @@ T = TypeVar("T")
 
 class RunError(KvscopeError):
     """A control or request a run cannot take; becomes a 400 with this message."""
+
+
+class RunFailed(RunError):
+    """The run's worker failed (a fault, or no progress in time): it takes no request or control any more."""
+
+    def __init__(self, run_id: str, cause: str) -> None:
+        super().__init__(None, f"run {run_id!r} failed: {cause}")
+        self.run_id, self.cause = run_id, cause
+
+
+def describe_fault(error: BaseException) -> str:
+    """An exception as clients may read it: its type and the first line of its reason, without paths."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    reason = re.sub(r"(?<![\w.])(?:[A-Za-z]:)?[/\\][^\s'\"]*", "<path>", (reason.strip().splitlines() or [""])[0])
+    return f"{type(error).__name__}: {reason[:200]}" if reason else type(error).__name__
 
 
 class RunBusy(Exception):
@@ -61,6 +91,7 @@ class Retention:
     paused_ttl_s: float | None = None  # paused and untouched this long: the run expires
     max_waiting: int | None = None  # requests queued before add_request answers RunBusy
     max_viewers: int | None = None  # websocket viewers at once
+    stall_timeout_s: float | None = None  # the worker this late for a step or a command: the run fails
 
 
 # Already user errors with a message of their own (each becomes a 400 as it is).
@@ -133,8 +164,7 @@ class ServedRun:
         self.header_line: str | None = None  # the trace's first line, kept whatever the window
         self.trace_lines: deque[str] = deque(maxlen=retention.trace_window)
         keeps_file = retention.trace_dir is not None and self.keeps_trace
-        self.trace_path = Path(retention.trace_dir) / f"{run_id}.jsonl" if keeps_file else None
-        self._trace_file = self.trace_path.open("w", encoding="utf-8") if self.trace_path else None
+        self._trace_file = TraceFile(retention.trace_dir, run_id) if keeps_file else None
         # A resync message (JSON) and the events published since: resyncing watchers share it, so that
         # many viewers falling behind cost one snapshot, not one each. None: build a fresh one.
         self._resync_cache: ResyncCache | None = None
@@ -149,6 +179,11 @@ class ServedRun:
         self.expired = False
         self.steps_requested = 0
         self.finished = False
+        self.failure: str | None = None  # why the run failed (then it is finished and stopped too)
+        # When the worker must be back at the top of its loop (time.monotonic()); None while it waits
+        # for work, a resume or a command. The manager's watchdog fails a run past it.
+        self.deadline: float | None = None
+        self.last_t = 0.0  # the newest published event's time, for an event the run itself makes
         self.commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self.wakeup = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name=f"run-{run_id}", daemon=True)
@@ -158,16 +193,20 @@ class ServedRun:
 
     def publish(self, event: dict) -> None:
         """Subscriber of the run's bus (worker thread): reducer, trace, watchers, listeners, lesson moments."""
+        if self.failure is not None and event["type"] != "error":
+            return  # a stalled worker that comes back: the run ended with its fatal error event
         if event["type"] == "header":
             self.pause_at = lesson_moments(event.get("scenario"))
         if self.pause_at:
             found = [m for m in self.moments.feed(event) if m.kind in self.pause_at]
             self.moment = self.moment or (found[0] if found else None)
+        fault = None
         with self.lock:
             self.state.apply(event)
+            self.last_t = event["t"]
             line = encode_event(event)  # encoded once, for the trace and every watcher
             if self.keeps_trace:
-                self._record(line, event["type"] == "header")
+                fault = self._record(line, event["type"] == "header")
             for w in self.watchers:
                 w.offer(line)
             if self._resync_cache is not None:
@@ -175,14 +214,16 @@ class ServedRun:
         rid = event.get("request_id")
         if rid is not None and rid in self.listeners:
             self.listeners[rid](event)
+        if fault is not None:  # after the lock: the error event is published like any other
+            self._emit_error(f"the trace file stopped ({fault}); the run goes on without it", fatal=False)
 
-    def _record(self, line: str, is_header: bool) -> None:
+    def _record(self, line: str, is_header: bool) -> str | None:
+        """Keep the line (and write it to the trace file); a trace file fault not reported yet."""
         if is_header and self.header_line is None:
             self.header_line = line
         else:
             self.trace_lines.append(line)
-        if self._trace_file is not None:
-            self._trace_file.write(line + "\n")
+        return self._trace_file.write(line) if self._trace_file is not None else None
 
     def attach(self, wake: Callable[[], None]) -> Watcher:
         """A new viewer's queue; RunBusy when the run has max_viewers already."""
@@ -218,7 +259,7 @@ class ServedRun:
     def _snapshot_locked(self) -> dict:
         snap = self.state.snapshot()
         snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.paused, speed=self.speed,
-                    lesson=self.lesson, finished=self.finished)
+                    lesson=self.lesson, finished=self.finished, failed=self.failure is not None)
         return snap
 
     def _resync_message_locked(self) -> dict:
@@ -244,16 +285,21 @@ class ServedRun:
             lines = ([self.header_line] if self.header_line else []) + list(self.trace_lines)
         return "\n".join(lines) + ("\n" if lines else "")
 
+    @property
+    def trace_fault(self) -> str | None:
+        """Why the run's trace file stopped (a full or removed disk), or None."""
+        return self._trace_file.fault if self._trace_file is not None else None
+
     def flush_trace(self) -> Path | None:
-        """The whole trace's file, flushed to disk (None: the run keeps no file)."""
+        """The whole trace's file, flushed to disk (None: the run keeps no file, or it stopped: trace_fault)."""
         with self.lock:
-            if self._trace_file is not None:
-                self._trace_file.flush()
-        return self.trace_path
+            return self._trace_file.flush() if self._trace_file is not None else None
 
     # ---- control (any thread) ---------------------------------------------------------------------
 
     def control(self, action: str, value: float | int | None = None) -> None:
+        if self.failure is not None:
+            raise RunFailed(self.run_id, self.failure)
         with self.lock:
             self._resync_cache = None  # it tells paused and speed as they were
         with self.wakeup:
@@ -285,9 +331,12 @@ class ServedRun:
         self._emit_control(action, value)
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        """Run fn on the worker thread between two iterations and return its result."""
+        """Run fn on the worker thread between two iterations and return its result (RunFailed at once, or
+        when the run fails before it ran, once the run has failed)."""
         future: Future = Future()
         with self.wakeup:
+            if self.failure is not None:
+                raise RunFailed(self.run_id, self.failure)
             self.commands.append((fn, future))
             self.wakeup.notify_all()
         return future.result(timeout=timeout)
@@ -303,17 +352,62 @@ class ServedRun:
         with self.lock:
             if self._trace_file is not None:
                 self._trace_file.close()
-                self._trace_file = None
 
     def abort_in_flight(self, reason: str) -> None:
         """Ask the worker to end every unfinished request (shutdown); does not wait. A replay has none."""
 
+    # ---- supervision (any thread) ----------------------------------------------------------------
+
+    def stalled(self, now: float) -> bool:
+        """Whether the worker is past its deadline (the manager's watchdog asks)."""
+        deadline = self.deadline
+        return deadline is not None and now > deadline and self.failure is None and not self.stopped
+
+    def fail(self, cause: str, error: BaseException | None = None) -> None:
+        """End the run as failed: one fatal error event, and every waiting request and command told at once."""
+        with self.wakeup:
+            if self.failure is not None or self.stopped:
+                return
+            self.failure, self.stopped, self.finished = cause, True, True
+            commands = list(self.commands)
+            self.commands.clear()
+            self.wakeup.notify_all()
+        if error is not None:
+            log.error("run %s failed: %s", self.run_id, cause, exc_info=error)
+        else:
+            frame = sys._current_frames().get(self.thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(the worker has ended)\n"
+            log.error("run %s failed: %s; its worker is at:\n%s", self.run_id, cause, where.rstrip())
+        with self.lock:
+            self._resync_cache = None  # it tells finished as it was
+        event = self._emit_error(f"the run failed ({cause})", fatal=True)
+        for listener in list(self.listeners.values()):  # waiting API requests: an answer now, not a timeout
+            listener(event)
+        failed = RunFailed(self.run_id, cause)
+        for _, future in commands:
+            future.set_exception(failed)
+        self.stop()
+
+    def _emit_error(self, message: str, fatal: bool) -> dict:
+        """Publish an `error` event; a replay has no bus, so the run numbers it after the newest event."""
+        event = {"type": "error", "seq": self.state.last_seq + 1, "step": self.state.step, "t": self.last_t,
+                 "message": message, "fatal": fatal}
+        self.publish(event)
+        return event
+
     # ---- the worker ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        next_due = time.perf_counter()
+        try:
+            self._work()
+        except Exception as e:  # the edge of the worker thread: the run fails, the server goes on
+            self.fail(describe_fault(e), e)
+
+    def _work(self) -> None:
+        next_due = time.monotonic()
         while True:
             with self.wakeup:
+                self.deadline = None  # waiting for work, a resume or a command is never late
                 while not self._may_step() and not self.commands and not self.stopped:
                     self.wakeup.wait(timeout=0.5)
                     self._expire_if_idle()
@@ -325,16 +419,24 @@ class ServedRun:
                 if manual:
                     self.steps_requested -= 1
             for fn, future in commands:
+                self._due(time.monotonic())
                 self._run_command(fn, future)
             if not self._may_step(manual):
                 continue
             if not manual and self.speed > 0:
-                next_due = max(next_due + 1.0 / self.speed, time.perf_counter())  # no catch-up bursts
+                next_due = max(next_due + 1.0 / self.speed, time.monotonic())  # no catch-up bursts
+                self._due(next_due)  # waiting for its turn is not being late
                 self._sleep_until(next_due)
                 if self.paused:  # paused while it waited for its turn: that step must not run
                     continue
+            self._due(time.monotonic())
             self._advance()
             self._pause_at_moment()
+
+    def _due(self, start: float) -> None:
+        """The worker starts something at `start`: it must be back stall_timeout_s after that."""
+        stall = self.retention.stall_timeout_s
+        self.deadline = start + stall if stall is not None else None
 
     def _pause_at_moment(self) -> None:
         """Lesson mode: hold the run after the iteration in which a moment its lesson explains happened."""
@@ -354,8 +456,8 @@ class ServedRun:
 
     def _sleep_until(self, deadline: float) -> None:
         with self.wakeup:
-            while not self.stopped and time.perf_counter() < deadline and not self.paused and not self.commands:
-                self.wakeup.wait(timeout=deadline - time.perf_counter())
+            while not self.stopped and time.monotonic() < deadline and not self.paused and not self.commands:
+                self.wakeup.wait(timeout=deadline - time.monotonic())
 
     def _expire_if_idle(self) -> None:
         """Paused and untouched for paused_ttl_s (holding self.wakeup): the run stops, its memory can go."""
@@ -393,7 +495,7 @@ class ServedRun:
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
                 "paused": self.paused, "speed": self.speed, "lesson": self.lesson, "finished": self.finished,
-                "step": self.state.step}
+                "failed": self.failure is not None, "step": self.state.step}
 
 
 class EngineRun(ServedRun):
@@ -438,6 +540,9 @@ class EngineRun(ServedRun):
 
     def _record_control(self, action: str, value: Any) -> None:
         self.bus.emit("control", action=action, value=value)
+
+    def _emit_error(self, message: str, fatal: bool) -> dict:
+        return self.bus.emit("error", message=message, fatal=fatal)
 
     def _expire(self) -> None:
         if not self.open_ended:
