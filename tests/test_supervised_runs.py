@@ -308,7 +308,49 @@ def test_a_restart_never_overwrites_an_earlier_trace(tiny_dir, tmp_path):
     assert [text.count('"type":"request_finished"') for text in written] == [1, 1]
 
 
-# ---- 4. the pieces: the reducer, fault messages, the dashboard ------------------------------------
+# ---- 4. controls after a huge step ----------------------------------------------------------------
+
+
+def test_pause_and_seek_are_honoured_after_a_step_of_a_million(tiny_dir):
+    manager = RunManager(default_model=tiny_dir)
+    with TestClient(create_app(manager), base_url=LOCAL) as client:
+        events = finished_trace(client, tiny_dir)
+    manager.stop_all()
+    run = ReplayRun(events, speed=0, paused=True)
+    gate, entered, advance = threading.Semaphore(0), [], run._advance
+
+    def gated() -> None:  # each iteration waits for the test to let it through
+        entered.append(1)
+        assert gate.acquire(timeout=60)
+        advance()
+
+    run._advance = gated
+    run.start()
+    try:
+        run.control("step", 1_000_000)
+        wait_for(lambda: len(entered) == 1)
+        run.control("pause")
+        gate.release()
+        for _ in range(2):  # two trips through the worker's loop: a step still owed would have run
+            run.call(lambda: None)
+        assert (len(entered), run.state.step) == (1, 0)
+
+        run.control("step", 1_000_000)
+        wait_for(lambda: len(entered) == 2)
+        seek = threading.Thread(target=run.control, args=("seek", 3))
+        seek.start()
+        wait_for(lambda: run.steps_requested == 0)
+        gate.release()
+        seek.join(timeout=60)
+        for _ in range(2):
+            run.call(lambda: None)
+        assert (len(entered), run.state.step, run.paused) == (2, 2, True)  # just before iteration 3
+    finally:
+        gate.release(100)
+        run.stop()
+
+
+# ---- 5. the pieces: the reducer, fault messages, the dashboard ------------------------------------
 
 
 def test_the_reducer_and_the_dashboard_show_a_fatal_error_as_a_failed_run():

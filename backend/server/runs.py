@@ -304,6 +304,8 @@ class ServedRun:
             self._resync_cache = None  # it tells paused and speed as they were
         with self.wakeup:
             self.touched = time.monotonic()
+            if action in ("pause", "resume", "seek"):
+                self.steps_requested = 0  # steps asked for before (a million, say) must not outlive them
             if action == "pause":
                 self.paused = True
             elif action == "resume":
