@@ -210,7 +210,7 @@ def resynced_record(snapshot: dict) -> RunRecord:
     if past is None:
         return RunRecord.from_snapshot(snapshot)
     record = RunRecord.from_events(past)
-    for name in ("paused", "speed", "lesson", "finished", "failed", "error"):  # the server's now, as a snapshot has them
+    for name in ("paused", "speed", "lesson", "finished", "failed", "error"):  # the server's now, as in a snapshot
         setattr(record.state, name, snapshot[name])
     return record
 

@@ -252,7 +252,8 @@ class RunManager:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
                                      f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)")
         self._sweep_locked()
-        finished = [rid for rid, r in self.runs.items() if r.finished]  # failed ones too (the API's finish no other way)
+        # Failed runs are finished too (the API's runs finish no other way): dead runs never hold a place.
+        finished = [rid for rid, r in self.runs.items() if r.finished]
         while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB
                             or self._weights_over_locked(needs)):
             self._forget_locked(finished.pop(0))
