@@ -259,7 +259,7 @@ class ServedRun:
     def _snapshot_locked(self) -> dict:
         snap = self.state.snapshot()
         snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.paused, speed=self.speed,
-                    lesson=self.lesson, finished=self.finished, failed=self.failure is not None)
+                    lesson=self.lesson, finished=self.finished)
         return snap
 
     def _resync_message_locked(self) -> dict:
@@ -370,7 +370,7 @@ class ServedRun:
         with self.wakeup:
             if self.failure is not None or self.stopped:
                 return
-            self.failure, self.stopped, self.finished = cause, True, True
+            self.failure, self.stopped = cause, True
             commands = list(self.commands)
             self.commands.clear()
             self.wakeup.notify_all()
@@ -380,9 +380,9 @@ class ServedRun:
             frame = sys._current_frames().get(self.thread.ident)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(the worker has ended)\n"
             log.error("run %s failed: %s; its worker is at:\n%s", self.run_id, cause, where.rstrip())
-        with self.lock:
-            self._resync_cache = None  # it tells finished as it was
         event = self._emit_error(f"the run failed ({cause})", fatal=True)
+        with self.lock:  # after the event: a snapshot that says finished says failed and why
+            self.finished, self._resync_cache = True, None
         for listener in list(self.listeners.values()):  # waiting API requests: an answer now, not a timeout
             listener(event)
         failed = RunFailed(self.run_id, cause)
