@@ -152,7 +152,7 @@ HOSTILE_TRACES = [
         first(r, "iteration"), batch=[{**first(r, "iteration")["batch"][0], "context_len": 10**9}])),
      "trace:2: iteration event: field 'batch.0': "),
     ("NaN", lambda r: header_and(r) + json.dumps(first(r, "token")).replace('"logprob": ', '"logprob": NaN, "x": ')
-     + "\n", "trace:2: not JSON (NaN is not a number JSON has)"),
+     + "\n", "trace:2: not JSON (NaN is not a number JSON allows)"),
     ("a float too large", lambda r: header_and(r) + json.dumps(changed(first(r, "token"), logprob=1.0)).replace(
         '"logprob": 1.0', '"logprob": 1e999') + "\n",
      "trace:2: not JSON this reader takes (1e999 is too large for a float)"),
