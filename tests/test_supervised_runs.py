@@ -129,7 +129,7 @@ def test_a_fault_in_the_api_run_answers_its_waiting_request_at_once_and_the_next
     fault_once(monkeypatch)
     with client:
         failed = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
-        assert failed.status_code == 503 and failed.headers["retry-after"] == "1"
+        assert failed.status_code == 409 and failed.headers["retry-after"] == "1"
         error = failed.json()["error"]
         assert (error["type"], error["code"]) == ("server_error", "run_failed")
         assert "RuntimeError: injected fault reading <path>" in error["message"] and "/srv" not in failed.text
@@ -209,7 +209,7 @@ def test_a_stalled_step_fails_the_api_run_and_answers_its_waiting_request(tiny_d
     client, manager = serving(tiny_dir, stall_timeout_s=0.5)
     with client:
         answer = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
-        assert entered.is_set() and answer.status_code == 503
+        assert entered.is_set() and answer.status_code == 409
         assert "no progress for 0.5 s (--stall-timeout-s)" in answer.json()["error"]["message"]
         dead = manager.get(API_RUN_ID)
         error = dead.state.snapshot()

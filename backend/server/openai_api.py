@@ -221,8 +221,9 @@ def _to_openai_error(_: Request, exc: Exception) -> Response:
 
 
 def run_failed(exc: RunFailed) -> OpenAIError:
-    """The run failed under the request (a server fault, not the client's): retry, a fresh run takes it."""
-    return OpenAIError(503, f"the server's run failed under this request ({exc.cause}); the next request starts "
+    """The run failed under the request: a 409 (the run's state, not the request, was at fault; never a 5xx,
+    so a failing run cannot pass for a failing server), which the official client retries on a fresh run."""
+    return OpenAIError(409, f"the server's run failed under this request ({exc.cause}); the next request starts "
                             "a fresh run: try again", None, "run_failed", "server_error", {"Retry-After": "1"})
 
 
