@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # Package data of the `scenarios` package, so that an installed wheel finds them too.
 SCENARIOS_DIR = Path(str(resources.files("kvscope.scenarios")))
 NAME_PATTERN = r"^[a-z0-9-]+$"
+NAME_MAX_LENGTH = 64
 MAX_YAML_DEPTH = 32  # as JSON bodies (server/guards.py); a scenario nests 4 deep
 # The planned work of one scenario, bounded before anything is built. Drawing prompts costs ~6 us a token
 # (1,000 prompts x 10,000 tokens planned for 61 s inside one request); a run holds a core until its
@@ -183,7 +184,7 @@ def _known(name: str, valid: list[str]) -> str:
 
 
 class Scenario(_Strict):
-    name: str = Field(pattern=NAME_PATTERN, max_length=64)
+    name: str = Field(pattern=NAME_PATTERN, max_length=NAME_MAX_LENGTH)
     description: str = ""
     lesson: list[LessonStep] = Field(default_factory=list, description="what to look at while it runs")
     model: str = "demo"
@@ -264,16 +265,31 @@ class PlannedRequest:
 def resolve_path(name_or_path: str) -> Path:
     """A file path, or the name of a file in scenarios/ (names cannot reach outside it)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or _exists(path):
         if not path.is_file():
             raise ScenarioError(str(path), "no such scenario file")
         return path
     if not re.match(NAME_PATTERN, name_or_path):
         raise ScenarioError(f"{name_or_path!r}", "not a scenario name (use [a-z0-9-]+) or a .yaml file")
-    path = SCENARIOS_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        raise ScenarioError(str(name_or_path), "no such scenario (`kvscope scenarios` lists them)")
-    return path
+    bundled = bundled_path(name_or_path)
+    if bundled is None:
+        raise ScenarioError(str(name_or_path)[:NAME_MAX_LENGTH], "no such scenario (`kvscope scenarios` lists them)")
+    return bundled
+
+
+def bundled_path(name: str) -> Path | None:
+    """The bundled scenario of this name, if there is one (a name no scenario could have is none)."""
+    if len(name) > NAME_MAX_LENGTH or not re.match(NAME_PATTERN, name):
+        return None
+    path = SCENARIOS_DIR / f"{name}.yaml"
+    return path if path.is_file() else None
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system is no file on it
+        return False
 
 
 def parse_assignment(assignment: str) -> tuple[str, Any]:

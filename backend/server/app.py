@@ -9,7 +9,6 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -25,8 +24,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.model.chat import encode_chat
-from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, ChatMessage, YAMLTooDeep, list_scenarios,
-                                     load_scenario, safe_load)
+from kvscope.backend.scenario import (ChatMessage, YAMLTooDeep, bundled_path, list_scenarios, load_scenario,
+                                     safe_load)
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
@@ -174,9 +173,8 @@ def models(request: Request) -> list[dict]:
 
 @get("/api/scenarios/{name:str}", sync_to_thread=True)
 def scenario(name: FromPath[str]) -> dict:
-    # The name pattern keeps lookups inside scenarios/ (no dots, no slashes).
-    if not re.match(NAME_PATTERN, name) or not (SCENARIOS_DIR / f"{name}.yaml").is_file():
-        raise NotFoundException(f"no scenario {name!r}")
+    if bundled_path(name) is None:  # the name pattern keeps lookups inside scenarios/ (no dots, no slashes)
+        raise NotFoundException(f"no scenario {name[:64]!r}")
     return load_scenario(name).model_dump(mode="json")
 
 

@@ -1,0 +1,266 @@
+"""Fuzzing a live server: hostile values for every field of every route, and the invariants after each.
+
+    python -m bench.fuzz [--cases 3000] [--seconds 1800] [--seed 0] [--rss-growth-mb 1200]
+
+Starts `kvscope serve --no-ui` on the demo model on a free loopback port, with small limits
+(KV 512 MB, 256 MB a run, weights 512 MB, 8 runs), and sends hypothesis-drawn cases (bench/fuzz_cases.py):
+/v1 completions and chat, a run's requests and controls, runs started from scenario objects, inline
+YAML, overrides and broken replay traces, GET routes with odd ids and queries, and websockets fed
+junk frames. After every case it checks what must hold whatever a client sends:
+- the answer is not a 5xx (a websocket is not closed with 1011) and the server process lives;
+- the `api` run answers a normal completion with 200, and once idle holds no block (every KV block
+  back in the free list or the prefix cache);
+- no run has failed (a failure means a worker raised: an input got past its bounds);
+- the server's resident memory stays within --rss-growth-mb of where it started.
+Prints a table of cases per route, the answers seen and every finding (the case that broke which
+invariant); exits 1 on any. The test suite runs a short one (tests/test_fuzz_live.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect
+
+from bench.fuzz_cases import COMPLETION, SCENARIO, Case, Targets, routes
+from bench.report import command_line, progress, table
+from bench.soak import launch, rss_mb
+from kvscope.backend.server.serve import free_port
+
+LIMITS = ["--max-kv-memory-mb", "512", "--max-run-kv-memory-mb", "256", "--max-weight-memory-mb", "512",
+          "--max-runs", "8", "--paused-ttl-s", "20", "--request-timeout-s", "60", "--stall-timeout-s", "60"]
+CASE_TIMEOUT_S = 90  # one case's answer; a longer one is a finding (the server's own bound is 60 s)
+IDLE_TIMEOUT_S = 60  # for the api run to drain after a case
+
+
+@dataclass
+class Tally:
+    """What the run saw: cases and answers per route, and each finding (case, broken invariant)."""
+    routes: Counter = field(default_factory=Counter)
+    answers: dict[str, Counter] = field(default_factory=dict)
+    findings: list[str] = field(default_factory=list)
+
+    def count(self, case: Case, answer: str) -> None:
+        route = route_of(case)
+        self.routes[route] += 1
+        self.answers.setdefault(route, Counter())[answer] += 1
+
+
+def route_of(case: Case) -> str:
+    if case.method == "WS":
+        return "WS /ws/runs/{run}"
+    if case.method == "GET":
+        return "GET " + case.path.split("?")[0].split("/")[1]
+    for known in ("/control", "/requests"):
+        if case.path.endswith(known):
+            return "POST /api/runs/{run}" + known
+    if case.path == "/api/runs":
+        return "POST /api/runs (" + case.label.split(":")[0].split(" ")[0] + ")"
+    return "POST " + case.path
+
+
+class Harness:
+    """A live server, the runs the cases aim at, and the invariant checks."""
+
+    def __init__(self, rss_growth_mb: float) -> None:
+        self.port = free_port()
+        self.proc = launch(["--port", str(self.port), "--model", "demo", *LIMITS])
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=CASE_TIMEOUT_S)
+        self.run_ids: dict[str, str] = {}
+        self.trace_lines: list[str] = []  # a recorded trace, replayed by the {replay} run
+        self.assert_normal_request()
+        self.free_at_start = self.free_blocks(self.api_snapshot())
+        self.rss_bound = rss_mb(self.proc.pid) + rss_growth_mb
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+    # ---- the runs the cases aim at ------------------------------------------------------------
+
+    def targets(self) -> Targets:
+        openapi = self.client.get("/schema/openapi.json").json()
+        props = {name: sorted(s.get("properties", {})) for name, s in openapi["components"]["schemas"].items()}
+        paths = openapi["paths"]
+        gets = [p.replace("{run_id}", "{run}").replace("{model_id}", "{model}") for p, item in paths.items()
+                if "get" in item]
+        self.trace_lines = self.recorded_trace()
+        return Targets(props["CompletionBody"], props["ChatBody"], props["AddRequest"], props["StartRun"],
+                       gets, self.trace_lines)
+
+    def recorded_trace(self) -> list[str]:
+        """A small scenario's whole trace, run unpaced to its end: the replay cases break it line by line."""
+        run_id = self.start({"scenario": SCENARIO, "speed": 0})
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while not self.client.get(f"/api/runs/{run_id}").json()["finished"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the fuzz scenario did not finish")
+            time.sleep(0.1)
+        return self.client.get(f"/api/runs/{run_id}/trace").text.splitlines()
+
+    def start(self, body: dict) -> str:
+        answer = self.client.post("/api/runs", json=body)
+        answer.raise_for_status()
+        return answer.json()["run_id"]
+
+    def run_id(self, kind: str) -> str:
+        """A live paused run of this kind ("scenario" or "replay"), started again once forgotten."""
+        known = self.run_ids.get(kind)
+        if known and self.client.get(f"/api/runs/{known}").status_code == 200:
+            return known
+        body = {"scenario": SCENARIO, "paused": True} if kind == "scenario" else \
+            {"trace": "\n".join(self.trace_lines) + "\n", "paused": True}
+        answer = self.client.post("/api/runs", json=body)
+        self.run_ids[kind] = answer.json()["run_id"] if answer.status_code == 201 else "nope"
+        return self.run_ids[kind]
+
+    def resolve(self, path: str) -> str:
+        for kind in ("scenario", "replay"):
+            if "{" + kind + "}" in path:
+                path = path.replace("{" + kind + "}", self.run_id(kind))
+        return path
+
+    # ---- one case and the invariants after it -------------------------------------------------
+
+    def send(self, case: Case) -> str:
+        """The case's answer as a status ("200", "4xx: 422", ...) or "broke: ..." for a finding."""
+        path = self.resolve(case.path)
+        try:
+            if case.method == "WS":
+                return self.websocket(path, case.body or "")
+            if case.method == "GET":
+                status = self.client.get(path).status_code
+            else:
+                status = self.client.post(path, content=(case.body or "").encode("utf-8", "surrogatepass"),
+                                          headers={"content-type": "application/json"}).status_code
+        except httpx.TransportError as e:
+            return f"broke: no answer ({type(e).__name__})"
+        return f"broke: {status}" if status >= 500 else str(status)
+
+    def websocket(self, path: str, frames: str) -> str:
+        try:
+            with connect(f"ws://127.0.0.1:{self.port}{path}", open_timeout=30, close_timeout=5,
+                         max_size=None) as socket:
+                for frame in filter(None, frames.split("\n")):
+                    socket.send(frame)
+                socket.recv(timeout=5)
+        except TimeoutError:
+            return "open"
+        except InvalidStatus as e:
+            status = e.response.status_code
+            return f"broke: {status}" if status >= 500 else str(status)
+        except ConnectionClosed as e:
+            code = e.rcvd.code if e.rcvd else None
+            return "broke: closed 1011" if code == 1011 else f"closed {code}"
+        return "open"
+
+    def invariants(self) -> str | None:
+        """The first invariant that does not hold, or None."""
+        if self.proc.poll() is not None:
+            return f"the server exited ({self.proc.returncode})"
+        failed = [r["run_id"] for r in self.client.get("/api/runs").json() if r["failed"]]
+        if failed:
+            error = self.client.get(f"/api/runs/{failed[0]}").json().get("error")
+            return f"run {failed[0]} failed: {error}"
+        try:
+            self.assert_normal_request()
+            snapshot = self.idle_api_snapshot()
+        except (AssertionError, httpx.TransportError) as e:
+            return f"the api run: {e}"
+        if snapshot["block_tables"] or self.free_blocks(snapshot) != self.free_at_start:
+            return (f"the idle api run holds blocks: {len(snapshot['block_tables'])} tables, "
+                    f"{self.free_blocks(snapshot)} of {self.free_at_start} free")
+        rss = rss_mb(self.proc.pid)
+        if rss > self.rss_bound:
+            return f"RSS {rss:.0f} MB, past the bound of {self.rss_bound:.0f} MB"
+        return None
+
+    def assert_normal_request(self) -> None:
+        answer = self.client.post("/v1/completions", json=COMPLETION)
+        assert answer.status_code == 200 and answer.json()["choices"], f"a normal request got {answer.status_code}"
+
+    def api_snapshot(self) -> dict:
+        return self.client.get("/api/runs/api").json()
+
+    def idle_api_snapshot(self) -> dict:
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while (snapshot := self.api_snapshot())["running"] or snapshot["waiting"]:
+            assert time.monotonic() < deadline, f"still busy after {IDLE_TIMEOUT_S} s"
+            time.sleep(0.05)
+        return snapshot
+
+    @staticmethod
+    def free_blocks(snapshot: dict) -> int:
+        return len(snapshot["free_blocks"]) + len(snapshot["cached_blocks"])
+
+
+def fuzz(max_cases: int, seconds: float, seed: int, rss_growth_mb: float = 1200) -> Tally:
+    """Up to max_cases cases within seconds (the case under way finishes), every invariant after each."""
+    started = time.monotonic()
+    harness = Harness(rss_growth_mb)
+    tally = Tally()
+    try:
+        families = routes(harness.targets())
+        for i, family in enumerate(families):  # each route family its share of cases and of the time
+            family_deadline = time.monotonic() + (seconds - (time.monotonic() - started)) / (len(families) - i)
+            fuzz_family(harness, tally, family, max(1, max_cases // len(families)), family_deadline, seed)
+    finally:
+        harness.close()
+    return tally
+
+
+def fuzz_family(harness: Harness, tally: Tally, family: st.SearchStrategy[Case], max_cases: int,
+                deadline: float, seed: int) -> None:
+    @hypothesis_seed(seed)
+    @settings(max_examples=max_cases, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=family)
+    def one(case: Case) -> None:
+        if time.monotonic() > deadline or harness.proc.poll() is not None:
+            return
+        answer = harness.send(case)
+        tally.count(case, answer.split(":")[0] if answer.startswith("broke") else answer)
+        broken = answer[len("broke: "):] if answer.startswith("broke") else harness.invariants()
+        if broken:
+            tally.findings.append(f"{case.describe()} -> {broken}")
+            progress(f"finding: {tally.findings[-1][:400]}")
+
+    one()
+
+
+def report(tally: Tally) -> str:
+    rows = [[route, n, ", ".join(f"{a} x{c}" for a, c in sorted(tally.answers[route].items()))]
+            for route, n in sorted(tally.routes.items())]
+    rows.append(["all routes", sum(tally.routes.values()), f"{len(tally.findings)} findings"])
+    text = table(["route", "cases", "answers"], rows)
+    return text + "".join(f"\n- {f[:1000]}" for f in tally.findings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=3000, help="at most this many cases")
+    p.add_argument("--seconds", type=float, default=1800, help="stop drawing cases after this long")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis's seed: another seed, other cases")
+    p.add_argument("--rss-growth-mb", type=float, default=1200, help="the server's RSS may grow this much")
+    args = p.parse_args(argv)
+    tally = fuzz(args.cases, args.seconds, args.seed, args.rss_growth_mb)
+    print(command_line("bench.fuzz", argv if argv is not None else sys.argv[1:]))
+    print()
+    print(report(tally))
+    sys.exit(1 if tally.findings else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
