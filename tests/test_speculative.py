@@ -121,7 +121,7 @@ def test_verify_rule_on_known_distributions():
 
 # ---- the distribution test ----------------------------------------------------------------------
 
-NUM_SAMPLES = 20_000
+NUM_SAMPLES = 6_000
 SETTINGS = {"T1": dict(temperature=1.0), "T0.7-top-p-0.9": dict(temperature=0.7, top_p=0.9)}
 
 
