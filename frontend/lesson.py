@@ -76,8 +76,8 @@ class LessonGuide:
                 ui.space()
                 self.mode = ui.switch("lesson mode", value=False, on_change=self._on_mode).mark("lesson-mode") \
                     .tooltip("pause at each key moment the lesson explains")
-                self.next = ui.button("continue", icon="play_arrow", on_click=self.resume).props("dense") \
-                    .mark("lesson-continue")
+                self.next = ui.button("continue", icon="play_arrow", on_click=self.resume) \
+                    .props("dense data-kv=lesson-continue").mark("lesson-continue")
             self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text")
         self.card.set_visibility(False)
         self.next.set_visibility(False)
@@ -179,7 +179,7 @@ class LessonGuide:
     def _highlight(self, moment: Moment) -> None:
         blocks = self.views.get("blocks")
         if blocks is not None and moment.blocks:
-            blocks.canvas.run_method("focus", list(moment.blocks))
+            blocks.canvas.run_method("ring", list(moment.blocks))
         if moment.request_ids:
             self.selected_before = self.selection.request_id
             self.selection.select_request(moment.request_ids[0])
@@ -192,7 +192,7 @@ class LessonGuide:
     def _clear(self) -> None:
         blocks = self.views.get("blocks")
         if blocks is not None:
-            blocks.canvas.run_method("focus", [])
+            blocks.canvas.run_method("ring", [])
         for card in self.focused:
             card.classes(remove=FOCUS_CLASS)
         self.focused = []

@@ -373,3 +373,21 @@ def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url
     assert 20_000 < shot.stat().st_size < 500_000
     if os.environ.get("KVSCOPE_README_SCREENSHOT") == "1":
         shutil.copyfile(shot, README_SCREENSHOT)
+
+
+def test_a_lesson_pause_rings_the_blocks_it_names_until_continue(page, backend_url, dashboard_url, tiny_dir):
+    """memory-pressure's first preemption: the freed blocks are ringed (no page error: the fixture fails on any)
+    and stay ringed while the lesson waits; continue clears them."""
+    run_id = api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 0, "paused": True,
+                                            "lesson": True, "overrides": {"model": tiny_dir}})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator("[data-kv=lesson-continue]").click()  # past the first step, to the preemption
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, WAIT_S, "no preemption")
+    canvas = page.locator("[data-kv=block-pool] canvas")
+    page.wait_for_function("(el) => (el.dataset.ringed || '') !== ''", arg=canvas.element_handle())
+    ringed = canvas.get_attribute("data-ringed")
+    step = api(backend_url, f"/api/runs/{run_id}")["step"]
+    page.wait_for_timeout(1500)  # longer than any flash: the ring is not one
+    assert canvas.get_attribute("data-ringed") == ringed and api(backend_url, f"/api/runs/{run_id}")["step"] == step
+    page.locator("[data-kv=lesson-continue]").click()
+    page.wait_for_function("([el, before]) => el.dataset.ringed !== before", arg=[canvas.element_handle(), ringed])

@@ -17,7 +17,7 @@ export default {
   mounted() {
     this.n = 0;
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
-    this.focus = false; // a request is selected: its blocks outlined, the others dimmed
+    this.dimOthers = false; // a request is selected: its blocks outlined, the others dimmed
     this.flashes = new Map(); // block -> [color, start time]
     this.hover = -1;
     this.focused = new Set(); // blocks lesson mode points at: a lasting double ring
@@ -53,7 +53,7 @@ export default {
       this.n = full.state.length;
       this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
                      marks: Uint8Array.from(full.marks) };
-      this.focus = !!full.focus;
+      this.dimOthers = !!full.focus;
       this.flashes.clear();
       this.layout();
     },
@@ -70,10 +70,12 @@ export default {
       }
       this.schedule();
     },
-    focus(blocks) {
+    // (a method and a field of one component share one namespace: a field named focus hid this method)
+    ring(blocks) {
       for (const b of this.focused) this.dirty.add(b);
       this.focused = new Set(blocks);
       for (const b of this.focused) this.dirty.add(b);
+      this.$refs.canvas.dataset.ringed = blocks.join(" "); // what a canvas draws, readable by a test or a screen reader
       this.schedule();
     },
     tip(block, html) {
@@ -132,7 +134,7 @@ export default {
       const state = this.cells.state[b];
       ctx.clearRect(x, y, cell, cell);
       const marks = this.cells.marks[b];
-      const dim = this.focus && state === 1 && !(marks & PICKED);
+      const dim = this.dimOthers && state === 1 && !(marks & PICKED);
       ctx.globalAlpha = dim ? DIMMED : 1;
       ctx.fillStyle = state === 1 ? pal[this.cells.color[b] % pal.length] : state === 2 ? this.colors.cached : this.colors.free;
       ctx.fillRect(x + gap, y + gap, cell - 2 * gap, cell - 2 * gap);
