@@ -137,9 +137,13 @@ def run_header(state: RunState) -> dict:
 
 
 def request_steps(state: RunState) -> list[RequestSteps]:
-    """Every request's arrival, first-token and finish steps and output length (the best sequence's)."""
-    return [RequestSteps(r.arrival_step, r.first_token_step, r.finish_step, len(r.output_token_ids))
-            for r in state.requests.values() if r.arrival_step >= 0]
+    """Every request's first iteration, first-token and finish steps and output length (the best sequence's).
+
+    An arrival event's step is the iteration before the arrival (-1 for requests there at the start),
+    so the first iteration that can serve a request is the next one. A request first seen running
+    (a trace that starts mid-run) has no arrival on record and is left out."""
+    return [RequestSteps(r.arrival_step + 1, r.first_token_step, r.finish_step, len(r.output_token_ids))
+            for r in state.requests.values() if not r.joined]
 
 
 class HardwarePicker:

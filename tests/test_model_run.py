@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from kvscope.backend.events.history import Cell, Column
+from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.history import Cell, Column, RunHistory
+from kvscope.backend.events.state import RunState
 from kvscope.backend.perf.calibrate import CACHE_VERSION
 from kvscope.backend.perf.cost_model import BatchItem, iteration_cost
 from kvscope.backend.perf.errors import PerfError
@@ -17,6 +19,8 @@ from kvscope.backend.perf.model_run import (ModelledStep, RequestSteps, batch_it
                                     modelled_times, run_deployment, run_shape)
 from kvscope.backend.perf.shapes import get_shape
 from kvscope.backend.perf.whatif import deployment
+from kvscope.backend.run import ScenarioRun
+from kvscope.backend.scenario import Scenario
 
 SMOL = get_shape("smollm2-135m").config
 FIGURES = {"version": CACHE_VERSION, "host": "h", "device": "test CPU", "fp32_flops": 7e10, "bf16_flops": 7e10,
@@ -130,6 +134,31 @@ def test_modelled_ttft_tpot_and_throughput_follow_the_engine_time_rules():
     # joined mid-run: the record starts at step 1, so the request that arrived at 0 is left out
     partial = modelled_latency(steps[1:], requests, output_tokens=0, known_from=1)
     assert partial.ttft_s == pytest.approx(5.0) and partial.tokens_per_s is None  # no token events on record
+
+
+def test_modelled_ttft_counts_the_requests_there_from_the_start_as_engine_time_does(tiny):
+    """Requests there before the first iteration arrive at step -1: they were left out, so the modelled
+    TTFT showed "-" in most demo runs. Priced at the engine's own durations, it is the engine's TTFT."""
+    from kvscope.frontend.hardware import request_steps
+
+    scenario = Scenario.model_validate({"name": "t", "model": "demo", "engine": {"block_size": 4, "num_blocks": 64},
+                                        "requests": [{"id": "a", "prompt": "ROMEO:", "max_tokens": 4},
+                                                     {"id": "b", "prompt": "KING:", "max_tokens": 3,
+                                                      "arrival_step": 2}]})
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(scenario, bus, loaded=tiny).run()
+    state, history = RunState(), RunHistory()
+    for e in events:
+        state.apply(e)
+        history.apply(e, state)
+    assert state.requests["a"].arrival_step == -1
+    steps = [ModelledStep(e["step"], "decode", e["duration_s"], 1.0, 1.0, "memory")
+             for e in events if e["type"] == "iteration" and e["batch"]]
+    latency = modelled_latency(steps, request_steps(state), output_tokens=7)
+    engine = [history.engine_ttft(r.arrival_step, r.first_token_step) for r in state.requests.values()]
+    assert len(request_steps(state)) == 2 and latency.ttft_s == pytest.approx(sum(engine) / 2)
 
 
 # ---- the dashboard's side: priced columns, roofline points, this-machine -------------------------------
