@@ -337,6 +337,20 @@ async def test_headline_numbers_are_engine_time_and_a_finished_run_keeps_them(da
     await dash.user.should_see("engine time", marker="kpis")
 
 
+async def test_blocks_saved_by_sharing_is_the_runs_peak_as_kvscope_run_reports_it(dash: Dash, tiny_dir: str) -> None:
+    """A finished shared-prefix run read 0 beside its prefix hits: the figure was its last iteration's,
+    after the requests sharing blocks had left. It is the peak, as `kvscope run`'s table has it."""
+    from kvscope.frontend.export_menu import parse_jsonl
+
+    done = await dash.backend.start_run("shared-prefix", {"model": tiny_dir}, speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    events = parse_jsonl(await dash.backend.trace(done))
+    column = await synthetic_column(dash, events)
+    saved = [e["kv_blocks_saved_by_sharing"] for e in events if e["type"] == "metrics"]
+    assert saved[-1] == 0 < max(saved)
+    assert column.views["metrics"].kpis["saved"] == str(max(saved))
+
+
 async def test_a_run_without_kv_cache_shows_no_cache_blocks(dash: Dash, tiny_dir: str) -> None:
     run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=2, kv_cache=False), speed=0, paused=True)
     page = await dash.open(f"/?run={run_id}")

@@ -106,6 +106,7 @@ class RunHistory:
     engine_s: dict[int, float] = field(default_factory=dict)  # step -> engine seconds up to its end
     tokens_at: dict[int, int] = field(default_factory=dict)  # step -> output tokens it produced
     total_engine_s: float = 0.0
+    peak_blocks_saved: int | None = None  # the most blocks sharing saved at once, over the metrics on record
     total_tokens: int = 0
 
     def apply(self, event: Event, state: RunState) -> None:
@@ -163,6 +164,9 @@ class RunHistory:
         self.verifies.setdefault(e["request_id"], deque(maxlen=MAX_VERIFIES_PER_REQUEST)).append(e)
 
     def _on_metrics(self, e: Event, state: RunState) -> None:
+        saved = e.get("kv_blocks_saved_by_sharing")
+        if saved is not None:  # the run's peak: shared blocks go with the sharers, as a finished run's have
+            self.peak_blocks_saved = max(self.peak_blocks_saved or 0, saved)
         self.metrics.append(MetricPoint(e["step"], e["t"], self.engine_tokens_per_s(e["step"]), e["kv_usage"],
                                         e["kv_waste"], e["prefix_hit_rate"], e["num_preemptions"],
                                         e.get("spec_acceptance_rate"), e.get("spec_alpha"),

@@ -60,7 +60,7 @@ LINES = [
 ]
 PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate", "spec_acceptance_rate"}
 KPI_TITLES = {"tps": "tokens/s (engine time)", "ttft": "mean TTFT (engine)", "tpot": "mean TPOT (engine)",
-              "usage": "KV usage", "waste": "KV waste", "hit": "prefix hits", "saved": "blocks saved by sharing",
+              "usage": "KV usage", "waste": "KV waste", "hit": "prefix hits", "saved": "blocks saved by sharing (peak)",
               "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
 
 
@@ -201,7 +201,7 @@ class MetricsView(FeedView):
             "usage": f"{100 * m.kv_usage:.0f}%" if m else "–",
             "waste": f"{100 * m.kv_waste:.1f}%" if m else "–",
             "hit": f"{100 * m.prefix_hit_rate:.0f}%" if m else "–",
-            "saved": str(m.blocks_saved_by_sharing) if m and m.blocks_saved_by_sharing is not None else "–",
+            "saved": str(history.peak_blocks_saved) if history.peak_blocks_saved is not None else "–",
             "preempt": str(state.num_preemptions),
             "done": f"{finished}/{len(state.requests)}",
         }
