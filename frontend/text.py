@@ -6,5 +6,9 @@ import re
 
 
 def md_escape(text: str) -> str:
-    """Scenario text shown as Markdown literally (`engine.prefix_caching=false` is not emphasis)."""
-    return re.sub(r"([\\`*_{}\[\]<>#|])", r"\\\1", text)
+    """Scenario text shown as Markdown literally (`engine.prefix_caching=false` is not emphasis).
+
+    Markdown's own escapes for its syntax; entities for <, > and | (a backslash before them is no
+    escape to markdown2, and showed: `<\\|im_start\\|>`)."""
+    text = re.sub(r"([\\`*_{}\[\]#])", r"\\\1", text)
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "&#124;")

@@ -813,3 +813,20 @@ def test_the_selected_request_is_outlined_in_the_batch_and_the_pool(beam_run):
     assert not any(cell_of(state, history, free, b)[2] & PICKED for b in range(state.num_blocks))
     many = Column(9, 1.0, 0.1, [Cell(f"r{i}", "decode", 1) for i in range(20)], 20, 64, 32)
     assert [s[5] for s in column_segments(many, history, "r7")] == ["r7", "19 requests"]  # kept out of the grey
+
+
+@pytest.mark.parametrize("text", ["framed by <|im_start|>role ... <|im_end|>, then <|im_start|>assistant",
+                                  "`engine.prefix_caching=false` *a* _b_ [x](y) #h {z} \\n",
+                                  "a & b <script>alert(1)</script> | x |\n|---|"])
+def test_scenario_text_shows_as_written_in_markdown(text):
+    """The real-chat lesson showed `<\\|im_start\\|>`: markdown2 keeps a backslash before < and |."""
+    import html
+    import re
+
+    from nicegui.elements.markdown import Markdown, prepare_content
+
+    from kvscope.frontend.text import md_escape
+
+    rendered = prepare_content(md_escape(text), extras=" ".join(Markdown.default_extras))
+    assert "<script" not in rendered and "<table" not in rendered
+    assert html.unescape(re.sub(r"<[^>]+>", "", rendered)).strip() == text.strip()
