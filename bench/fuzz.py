@@ -9,7 +9,7 @@ YAML, overrides and broken replay traces, GET routes with odd ids and queries, a
 junk frames. After every case it checks what must hold whatever a client sends:
 - the answer is not a 5xx (a websocket is not closed with 1011) and the server process lives;
 - the `api` run answers a normal completion with 200, and once idle holds no block (every KV block
-  back in the free list or the prefix cache);
+  back in the free list, the prefix cache's among them);
 - no run has failed (a failure means a worker raised: an input got past its bounds);
 - the server's resident memory stays within --rss-growth-mb of where it started.
 Prints a table of cases per route, the answers seen and every finding (the case that broke which
