@@ -39,6 +39,9 @@ from kvscope.backend.server.serve import free_port
 
 LIMITS = ["--max-kv-memory-mb", "512", "--max-run-kv-memory-mb", "256", "--max-weight-memory-mb", "512",
           "--max-runs", "8", "--paused-ttl-s", "20", "--request-timeout-s", "60", "--stall-timeout-s", "60"]
+# The check between cases: a prompt of several blocks, so the prefix cache keeps some once it is done.
+NORMAL = {**COMPLETION, "prompt": "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and "
+                                  "Juliet is the sun.", "max_tokens": 4}
 CASE_TIMEOUT_S = 90  # one case's answer; a longer one is a finding (the server's own bound is 60 s)
 IDLE_TIMEOUT_S = 60  # for the api run to drain after a case
 
@@ -187,7 +190,7 @@ class Harness:
         return None
 
     def assert_normal_request(self) -> None:
-        answer = self.client.post("/v1/completions", json=COMPLETION)
+        answer = self.client.post("/v1/completions", json=NORMAL)
         assert answer.status_code == 200 and answer.json()["choices"], f"a normal request got {answer.status_code}"
 
     def api_snapshot(self) -> dict:
