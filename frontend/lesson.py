@@ -188,6 +188,9 @@ class LessonGuide:
             if card is not None:
                 card.classes(add=FOCUS_CLASS)
                 self.focused.append(card)
+        if self.focused:  # the view the step talks about, scrolled into sight (it may be far below the fold)
+            self.card.client.run_javascript(f"document.getElementById('c{self.focused[0].id}')"
+                                            "?.scrollIntoView({block: 'nearest', behavior: 'smooth'})")
 
     def _clear(self) -> None:
         blocks = self.views.get("blocks")

@@ -391,3 +391,19 @@ def test_a_lesson_pause_rings_the_blocks_it_names_until_continue(page, backend_u
     assert canvas.get_attribute("data-ringed") == ringed and api(backend_url, f"/api/runs/{run_id}")["step"] == step
     page.locator("[data-kv=lesson-continue]").click()
     page.wait_for_function("([el, before]) => el.dataset.ringed !== before", arg=[canvas.element_handle(), ringed])
+
+
+def test_a_lesson_pause_scrolls_the_view_it_names_into_sight(page, backend_url, dashboard_url):
+    """speculative-draft's rejected draft: the speculative card sits far below a 1280x720 window's fold."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    run_id = api(backend_url, "/api/runs", {"scenario": "speculative-draft", "speed": 0, "paused": True,
+                                            "lesson": True})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator("[data-kv=lesson-continue]").click()
+    page.wait_for_function("""() => {
+        const card = document.querySelector('.kv-focus');
+        if (!card) return false;
+        const box = card.getBoundingClientRect();
+        return box.top >= 0 && box.top < window.innerHeight && box.bottom > 0;
+    }""")
+    assert page.evaluate("window.scrollY") > 0  # it was below the fold: the page scrolled to it
