@@ -290,6 +290,8 @@ async def test_sampling_what_if_knobs(dash: Dash, tiny_dir: str) -> None:
     assert "T=0.9" in view.caption.text and view.knob_inputs["top_p"].value == 0.9
     view.set_knobs(Knobs(temperature=0.5, top_k=3, top_p=1.0, min_p=0.0))
     await until(lambda: "what-if T=0.5 top-k=3" in view.caption.text)
+    await dash.user.should_see("T = 0.5", marker="knob-temperature-value")  # each slider's value, always shown
+    await dash.user.should_see("top-k = 3", marker="knob-top_k-value")
     dash.user.find(marker="knob-reset").click()
     await until(lambda: "what-if" not in view.caption.text)
     view._on_token_click(type("E", (), {"args": 0})())

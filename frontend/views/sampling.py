@@ -88,10 +88,12 @@ class SamplingView(FeedView):
             for key, label, lo, hi, step in (("temperature", "T", 0, 2, 0.05), ("top_k", "top-k", 0, 50, 1),
                                              ("top_p", "top-p", 0.05, 1, 0.01), ("min_p", "min-p", 0, 1, 0.01)):
                 with ui.column().classes("gap-0 grow"):
-                    ui.label(label).classes("kv-small")
+                    caption = ui.label(label).classes("kv-small").mark(f"knob-{key}-value")
                     self.knob_inputs[key] = ui.slider(min=lo, max=hi, step=step, value=lo) \
                         .props("label dense").on("update:model-value", self._on_knob, throttle=0.1) \
                         .mark(f"knob-{key}")
+                    # the value always in sight (the slider's own label shows only while dragged)
+                    caption.bind_text_from(self.knob_inputs[key], "value", lambda v, name=label: f"{name} = {v:g}")
             ui.button("reset", on_click=self.reset_knobs).props("flat dense size=sm").mark("knob-reset") \
                 .tooltip("back to the settings this request was sampled with")
 
