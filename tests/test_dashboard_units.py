@@ -830,3 +830,20 @@ def test_scenario_text_shows_as_written_in_markdown(text):
     rendered = prepare_content(md_escape(text), extras=" ".join(Markdown.default_extras))
     assert "<script" not in rendered and "<table" not in rendered
     assert html.unescape(re.sub(r"<[^>]+>", "", rendered)).strip() == text.strip()
+
+
+def test_the_speculative_summary_says_why_measured_and_expected_differ():
+    """speculative-ngram measured 1.88 tokens per verify against 2.93 expected, unexplained: an n-gram
+    lookup drafts fewer than k tokens (none when it finds nothing), which the formula does not know."""
+    from kvscope.backend.events.state import RunState, SpecTotals
+    from kvscope.frontend.views.speculative import summary_text
+
+    state = RunState()
+    state.config = {"speculative": {"method": "ngram", "num_tokens": 4}}
+    state.metrics = {"spec_alpha": 0.6}
+    state.spec = SpecTotals(verifies=10, proposed=15, accepted=9, appended=19)
+    text = summary_text(state)
+    assert "tokens per verify 1.90" in text and "expected (1 − α^5) / (1 − α) = 2.31" in text
+    assert "these verifies drafted 1.50 on average" in text
+    state.spec = SpecTotals(verifies=10, proposed=40, accepted=24, appended=34)
+    assert "drafted" not in summary_text(state).replace("accepted 24/40 drafted", "")
