@@ -12,7 +12,7 @@ from kvscope.frontend.controls import PromptBox
 from kvscope.frontend.hardware import HardwareChoice, HardwarePicker
 from kvscope.frontend.lesson import LessonGuide
 from kvscope.frontend.selection import Selection
-from kvscope.frontend.text import md_escape
+from kvscope.frontend.text import md_escape, request_text
 from kvscope.frontend.views.attention import AttentionView
 from kvscope.frontend.views.batch import BatchView
 from kvscope.frontend.views.block_pool import BlockPoolView
@@ -60,6 +60,8 @@ class RunColumn:
             HardwarePicker(self.hardware)
             self.picker = ui.select({FOLLOW: "follow running"}, value=FOLLOW, label="request",
                                     on_change=self._on_pick).classes("w-44").props("dense").mark("request-picker")
+        # the selected request's own text: what a lesson reads out (prompt, reply, how it ended)
+        self.request_text = ui.label("").classes("kv-caption kv-request-text w-full").mark("request-text")
         with ui.element("div").classes("w-full") as self.prompt_row:
             self.prompt = PromptBox(backend, self.feed)  # hidden for replays, which take no requests
 
@@ -92,12 +94,22 @@ class RunColumn:
             self.picker.set_options({**self.picker.options, rid: rid})
         if self.picker.value != (rid or FOLLOW):
             self.picker.set_value(rid or FOLLOW)
+        self._show_request_text()
 
     def _on_pick(self) -> None:
         self.selection.select_request(self.picker.value or None)
 
+    def _show_request_text(self) -> None:
+        state, rid = self.feed.state, self.selection.request_id
+        view = state.requests.get(rid) if state is not None and rid is not None else None
+        text = request_text(view) if view is not None else ""
+        if text != self.request_text.text:
+            self.request_text.set_text(text)
+        self.request_text.set_visibility(bool(text))
+
     def _refresh_requests(self) -> None:
         self.prompt_row.set_visibility(self.feed.kind != "replay")
+        self._show_request_text()
         state = self.feed.state
         if state is None:
             return

@@ -353,6 +353,22 @@ async def test_blocks_saved_by_sharing_is_the_runs_peak_as_kvscope_run_reports_i
     assert column.views["metrics"].kpis["saved"] == str(max(saved))
 
 
+async def test_the_selected_request_shows_its_prompt_reply_and_finish_reason(dash: Dash, tiny_dir: str) -> None:
+    """A lesson reads requests out: the text, not only ids and bars (#22: no prompt or finish reason shown)."""
+    done = await dash.backend.start_run(small_scenario(tiny_dir, count=2), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    column = (await dash.open(f"/?run={done}")).columns[0]
+    await until(lambda: column.feed.state is not None and column.feed.state.finished)
+    rid, view = next(iter(column.feed.state.requests.items()))
+    assert not column.request_text.visible  # nothing selected
+    column.selection.select_request(rid)
+    await until(lambda: column.request_text.visible)
+    text = column.request_text.text
+    assert text.startswith(f"{rid} · finished ({view.finish_reason}) · prompt, {view.prompt_len} tokens: ")
+    assert view.prompt_text in text and f"reply, {len(view.output_token_ids)} tokens: {view.output_text}" in text
+    await dash.user.should_see(f"finished ({view.finish_reason})", marker="request-text")
+
+
 async def test_a_run_without_kv_cache_shows_no_cache_blocks(dash: Dash, tiny_dir: str) -> None:
     run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=2, kv_cache=False), speed=0, paused=True)
     page = await dash.open(f"/?run={run_id}")
