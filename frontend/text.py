@@ -21,5 +21,5 @@ def request_text(view: RequestView) -> str:
     (a chat's template tokens stay visible: they are part of the prompt the model read)."""
     status = f"finished ({view.finish_reason})" if view.finish_reason else view.status
     prompt = "(it arrived before this trace began)" if view.joined else view.prompt_text
-    return (f"{view.id} · {status} · prompt, {view.prompt_len} tokens: {prompt}\n"
-            f"reply, {len(view.output_token_ids)} tokens: {view.output_text}")
+    return (f"{view.id} · {status} · reply, {len(view.output_token_ids)} tokens: {view.output_text}\n"
+            f"prompt, {view.prompt_len} tokens: {prompt}")  # the reply first: a long prompt scrolls

@@ -364,8 +364,8 @@ async def test_the_selected_request_shows_its_prompt_reply_and_finish_reason(das
     column.selection.select_request(rid)
     await until(lambda: column.request_text.visible)
     text = column.request_text.text
-    assert text.startswith(f"{rid} · finished ({view.finish_reason}) · prompt, {view.prompt_len} tokens: ")
-    assert view.prompt_text in text and f"reply, {len(view.output_token_ids)} tokens: {view.output_text}" in text
+    assert text.startswith(f"{rid} · finished ({view.finish_reason}) · reply, {len(view.output_token_ids)} tokens: "
+                           f"{view.output_text}\nprompt, {view.prompt_len} tokens: {view.prompt_text}")
     await dash.user.should_see(f"finished ({view.finish_reason})", marker="request-text")
 
 
