@@ -54,6 +54,23 @@ def test_without_prefix_caching_every_prompt_token_is_computed_and_with_it_the_h
     assert all(v is not None and v > 0 for v in (*ttft, *tpot))
 
 
+def test_a_run_without_a_kv_cache_compares_with_no_kv_and_the_bytes_lead(tiny_dir):
+    """A cache-off run reported 7 KV blocks and its bytes were only in a caption: the row leads with
+    the bytes a setting changes, and no cache holds none."""
+    on = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=true"))
+    off = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=false"))
+    rows = compare_rows(on, off)
+    assert [r.label for r in rows[:4]] == ["KV bytes per token", "bytes per block", "peak KV blocks", "peak KV"]
+    figures = {r.label: (r.a, r.b) for r in rows}
+    per_block, block_size = on.state.cache["bytes_per_block"], on.state.cache["block_size"]
+    assert figures["KV bytes per token"] == (per_block // block_size, 0)
+    assert figures["bytes per block"] == (per_block, 0)
+    blocks_on = figures["peak KV blocks"][0]
+    assert blocks_on > 0 and figures["peak KV blocks"][1] == 0
+    assert figures["peak KV"] == (round(blocks_on * per_block / 2**20, 2), 0)
+    assert all(t is not None and t > 0 for t in figures["tokens/s (engine)"])
+
+
 def test_the_only_setting_that_differs_names_both_titles(caching):
     on, off, *_ = caching
     assert setting_differences(on, off) == [("engine.prefix_caching", True, False)]

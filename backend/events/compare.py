@@ -35,9 +35,22 @@ def prefill_tokens(record: RunRecord) -> int:
 
 
 def peak_blocks(record: RunRecord) -> int:
-    """The most KV blocks held at once (the metrics' usage share times the pool size)."""
+    """The most KV blocks held at once (the metrics' usage share times the pool size); none without a
+    KV cache (its engine's scratch blocks hold nothing from one iteration to the next)."""
+    if not record.state.kv_cache:
+        return 0
     usage = max((p.kv_usage for p in record.history.metrics), default=0.0)
     return round(usage * (record.state.num_blocks or 0))
+
+
+def bytes_per_block(record: RunRecord) -> int:
+    return record.state.cache.get("bytes_per_block", 0) if record.state.kv_cache else 0
+
+
+def kv_bytes_per_token(record: RunRecord) -> int:
+    """What one token's keys and values take in the cache: GQA, MLA and int8 shrink it, no cache is 0."""
+    block_size = record.state.cache.get("block_size")
+    return bytes_per_block(record) // block_size if block_size else 0
 
 
 def mean_ms(values: list[float | None]) -> float | None:
@@ -49,14 +62,20 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
     """The figures a comparison is about, for run a and run b so far."""
     figures = [(r, [f.ttft_s for f in r.history.finishes], [f.tpot_s for f in r.history.finishes]) for r in (a, b)]
     (ra, ttft_a, tpot_a), (rb, ttft_b, tpot_b) = figures
-    return [
-        Row("iterations", ra.state.step + 1, rb.state.step + 1),
-        Row("prefill tokens computed", prefill_tokens(ra), prefill_tokens(rb)),
+    peak_mb = [round(peak_blocks(r) * bytes_per_block(r) / 2**20, 2) for r in (ra, rb)]
+    tokens_per_s = [r.history.run_tokens_per_s() for r in (ra, rb)]
+    return [  # what the settings change first (the cache's bytes), then what that did
+        Row("KV bytes per token", kv_bytes_per_token(ra), kv_bytes_per_token(rb)),
+        Row("bytes per block", bytes_per_block(ra), bytes_per_block(rb)),
         Row("peak KV blocks", peak_blocks(ra), peak_blocks(rb)),
+        Row("peak KV", *peak_mb, "MB"),
+        Row("iterations", ra.state.step + 1, rb.state.step + 1),
         Row("preemptions", ra.state.num_preemptions, rb.state.num_preemptions),
-        Row("finished requests", len(ra.history.finishes), len(rb.history.finishes)),
         Row("mean TTFT (engine)", mean_ms(ttft_a), mean_ms(ttft_b), "ms"),
         Row("mean TPOT (engine)", mean_ms(tpot_a), mean_ms(tpot_b), "ms"),
+        Row("tokens/s (engine)", *(round(t, 1) if t is not None else None for t in tokens_per_s)),
+        Row("prefill tokens computed", prefill_tokens(ra), prefill_tokens(rb)),
+        Row("finished requests", len(ra.history.finishes), len(rb.history.finishes)),
     ]
 
 
