@@ -8,7 +8,9 @@ from kvscope.backend.server.app import create_app
 from kvscope.backend.server.guards import MAX_JSON_DEPTH
 from kvscope.backend.server.manager import RunManager
 
-CI_CASES, CI_SECONDS = 240, 100  # about two minutes with the server's start; `python -m bench.fuzz` runs longer
+# 240 cases take about 80 s on a quiet 2-core machine; the time limit only guards a hang (a loaded
+# machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
+CI_CASES, CI_SECONDS = 240, 900
 
 
 def test_a_live_server_keeps_every_invariant_under_fuzzing():
@@ -16,7 +18,7 @@ def test_a_live_server_keeps_every_invariant_under_fuzzing():
     block free, no run failed, RSS bounded; every route family reached."""
     tally = fuzz(CI_CASES, CI_SECONDS, seed=0)
     assert not tally.findings, report(tally)
-    assert len(tally.routes) >= 12 and sum(tally.routes.values()) >= 100, report(tally)
+    assert len(tally.routes) >= 12 and sum(tally.routes.values()) == CI_CASES, report(tally)
 
 
 @pytest.fixture(scope="module")
