@@ -98,3 +98,19 @@ def test_the_row_of_differences_bolds_what_differs_and_both_columns_share_the_lo
     assert early.state.step == 5 < off.state.step
     assert shared_x([early, off]) == {"min": -0.5, "max": off.state.step + 0.5}
     assert shared_x([RunRecord(), RunRecord()]) == {"min": -0.5, "max": 0.5}
+
+
+def test_a_block_size_compares_the_same_memory_unless_the_block_count_is_held():
+    """Block size 16 vs 1 held the block count, so size 1 had 16x fewer slots and preempted for that
+    reason alone: the count follows the size, and holding it is a choice."""
+    from kvscope.frontend.compare import AXES, override_of
+
+    size = AXES["block_size"]
+    form = {"block_size": 16, "num_blocks": 64.0}
+    assert override_of(size, 1.0, form) == {"engine.block_size": 1, "engine.num_blocks": 1024}
+    assert override_of(size, 16, form) == {"engine.block_size": 16, "engine.num_blocks": 64}
+    assert override_of(size, 32, form) == {"engine.block_size": 32, "engine.num_blocks": 32}
+    assert override_of(size, 1, form, hold_blocks=True) == {"engine.block_size": 1}
+    # a pool sized from a memory budget keeps its bytes by itself
+    assert override_of(size, 1, {"block_size": 16, "num_blocks": None}) == {"engine.block_size": 1}
+    assert override_of(AXES["num_blocks"], 256.0, form) == {"engine.num_blocks": 256}  # other axes: one override
