@@ -55,6 +55,13 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
         self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS, "focus": FOCUS_COLOR}
 
 
+def blocks_in_use(state: RunState) -> int:
+    """Blocks held by a sequence now: the pool less its free blocks (a cached prefix's free block is free).
+    The one count every view that shows KV usage reads (the pool's caption, the metrics' headline), so at
+    any moment they agree, and at the end of an iteration they equal its metrics event's kv_usage."""
+    return state.num_blocks - len(state.free_blocks) if state.kv_cache else 0
+
+
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
             selected: str | None = None) -> tuple[int, int, int]:
     """(state, colour index, marks: SHARED | DRAFT | PICKED bits) of one block as the reducer knows it."""
@@ -151,7 +158,7 @@ class BlockPoolView(FeedView):
                              "anything; every iteration recomputes each sequence's whole context")
             return
         n, bs = state.num_blocks, state.cache.get("block_size", 0)
-        used = n - len(state.free_blocks)
+        used = blocks_in_use(state)
         text = (f"{n} blocks × {bs} tokens · in use {used} ({100 * used / max(n, 1):.0f}%) · "
                 f"cached {len(state.cached_blocks)} · shared {sum(1 for c in state.ref_counts.values() if c > 1)}")
         selected = self.selection.request_id
