@@ -19,8 +19,11 @@ from kvscope.frontend.client import Backend, RunFeed
 from kvscope.frontend.column import RunColumn, sync_zoom
 from kvscope.frontend.compare import AXES
 from kvscope.frontend.new_run import MODELS
+from kvscope.frontend.views.block_pool import pool_bytes
+from kvscope.frontend.views.kv_calc import human
 from kvscope.frontend.views.live_text import LiveText
 
+SCALE_GROUP = "side-by-side"  # the block pools' common scale (block_pool.js)
 LABELS = {axis.path: axis.label for axis in AXES.values()}
 TICK_S = 0.5
 
@@ -67,6 +70,16 @@ def differences_html(rows: list[Row], titles: tuple[str, str]) -> str:
     return f'<table class="kv-side-table"><tr><th></th>{head}</tr>{"".join(lines)}</table>'
 
 
+def scale_notes(a: RunRecord, b: RunRecord) -> tuple[str, str]:
+    """What each pool's caption says of the common scale: its bytes against the other's, so that a pool
+    drawn smaller reads as less memory (MHA against GQA: same blocks, 4x the bytes)."""
+    sizes = [pool_bytes(r.state) for r in (a, b)]
+    if not all(sizes):
+        return "", ""  # no cache on one side: nothing to scale against
+    return tuple(f"drawn to scale with the other pool (equal area, equal bytes): {human(sizes[i])} here, "
+                 f"{human(sizes[1 - i])} there" for i in (0, 1))
+
+
 def shared_x(records: list[RunRecord]) -> dict[str, Any]:
     """The x range in iterations both columns' charts show: every run's iterations so far."""
     last = max((r.state.step for r in records), default=0)
@@ -87,6 +100,8 @@ class SideBySide:
             for feed in feeds:
                 with ui.column().classes("gap-3 w-full min-w-0"):
                     self.columns.append(RunColumn(backend, feed, compact=True))
+        for column in self.columns:
+            column.views["blocks"].draw_to_scale(SCALE_GROUP)
         for name in ("timeline", "batch"):
             sync_zoom([c.views[name].chart for c in self.columns])
         self.timer = ui.timer(TICK_S, self.refresh)
@@ -99,6 +114,8 @@ class SideBySide:
         for label, title in zip(self.titles, titles):
             label.set(title)
         self.differences.set(differences_html(compare_rows(*records), titles))
+        for column, note in zip(self.columns, scale_notes(*records)):
+            column.views["blocks"].set_scale_note(note)
         self._share_x(shared_x(records))
 
     def _share_x(self, x: dict[str, Any]) -> None:

@@ -114,3 +114,15 @@ def test_a_block_size_compares_the_same_memory_unless_the_block_count_is_held():
     # a pool sized from a memory budget keeps its bytes by itself
     assert override_of(size, 1, {"block_size": 16, "num_blocks": None}) == {"engine.block_size": 1}
     assert override_of(AXES["num_blocks"], 256.0, form) == {"engine.num_blocks": 256}  # other axes: one override
+
+
+def test_each_pool_caption_names_both_pools_bytes_and_no_cache_has_no_scale(tiny_dir):
+    from kvscope.frontend.side_by_side import scale_notes
+
+    on = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=true"))
+    off = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=false"))
+    size = on.state.num_blocks * on.state.cache["bytes_per_block"]
+    assert size > 0
+    here, there = scale_notes(on, on)
+    assert here == there and here.startswith("drawn to scale with the other pool (equal area, equal bytes): ")
+    assert scale_notes(on, off) == ("", "")
