@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from kvscope.backend.events.state import RunState
 from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, synthetic_column, until, until_run  # noqa: F401
 
@@ -64,3 +66,38 @@ async def test_a_run_without_a_kv_cache_shows_no_kv_usage(dash: Dash, tiny_dir: 
     assert metrics.kpis["usage"] == "no cache" and metrics.kpis["waste"] == "–"
     assert "kv_usage" not in metrics.last_point and "kv_waste" not in metrics.last_point
     assert "tokens_per_s" in metrics.last_point
+
+
+async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_sides_together(dash: Dash) -> None:
+    """memory-pressure, 24 blocks vs 256, in lesson mode: it paused silently with no lesson card (#22). Each
+    column has its card; when the 24-block run stops at its preemption the other is held, the line above
+    the columns says which side reached it, and one continue goes on with both."""
+    page = await dash.open("/")
+    await until(lambda: "memory-pressure" in page.panel.picker.options)
+    page.panel.picker.set_value("memory-pressure")
+    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page.compare.choose("num_blocks", 24, 256)
+    dash.user.find(marker="start-compare").click()
+    await until(lambda: len(dash.built) == 2)
+    side = dash.last.side_by_side
+    small, large = side.guides
+    await until(lambda: all(g.shown == 0 and g.next.visible for g in side.guides))  # both wait on the first step
+    assert all(g.feed.state.lesson and g.card.visible for g in side.guides)
+    await dash.user.should_see("Watch the block pool fill up", marker="lesson-text")
+
+    dash.user.find(marker="side-continue-0").click()  # one continue starts both
+    await until(lambda: small.paused_at == "preempt")
+    await until(lambda: 1 in side.held and large.feed.state.paused)
+    held_at = large.feed.state.step
+    assert not large.feed.state.finished and large.paused_at is None  # held for the other's moment
+    await until(lambda: "reached “First preemption”" in side.hold_line.content)
+    line = side.hold_line.content
+    assert line.startswith(f"blocks: 24 reached “First preemption” at iteration {small.moment.step}")
+    assert "blocks: 256 is held at iteration" in line and side.hold_line.visible
+    await asyncio.sleep(0.6)
+    assert large.feed.state.step <= held_at + 1  # an iteration under way when the pause came may end
+
+    dash.user.find(marker="side-continue-0").click()  # continue: both go on
+    await until(lambda: not side.held and not large.feed.state.paused)
+    await until(lambda: small.paused_at == "recompute")
+    await until(lambda: 1 in side.held or large.feed.state.finished)
