@@ -132,26 +132,31 @@ class SideBySide:
             sync_zoom([c.views[name].chart for c in self.columns])
         self.backend = backend
         self.held: set[int] = set()  # the columns whose run this page paused for the other's moment
+        self.showing = [False, False]  # whether each card showed its continue at the last tick
         self.titles_now: tuple[str, str] = ("", "")
         self.timer = ui.timer(TICK_S, self.refresh)
         ui.timer(HOLD_TICK_S, self.hold_together)
 
     def _guide(self, backend: Backend, column: RunColumn, i: int) -> LessonGuide:
-        """The run's lesson card, first in its column; its continue goes on with the other side too."""
+        """The run's lesson card, first in its column."""
         guide = LessonGuide(backend, column.feed, column.views, column.selection)
         guide.card.move(target_index=0)
         guide.next.mark(f"lesson-continue side-continue-{i}")
-        guide.next.on_click(lambda: self.continue_other(i))
         return guide
 
-    async def continue_other(self, i: int) -> None:
-        """Continue on one card: the other card's step, if it shows one with a continue, goes on as well."""
-        other = self.guides[1 - i]
-        if other.next.visible:
-            await other.resume()
+    async def continue_together(self) -> None:
+        """A continue on one card (its button gone) goes on with the other card's step too, if that shows
+        one (the start, or a moment that holds): one continue for both sides. Watched here, not as a second
+        click listener: the button hides on the first, and NiceGUI drops events of a hidden element."""
+        showing = [g.next.visible for g in self.guides]
+        for i, other in ((0, self.guides[1]), (1, self.guides[0])):
+            if self.showing[i] and not showing[i] and showing[1 - i] and (other.moment is None or holds(other)):
+                await other.resume()
+        self.showing = [g.next.visible for g in self.guides]
 
     async def hold_together(self) -> None:
         """While a run is stopped at a moment, the other is paused; once none is, the held one resumes."""
+        await self.continue_together()
         holding = any(holds(g) for g in self.guides)
         for i, guide in enumerate(self.guides):
             state = guide.feed.state

@@ -67,3 +67,27 @@ def test_a_block_size_compared_at_the_same_memory_is_drawn_the_same_area(page, b
     assert a["painted"] / b["painted"] == pytest.approx(1, rel=0.04)
     if SHOTS.is_dir():
         page.screenshot(path=str(SHOTS / "block-16-vs-1.png"), full_page=False)
+
+
+def test_a_lesson_side_by_side_has_both_cards_and_holds_the_other_run(page, backend_url, dashboard_url, tiny_dir):
+    """memory-pressure in lesson mode, 24 blocks vs 256: two lesson cards; one continue starts both; the
+    preemption on the left holds the right, and the page says so (no page error: the fixture fails on any)."""
+    ids = [api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 4, "paused": True, "lesson": True,
+                                          "overrides": {"model": tiny_dir, "engine.num_blocks": blocks}})["run_id"]
+           for blocks in (24, 256)]
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    cards = page.locator(".kv-lesson-card")
+    cards.nth(1).wait_for()
+    assert cards.count() == 2
+    page.locator("[data-kv=lesson-continue]").first.click()
+    page.get_by_text("reached “First preemption”").wait_for()
+    state = [api(backend_url, f"/api/runs/{run_id}") for run_id in ids]
+    assert state[0]["num_preemptions"] >= 1 and all(s["paused"] and not s["finished"] for s in state)
+    for viewport in ((1600, 1000), (1280, 720)):
+        page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+        page.wait_for_timeout(400)
+        if SHOTS.is_dir():
+            page.screenshot(path=str(SHOTS / f"lesson-compare-{viewport[0]}.png"), full_page=False)
+    page.locator("[data-kv=lesson-continue]").first.click()
+    wait_until(lambda: not api(backend_url, f"/api/runs/{ids[1]}")["paused"] or
+               api(backend_url, f"/api/runs/{ids[1]}")["finished"], WAIT_S, "continue did not resume the held run")
