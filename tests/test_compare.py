@@ -126,3 +126,32 @@ def test_each_pool_caption_names_both_pools_bytes_and_no_cache_has_no_scale(tiny
     here, there = scale_notes(on, on)
     assert here == there and here.startswith("drawn to scale with the other pool (equal area, equal bytes): ")
     assert scale_notes(on, off) == ("", "")
+
+
+def test_tokens_per_s_is_the_whole_runs_engine_time_so_continuous_batching_reads_higher(tiny_dir):
+    """static vs continuous showed tokens/s 26 vs 26 (#22): the columns' headline was the last 16 iterations'
+    rate, the same for two full batches. The row is the run's output tokens over its summed iteration
+    durations: with each iteration priced alike (batching is nearly free on this model), the run of fewer
+    iterations reads higher, in the ratio of the iterations."""
+    def priced(events: tuple[dict, ...]) -> RunRecord:
+        return RunRecord.from_events({**e, "duration_s": 0.01} if e["type"] == "iteration" else e for e in events)
+
+    cases = [_cases(tiny_dir, batching) for batching in ("static", "continuous")]
+    static, continuous = (priced(events) for events in cases)
+    rows = rows_of(static, continuous)
+    iterations = rows["iterations"]
+    assert iterations[0] > iterations[1]
+    tokens = [sum(len(e["output_token_ids"]) for e in events if e["type"] == "request_finished") for events in cases]
+    assert tokens[0] == tokens[1] > 0  # ignore_eos: the same work
+    assert rows["tokens/s (engine)"] == tuple(round(t / (0.01 * n), 1) for t, n in zip(tokens, iterations))
+    assert rows["tokens/s (engine)"][1] > rows["tokens/s (engine)"][0]
+
+
+def _cases(tiny_dir: str, batching: str) -> tuple[dict, ...]:
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(load_scenario("continuous-batching", [f"engine.batching={batching}", "generate.count=6",
+                                                        f"model={tiny_dir}"]),
+                bus=bus).run()
+    return tuple(events)
