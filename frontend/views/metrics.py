@@ -30,7 +30,8 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
 - **TPOT** (time per output token): engine time from its first token to its last, divided by its
   later tokens: the decode speed a user feels. Bigger batches raise throughput but also TPOT.
 - **KV usage**: the share of the cache's blocks held by sequences (a block counts from its first
-  token, so 100% can mean full blocks or many part-filled last blocks).
+  token, so 100% can mean full blocks or many part-filled last blocks). The headline is the blocks
+  held now, the block pool's own count; the chart, each iteration's end.
 - **KV waste**: token slots in held blocks that are still empty, over all slots (the unfilled tail
   of each last block, or with the contiguous layout the whole reserved maximum length): paging
   keeps it below one block per sequence.
