@@ -49,13 +49,29 @@ AXES = {
 SPEC_VALUES = {"off": None, "draft": SPEC_DRAFT, "ngram": SPEC_NGRAM}
 
 
-def override_of(axis: Axis, value: Any) -> dict[str, Any]:
-    """The dotted override that sets the axis to value."""
+def override_of(axis: Axis, value: Any, form: dict[str, Any] | None = None,
+                hold_blocks: bool = False) -> dict[str, Any]:
+    """The dotted overrides that set the axis to value; `form` is the engine form the rest comes from.
+
+    A block size alone would change the cache's memory too (the same block count of 1-token blocks
+    holds 16x fewer tokens than of 16-token ones): unless `hold_blocks`, the block count follows so
+    that both runs get the same KV bytes and differ in the granularity only."""
     if axis.path == "engine.speculative":
         return {axis.path: SPEC_VALUES[value]}
     if not axis.values and float(value).is_integer() and axis.path != "generate.arrival.rate_per_step":
         value = int(value)
+    if axis.path == "engine.block_size" and not hold_blocks:
+        return {axis.path: value, **same_memory_blocks(value, form or {})}
     return {axis.path: value}
+
+
+def same_memory_blocks(block_size: int, form: dict[str, Any]) -> dict[str, Any]:
+    """The engine.num_blocks that keeps the form's token slots (block size x blocks, so its bytes) at
+    `block_size`; none when the form sizes the pool from a memory budget, which fixes the bytes already."""
+    blocks, size = form.get("num_blocks"), form.get("block_size")
+    if not blocks or not size:
+        return {}
+    return {"engine.num_blocks": max(1, int(blocks) * int(size) // block_size)}
 
 
 def value_label(axis: Axis, value: Any) -> str:
@@ -74,6 +90,9 @@ class ComparePanel:
             self.a_box = ui.element("div").classes("grow")
             ui.label("vs")
             self.b_box = ui.element("div").classes("grow")
+        self.hold_blocks = ui.checkbox("hold the block count (the memory changes too)").classes("kv-small") \
+            .mark("compare-hold-blocks") \
+            .tooltip("off: the block count follows the block size, so both runs get the same KV bytes")
         self.a: ui.element | None = None
         self.b: ui.element | None = None
         self._on_axis()
@@ -82,6 +101,7 @@ class ComparePanel:
 
     def _on_axis(self) -> None:
         axis = AXES[self.axis.value]
+        self.hold_blocks.set_visibility(axis.path == "engine.block_size")
         for box, attr, value in ((self.a_box, "a", axis.a), (self.b_box, "b", axis.b)):
             box.clear()
             with box:
@@ -104,7 +124,7 @@ class ComparePanel:
         ids = []
         try:
             for value in (self.a.value, self.b.value):
-                overrides = {**panel.overrides(), **override_of(axis, value)}
+                overrides = {**panel.overrides(), **override_of(axis, value, panel.form, self.hold_blocks.value)}
                 ids.append(await panel.backend.start_run(panel.picker.value, overrides, panel.speed, paused=True,
                                                          lesson=panel.has_lesson()))
         except BackendError as e:

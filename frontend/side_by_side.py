@@ -1,9 +1,14 @@
-"""Two runs side by side: titles that say what differs, a row of differences, one x scale.
+"""Two runs side by side: titles that say what differs, a row of differences, one x scale, one lesson.
 
 The titles come from a diff of the two runs' header settings (backend/events/compare.py), never
 from what the compare form asked for, so a pair opened from a link or two replays is titled just
 as truthfully. The per-iteration charts of both columns share one x range, the longer run's
 iterations so far: a run that needs more iterations visibly reaches further right.
+
+A lesson scenario's pair is taught together: each column has its run's lesson card, and when one run
+stops at a moment its lesson explains, the other is held where it is (a line above the columns says
+which side reached what), so the class looks at one moment at a time; "continue" on either card goes
+on with both. A run's "finished" holds nothing: the other side still has its own way to go.
 """
 
 from __future__ import annotations
@@ -15,14 +20,19 @@ from nicegui import ui
 
 from kvscope.backend.events.compare import Row, compare_rows, setting_differences
 from kvscope.backend.events.record import RunRecord
-from kvscope.frontend.client import Backend, RunFeed
+from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.column import RunColumn, sync_zoom
 from kvscope.frontend.compare import AXES
+from kvscope.frontend.lesson import MOMENT_TITLES, LessonGuide
 from kvscope.frontend.new_run import MODELS
+from kvscope.frontend.views.block_pool import pool_bytes
+from kvscope.frontend.views.kv_calc import human
 from kvscope.frontend.views.live_text import LiveText
 
+SCALE_GROUP = "side-by-side"  # the block pools' common scale (block_pool.js)
 LABELS = {axis.path: axis.label for axis in AXES.values()}
 TICK_S = 0.5
+HOLD_TICK_S = 0.05  # as often as the lesson cards look for moments: the other run is held within a tick
 
 
 def setting_label(path: str) -> str:
@@ -67,6 +77,29 @@ def differences_html(rows: list[Row], titles: tuple[str, str]) -> str:
     return f'<table class="kv-side-table"><tr><th></th>{head}</tr>{"".join(lines)}</table>'
 
 
+def scale_notes(a: RunRecord, b: RunRecord) -> tuple[str, str]:
+    """What each pool's caption says of the common scale: its bytes against the other's, so that a pool
+    drawn smaller reads as less memory (MHA against GQA: same blocks, 4x the bytes)."""
+    sizes = [pool_bytes(r.state) for r in (a, b)]
+    if not all(sizes):
+        return "", ""  # no cache on one side: nothing to scale against
+    return tuple(f"drawn to scale with the other pool (equal area, equal bytes): {human(sizes[i])} here, "
+                 f"{human(sizes[1 - i])} there" for i in (0, 1))
+
+
+def hold_text(titles: tuple[str, str], guides: list[LessonGuide], held: set[int]) -> str:
+    """Which side reached which moment, and which side waits for it ("" when nobody holds)."""
+    parts = [f"{titles[i]} reached “{MOMENT_TITLES[g.moment.kind]}” at iteration {g.moment.step}"
+             for i, g in enumerate(guides) if holds(g)]
+    parts += [f"{titles[i]} is held at iteration {guides[i].feed.state.step} until continue" for i in sorted(held)]
+    return " · ".join(parts)
+
+
+def holds(guide: LessonGuide) -> bool:
+    """Whether the guide's run is stopped at a moment that holds the other side too (not its finish)."""
+    return guide.moment is not None and guide.moment.kind != "finished"
+
+
 def shared_x(records: list[RunRecord]) -> dict[str, Any]:
     """The x range in iterations both columns' charts show: every run's iterations so far."""
     last = max((r.state.step for r in records), default=0)
@@ -83,22 +116,83 @@ class SideBySide:
             self.titles = [LiveText(f.run_id).classes("kv-side-title").mark(f"side-title-{i}")
                            for i, f in enumerate(feeds)]
             self.differences = LiveText(html=True).classes("kv-side-diff").mark("side-differences")
+            self.hold_line = LiveText().classes("kv-side-diff").mark("side-hold") \
+                .style("font-weight:600;border-left:4px solid #f59e0b")
+            self.hold_line.set_visibility(False)
             self.columns: list[RunColumn] = []
-            for feed in feeds:
+            self.guides: list[LessonGuide] = []
+            for i, feed in enumerate(feeds):
                 with ui.column().classes("gap-3 w-full min-w-0"):
-                    self.columns.append(RunColumn(backend, feed, compact=True))
+                    column = RunColumn(backend, feed, compact=True)
+                    self.columns.append(column)
+                    self.guides.append(self._guide(backend, column, i))
+        for column in self.columns:
+            column.views["blocks"].draw_to_scale(SCALE_GROUP)
         for name in ("timeline", "batch"):
             sync_zoom([c.views[name].chart for c in self.columns])
+        self.backend = backend
+        self.held: set[int] = set()  # the columns whose run this page paused for the other's moment
+        self.showing = [False, False]  # whether each card showed its continue at the last tick
+        self.titles_now: tuple[str, str] = ("", "")
         self.timer = ui.timer(TICK_S, self.refresh)
+        ui.timer(HOLD_TICK_S, self.hold_together)
+
+    def _guide(self, backend: Backend, column: RunColumn, i: int) -> LessonGuide:
+        """The run's lesson card, first in its column."""
+        guide = LessonGuide(backend, column.feed, column.views, column.selection)
+        guide.card.move(target_index=0)
+        guide.next.mark(f"lesson-continue side-continue-{i}")
+        return guide
+
+    async def continue_together(self) -> None:
+        """A continue on one card (its button gone) goes on with the other card's step too, if that shows
+        one (the start, or a moment that holds): one continue for both sides. Watched here, not as a second
+        click listener: the button hides on the first, and NiceGUI drops events of a hidden element."""
+        showing = [g.next.visible for g in self.guides]
+        for i, other in ((0, self.guides[1]), (1, self.guides[0])):
+            if self.showing[i] and not showing[i] and showing[1 - i] and (other.moment is None or holds(other)):
+                await other.resume()
+        self.showing = [g.next.visible for g in self.guides]
+
+    async def hold_together(self) -> None:
+        """While a run is stopped at a moment, the other is paused; once none is, the held one resumes."""
+        await self.continue_together()
+        holding = any(holds(g) for g in self.guides)
+        for i, guide in enumerate(self.guides):
+            state = guide.feed.state
+            if state is None or state.finished:
+                self.held.discard(i)
+                continue
+            if holding and not holds(guide) and i not in self.held and not state.paused:
+                self.held.add(i)
+                await self._control(i, "pause")
+            elif not holding and i in self.held:
+                self.held.discard(i)
+                await self._control(i, "resume")
+        text = hold_text(self.titles_now, self.guides, self.held)
+        self.hold_line.set(text)
+        if self.hold_line.visible != bool(text):
+            self.hold_line.set_visibility(bool(text))
+
+    async def _control(self, i: int, action: str) -> None:
+        feed = self.feeds[i]
+        try:
+            await self.backend.control(feed.run_id, action)
+        except BackendError as e:
+            ui.notify(f"side by side: {e}", type="warning")
+            return
+        feed.state.paused = action == "pause"  # at once: a replay records no control event
 
     def refresh(self) -> None:
         records = [f.record for f in self.feeds]
         if any(r is None for r in records):
             return
-        titles = side_titles(*records)
+        titles = self.titles_now = side_titles(*records)
         for label, title in zip(self.titles, titles):
             label.set(title)
         self.differences.set(differences_html(compare_rows(*records), titles))
+        for column, note in zip(self.columns, scale_notes(*records)):
+            column.views["blocks"].set_scale_note(note)
         self._share_x(shared_x(records))
 
     def _share_x(self, x: dict[str, Any]) -> None:

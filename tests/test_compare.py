@@ -98,3 +98,60 @@ def test_the_row_of_differences_bolds_what_differs_and_both_columns_share_the_lo
     assert early.state.step == 5 < off.state.step
     assert shared_x([early, off]) == {"min": -0.5, "max": off.state.step + 0.5}
     assert shared_x([RunRecord(), RunRecord()]) == {"min": -0.5, "max": 0.5}
+
+
+def test_a_block_size_compares_the_same_memory_unless_the_block_count_is_held():
+    """Block size 16 vs 1 held the block count, so size 1 had 16x fewer slots and preempted for that
+    reason alone: the count follows the size, and holding it is a choice."""
+    from kvscope.frontend.compare import AXES, override_of
+
+    size = AXES["block_size"]
+    form = {"block_size": 16, "num_blocks": 64.0}
+    assert override_of(size, 1.0, form) == {"engine.block_size": 1, "engine.num_blocks": 1024}
+    assert override_of(size, 16, form) == {"engine.block_size": 16, "engine.num_blocks": 64}
+    assert override_of(size, 32, form) == {"engine.block_size": 32, "engine.num_blocks": 32}
+    assert override_of(size, 1, form, hold_blocks=True) == {"engine.block_size": 1}
+    # a pool sized from a memory budget keeps its bytes by itself
+    assert override_of(size, 1, {"block_size": 16, "num_blocks": None}) == {"engine.block_size": 1}
+    assert override_of(AXES["num_blocks"], 256.0, form) == {"engine.num_blocks": 256}  # other axes: one override
+
+
+def test_each_pool_caption_names_both_pools_bytes_and_no_cache_has_no_scale(tiny_dir):
+    from kvscope.frontend.side_by_side import scale_notes
+
+    on = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=true"))
+    off = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=false"))
+    size = on.state.num_blocks * on.state.cache["bytes_per_block"]
+    assert size > 0
+    here, there = scale_notes(on, on)
+    assert here == there and here.startswith("drawn to scale with the other pool (equal area, equal bytes): ")
+    assert scale_notes(on, off) == ("", "")
+
+
+def test_tokens_per_s_is_the_whole_runs_engine_time_so_continuous_batching_reads_higher(tiny_dir):
+    """static vs continuous showed tokens/s 26 vs 26 (#22): the columns' headline was the last 16 iterations'
+    rate, the same for two full batches. The row is the run's output tokens over its summed iteration
+    durations: with each iteration priced alike (batching is nearly free on this model), the run of fewer
+    iterations reads higher, in the ratio of the iterations."""
+    def priced(events: tuple[dict, ...]) -> RunRecord:
+        return RunRecord.from_events({**e, "duration_s": 0.01} if e["type"] == "iteration" else e for e in events)
+
+    cases = [_cases(tiny_dir, batching) for batching in ("static", "continuous")]
+    static, continuous = (priced(events) for events in cases)
+    rows = rows_of(static, continuous)
+    iterations = rows["iterations"]
+    assert iterations[0] > iterations[1]
+    tokens = [sum(len(e["output_token_ids"]) for e in events if e["type"] == "request_finished") for events in cases]
+    assert tokens[0] == tokens[1] > 0  # ignore_eos: the same work
+    assert rows["tokens/s (engine)"] == tuple(round(t / (0.01 * n), 1) for t, n in zip(tokens, iterations))
+    assert rows["tokens/s (engine)"][1] > rows["tokens/s (engine)"][0]
+
+
+def _cases(tiny_dir: str, batching: str) -> tuple[dict, ...]:
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    ScenarioRun(load_scenario("continuous-batching", [f"engine.batching={batching}", "generate.count=6",
+                                                        f"model={tiny_dir}"]),
+                bus=bus).run()
+    return tuple(events)

@@ -7,13 +7,16 @@ const DIMMED = 0.3; // opacity of the blocks of other requests while one is sele
 // Block numbers are drawn only as large as a reader can read them (projector mode: 16 px, the
 // page's smallest type there); in smaller cells the hover tooltip names the block instead.
 const MIN_NUMBER_PX = 11, PROJECTOR_NUMBER_PX = 16;
+// Pools of one scale group (side by side) share one scale, bytes per px²: the scale that lets every
+// member fit its canvas. A pool of fewer bytes is then drawn smaller, equal area meaning equal bytes.
+const SCALE_GROUPS = new Map(); // group name -> Set of components
 
 export default {
   template: `<div style="position:relative;width:100%;height:100%">
       <canvas ref="canvas" style="width:100%;height:100%;display:block;cursor:pointer"></canvas>
       <div ref="tip" class="kv-tip" style="position:absolute;display:none;pointer-events:none;z-index:10"></div>
     </div>`,
-  props: { palette: Array, colors: Object }, // both from frontend/palette.py
+  props: { palette: Array, colors: Object, scaleGroup: String }, // palette and colors: frontend/palette.py
   mounted() {
     this.n = 0;
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
@@ -25,6 +28,12 @@ export default {
     this.all = false; // repaint everything (after a reset or a resize)
     this.frame = null;
     this.geom = { cell: 10, cols: 1 };
+    this.bytesPerBlock = 0; // from reset(): 0 for a run without a KV cache, which keeps out of its scale group
+    this.fitScale = 0; // the bytes per px² at which this pool just fills its canvas
+    if (this.scaleGroup) {
+      if (!SCALE_GROUPS.has(this.scaleGroup)) SCALE_GROUPS.set(this.scaleGroup, new Set());
+      SCALE_GROUPS.get(this.scaleGroup).add(this);
+    }
     const canvas = this.$refs.canvas;
     canvas.addEventListener("mousemove", (e) => this.onMove(e));
     canvas.addEventListener("mouseleave", () => this.onLeave());
@@ -38,6 +47,7 @@ export default {
     window.addEventListener("kvscope-projector", this.onProjector);
   },
   unmounted() {
+    SCALE_GROUPS.get(this.scaleGroup)?.delete(this);
     this.resizeObserver?.disconnect();
     window.removeEventListener("kvscope-projector", this.onProjector);
     if (this.frame) cancelAnimationFrame(this.frame);
@@ -54,6 +64,7 @@ export default {
       this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
                      marks: Uint8Array.from(full.marks) };
       this.dimOthers = !!full.focus;
+      this.bytesPerBlock = full.bytes_per_block || 0;
       this.flashes.clear();
       this.layout();
     },
@@ -93,12 +104,29 @@ export default {
       const n = Math.max(this.n, 1);
       let cell = Math.min(44, Math.floor(Math.sqrt((w * h) / n)));
       while (cell > 3 && Math.floor(w / cell) * Math.floor(h / cell) < n) cell--;
+      const fitCols = Math.max(1, Math.floor(w / Math.max(cell, 2)));
+      cell = this.scaled(cell); // drawn smaller, the grid keeps its shape: the same columns, smaller cells
       const projector = document.documentElement.classList.contains("kv-projector");
       const font = Math.min(Math.floor(cell * 0.42), 20); // "2047" fits a cell at this size
       const numbers = font >= (projector ? PROJECTOR_NUMBER_PX : MIN_NUMBER_PX) ? font : 0;
-      this.geom = { cell: Math.max(cell, 2), cols: Math.max(1, Math.floor(w / Math.max(cell, 2))), dpr, numbers };
+      this.geom = { cell: Math.max(cell, 2), cols: fitCols, dpr, numbers };
+      Object.assign(canvas.dataset, { cell: this.geom.cell, blocks: this.n, bytesPerBlock: this.bytesPerBlock });
       this.all = true;
       this.schedule();
+    },
+    // The cell side at the group's common scale: the largest bytes per px² any member needs to fit, so
+    // a cell's area is its bytes over that scale (not rounded to whole pixels: areas stay in proportion).
+    scaled(fitCell) {
+      const group = SCALE_GROUPS.get(this.scaleGroup);
+      if (!group || !this.bytesPerBlock) return fitCell;
+      const before = this.commonScale(group);
+      this.fitScale = this.bytesPerBlock / (fitCell * fitCell);
+      const common = this.commonScale(group);
+      if (common !== before) for (const other of group) if (other !== this && other.bytesPerBlock) other.layout();
+      return Math.sqrt(this.bytesPerBlock / common);
+    },
+    commonScale(group) {
+      return Math.max(0, ...[...group].map((c) => (c.bytesPerBlock ? c.fitScale : 0)));
     },
     schedule() {
       if (!this.frame) this.frame = requestAnimationFrame(() => this.draw());
@@ -130,7 +158,7 @@ export default {
       const { cell, cols } = this.geom;
       const pal = this.palette;
       const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
-      const gap = cell >= 8 ? 1 : 0.5;
+      const gap = cell / 16; // in proportion: pools drawn to one scale keep their painted areas in proportion too
       const state = this.cells.state[b];
       ctx.clearRect(x, y, cell, cell);
       const marks = this.cells.marks[b];

@@ -55,6 +55,18 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
         self._props["colors"] = {**BLOCK_COLORS, "flash": FLASH_COLORS, "focus": FOCUS_COLOR}
 
 
+def blocks_in_use(state: RunState) -> int:
+    """Blocks held by a sequence now: the pool less its free blocks (a cached prefix's free block is free).
+    The one count every view that shows KV usage reads (the pool's caption, the metrics' headline), so at
+    any moment they agree, and at the end of an iteration they equal its metrics event's kv_usage."""
+    return state.num_blocks - len(state.free_blocks) if state.kv_cache else 0
+
+
+def pool_bytes(state: RunState) -> int:
+    """The KV cache's bytes: blocks times bytes per block (none without a cache)."""
+    return state.num_blocks * state.cache.get("bytes_per_block", 0) if state.kv_cache else 0
+
+
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
             selected: str | None = None) -> tuple[int, int, int]:
     """(state, colour index, marks: SHARED | DRAFT | PICKED bits) of one block as the reducer knows it."""
@@ -105,6 +117,7 @@ class BlockPoolView(FeedView):
         self.canvas.on("pick", self._on_pick, ["block"])
         selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw
         super().__init__(feed)
+        self.scale_note = ""  # side by side: how this pool's drawn area compares with the other's
         self.changes_sent = 0  # cells sent as deltas, for tests
         self.picked_sent: list[int] = []  # blocks last sent marked as the selected request's, for tests
 
@@ -115,7 +128,8 @@ class BlockPoolView(FeedView):
                  for b in range(state.num_blocks)]
         self.picked_sent = [b for b, c in enumerate(cells) if c[2] & PICKED]
         self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
-                                         "marks": [c[2] for c in cells], "focus": selected is not None},
+                                         "marks": [c[2] for c in cells], "focus": selected is not None,
+                                         "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]},
                                self.stamp_args())
         self._caption()
         return True
@@ -144,6 +158,16 @@ class BlockPoolView(FeedView):
         self._caption()
         return True
 
+    def draw_to_scale(self, group: str) -> None:
+        """Share one scale (bytes per px²) with the other pools of `group` (before the page is sent)."""
+        self.canvas.props(f"scale-group={group}")
+
+    def set_scale_note(self, note: str) -> None:
+        if note != self.scale_note:
+            self.scale_note = note
+            if self.feed.state is not None:
+                self._caption()
+
     def _caption(self) -> None:
         state = self.feed.state
         if not state.kv_cache:
@@ -151,7 +175,7 @@ class BlockPoolView(FeedView):
                              "anything; every iteration recomputes each sequence's whole context")
             return
         n, bs = state.num_blocks, state.cache.get("block_size", 0)
-        used = n - len(state.free_blocks)
+        used = blocks_in_use(state)
         text = (f"{n} blocks × {bs} tokens · in use {used} ({100 * used / max(n, 1):.0f}%) · "
                 f"cached {len(state.cached_blocks)} · shared {sum(1 for c in state.ref_counts.values() if c > 1)}")
         selected = self.selection.request_id
@@ -160,7 +184,7 @@ class BlockPoolView(FeedView):
             text += f" · {selected}: {len({b for s in seqs for b in state.block_tables.get(s, ())})} blocks"
         if state.draft_seqs:
             text += f" · draft model {sum(len(state.block_tables.get(s, ())) for s in state.draft_seqs)}"
-        self.caption.set(text)
+        self.caption.set(f"{text} · {self.scale_note}" if self.scale_note else text)
 
     def _on_hover(self, e: GenericEventArguments) -> None:
         block = int(e.args["block"])

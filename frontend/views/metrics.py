@@ -10,6 +10,7 @@ from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.backend.events.history import Finish, MetricPoint
 from kvscope.frontend.hardware import HardwareChoice, request_steps
 from kvscope.frontend.views.base import FeedView, view_card
+from kvscope.frontend.views.block_pool import blocks_in_use
 from kvscope.frontend.views.charts import make_chart
 from kvscope.frontend.views.live_text import LiveText
 from kvscope.frontend.views.chunks import Chunks
@@ -29,7 +30,8 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
 - **TPOT** (time per output token): engine time from its first token to its last, divided by its
   later tokens: the decode speed a user feels. Bigger batches raise throughput but also TPOT.
 - **KV usage**: the share of the cache's blocks held by sequences (a block counts from its first
-  token, so 100% can mean full blocks or many part-filled last blocks).
+  token, so 100% can mean full blocks or many part-filled last blocks). The headline is the blocks
+  held now, the block pool's own count; the chart, each iteration's end.
 - **KV waste**: token slots in held blocks that are still empty, over all slots (the unfilled tail
   of each last block, or with the contiguous layout the whole reserved maximum length): paging
   keeps it below one block per sequence.
@@ -64,10 +66,17 @@ KPI_TITLES = {"tps": "tokens/s (engine time)", "ttft": "mean TTFT (engine)", "tp
               "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
 
 
-def kpi_html(values: dict[str, str]) -> str:
+# what changes the headline: an iteration's metrics, a finish, and the blocks held (KV usage is the
+# pool's count now, which moves inside an iteration too)
+HEADLINE_EVENTS = {"metrics", "request_finished", "block_alloc", "block_free", "block_share"}
+KV_LINES = {"kv_usage", "kv_waste"}  # not drawn without a KV cache: its scratch blocks hold nothing
+
+
+def kpi_html(values: dict[str, str], titles: dict[str, str] | None = None) -> str:
     """The current numbers in large type (one HTML string: one message per tick for all of them)."""
+    titles = {**KPI_TITLES, **(titles or {})}
     cells = "".join(f'<div class="kv-kpi"><div class="kv-kpi-value">{value}</div>'
-                    f'<div class="kv-kpi-label">{KPI_TITLES[key]}</div></div>' for key, value in values.items())
+                    f'<div class="kv-kpi-label">{titles[key]}</div></div>' for key, value in values.items())
     return f'<div class="kv-kpis">{cells}</div>'
 
 
@@ -160,7 +169,7 @@ class MetricsView(FeedView):
         return True
 
     def delta(self, entries: list[LogEntry]) -> bool:
-        if not any(e.event["type"] in ("metrics", "request_finished") for e in entries):
+        if not any(e.event["type"] in HEADLINE_EVENTS for e in entries):
             return False
         self._add_points()
         series = [self._line(key, sid, d) for key, chunks in self.lines.items() for sid, d in chunks.take_dirty()]
@@ -174,9 +183,10 @@ class MetricsView(FeedView):
 
     def _add_points(self) -> None:
         points = self.feed.history.metrics
+        kv_cache = self.feed.state.kv_cache
         for point in points[self.n_points:]:
             for key, chunks in self.lines.items():
-                y = line_value(point, key)
+                y = line_value(point, key) if kv_cache or key not in KV_LINES else None
                 if y is None:
                     continue
                 value = [point.step, y]
@@ -198,8 +208,8 @@ class MetricsView(FeedView):
             "tps": f"{tps:.0f}" if tps is not None else "–",
             "ttft": f"{1000 * statistics.fmean(ttfts):.0f} ms" if ttfts else "–",
             "tpot": f"{1000 * statistics.fmean(tpots):.1f} ms" if tpots else "–",
-            "usage": f"{100 * m.kv_usage:.0f}%" if m else "–",
-            "waste": f"{100 * m.kv_waste:.1f}%" if m else "–",
+            "usage": self._usage(m),
+            "waste": f"{100 * m.kv_waste:.1f}%" if m and state.kv_cache else "–",
             "hit": f"{100 * m.prefix_hit_rate:.0f}%" if m else "–",
             "saved": str(history.peak_blocks_saved) if history.peak_blocks_saved is not None else "–",
             "preempt": str(state.num_preemptions),
@@ -210,8 +220,22 @@ class MetricsView(FeedView):
             values["spec"] = f"{100 * rate:.0f}%" if rate is not None else "–"
         self.kpis = values
         self.memory.set(memory_text(state))
-        self.kpi_row.set(kpi_html(values))
+        # a finished run's usage is its last busy iteration's (afterwards every block is free): say which
+        titles = {"usage": f"KV usage (iteration {m.step})"} if state.finished and m and state.kv_cache else {}
+        self.kpi_row.set(kpi_html(values, titles))
         self._modelled()
+
+    def _usage(self, m: MetricPoint | None) -> str:
+        """KV usage: while running, the blocks held now (the block pool's own count, so the two agree
+        between iterations too); once finished, the last busy iteration's; no cache, none."""
+        state = self.feed.state
+        if not state.kv_cache:
+            return "no cache"
+        if m is None:
+            return "–"
+        if state.finished:
+            return f"{100 * m.kv_usage:.0f}%"
+        return f"{100 * blocks_in_use(state) / state.num_blocks:.0f}%" if state.num_blocks else "–"
 
     def _modelled(self) -> None:
         """The headline's latencies and throughput with each iteration priced on the chosen hardware."""

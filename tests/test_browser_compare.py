@@ -1,0 +1,93 @@
+"""Side by side in a real browser (headless Chromium): the block pools drawn to one byte scale.
+
+Fixtures from tests/test_browser.py: its `page` fails a test on any page error or console error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser import (CHROMIUM, WAIT_S, backend_url, browser, dashboard_url, page, scenario,  # noqa: F401
+                                start, wait_until, api)
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
+SHOTS = Path("/tmp/h22c/shots")  # screenshots to look at, when that folder exists (never in the tree)
+
+# What each pool's canvas paints: its pixels' coverage (alpha; a cell's antialiased edge counts in part),
+# every block painted (free ones grey)
+PAINTED = """(el) => {
+    const data = el.getContext('2d').getImageData(0, 0, el.width, el.height).data;
+    let n = 0;
+    for (let i = 3; i < data.length; i += 4) n += data[i] / 255;
+    return {painted: n, blocks: +el.dataset.blocks, cell: +el.dataset.cell, bytes: +el.dataset.bytesPerBlock};
+}"""
+
+
+def pools(page) -> list[dict]:
+    return [page.locator("[data-kv=block-pool] canvas").nth(i).evaluate(PAINTED) for i in range(2)]
+
+
+@pytest.mark.parametrize("viewport", [(1600, 1000), (1280, 720)])
+def test_mha_and_gqa_pools_are_drawn_to_one_byte_scale(page, backend_url, dashboard_url, viewport):
+    """MHA vs GQA looked identical (#22): same blocks, so the same grid. Drawn to one scale, the MHA pool
+    (4x the KV heads, 4x the bytes per block) covers 4x the area, within a few percent."""
+    page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+    ids = [start(backend_url, scenario(model, f"pool-{model}", 64, 4, 4, (16, 32), (8, 16), {"process": "burst"}),
+                 speed=1, paused=True) for model in ("demo-mha", "demo")]
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    page.wait_for_function("""() => { const c = document.querySelectorAll('[data-kv=block-pool] canvas');
+        return c.length === 2 && [...c].every((el) => +el.dataset.blocks === 64 && +el.dataset.bytesPerBlock > 0); }""")
+    page.wait_for_timeout(300)  # the frame after the last layout
+    mha, gqa = pools(page)
+    bytes_ratio = (mha["blocks"] * mha["bytes"]) / (gqa["blocks"] * gqa["bytes"])
+    assert bytes_ratio == 4
+    assert mha["painted"] / gqa["painted"] == pytest.approx(bytes_ratio, rel=0.04)
+    assert mha["cell"] / gqa["cell"] == pytest.approx(2, rel=1e-6)
+    captions = page.locator("[data-kv=block-pool]").evaluate_all(
+        "(els) => els.map((el) => el.closest('.kv-card').querySelector('.kv-caption').innerText)")
+    assert all("drawn to scale with the other pool (equal area, equal bytes)" in c for c in captions)
+    if SHOTS.is_dir():
+        page.screenshot(path=str(SHOTS / f"mha-gqa-{viewport[0]}.png"), full_page=False)
+
+
+def test_a_block_size_compared_at_the_same_memory_is_drawn_the_same_area(page, backend_url, dashboard_url):
+    """Block size 16 vs 1 at the same bytes (the compare form's default): 64 blocks vs 1024, one area."""
+    big, small = (scenario("demo", f"size-{size}", blocks, 4, 4, (16, 32), (8, 16), {"process": "burst"})
+                  for size, blocks in ((16, 64), (1, 1024)))
+    small["engine"]["block_size"] = 1
+    ids = [start(backend_url, s, speed=1, paused=True) for s in (big, small)]
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    page.wait_for_function("""() => { const c = document.querySelectorAll('[data-kv=block-pool] canvas');
+        return c.length === 2 && [...c].every((el) => +el.dataset.bytesPerBlock > 0); }""")
+    page.wait_for_timeout(300)
+    a, b = pools(page)
+    assert a["blocks"] * a["bytes"] == b["blocks"] * b["bytes"]
+    assert a["painted"] / b["painted"] == pytest.approx(1, rel=0.04)
+    if SHOTS.is_dir():
+        page.screenshot(path=str(SHOTS / "block-16-vs-1.png"), full_page=False)
+
+
+def test_a_lesson_side_by_side_has_both_cards_and_holds_the_other_run(page, backend_url, dashboard_url, tiny_dir):
+    """memory-pressure in lesson mode, 24 blocks vs 256: two lesson cards; one continue starts both; the
+    preemption on the left holds the right, and the page says so (no page error: the fixture fails on any)."""
+    ids = [api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 4, "paused": True, "lesson": True,
+                                          "overrides": {"model": tiny_dir, "engine.num_blocks": blocks}})["run_id"]
+           for blocks in (24, 256)]
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    cards = page.locator(".kv-lesson-card")
+    cards.nth(1).wait_for()
+    assert cards.count() == 2
+    page.locator("[data-kv=lesson-continue]").first.click()
+    page.get_by_text("reached “First preemption”").wait_for()
+    state = [api(backend_url, f"/api/runs/{run_id}") for run_id in ids]
+    assert state[0]["num_preemptions"] >= 1 and all(s["paused"] and not s["finished"] for s in state)
+    for viewport in ((1600, 1000), (1280, 720)):
+        page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+        page.wait_for_timeout(400)
+        if SHOTS.is_dir():
+            page.screenshot(path=str(SHOTS / f"lesson-compare-{viewport[0]}.png"), full_page=False)
+    page.locator("[data-kv=lesson-continue]").first.click()
+    wait_until(lambda: not api(backend_url, f"/api/runs/{ids[1]}")["paused"] or
+               api(backend_url, f"/api/runs/{ids[1]}")["finished"], WAIT_S, "continue did not resume the held run")

@@ -1,0 +1,103 @@
+"""Compare and KV usage on the page, under NiceGUI's simulated user against a real backend."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvscope.backend.events.state import RunState
+from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, synthetic_column, until, until_run  # noqa: F401
+
+
+def cuts(events: list[dict], steps: tuple[int, ...]) -> list[int]:
+    """Event counts to stop the feed at: each step's end (its metrics event), and inside the next step
+    right after its first block allocation (where a view that read the last metrics event fell behind)."""
+    out = []
+    for step in steps:
+        end = next(i for i, e in enumerate(events) if e["type"] == "metrics" and e["step"] == step) + 1
+        alloc = next((i for i, e in enumerate(events) if i >= end and e["type"] == "block_alloc"), None)
+        out += [end] + ([alloc + 1] if alloc is not None else [])
+    return out
+
+
+async def check_kv_usage_agrees(dash: Dash, events: list[dict], steps: tuple[int, ...]) -> None:
+    column = await synthetic_column(dash, events[:1])
+    feed, metrics, pool = column.feed, column.views["metrics"], column.views["blocks"]
+    fed = 1
+    for cut in cuts(events, steps):
+        for e in events[fed:cut]:
+            feed.handle(e)
+        fed = cut
+        await until(lambda: all(v.version == feed.version for v in column.views.values()))
+        state = RunState()
+        for e in events[:cut]:
+            state.apply(e)
+        used, n = state.num_blocks - len(state.free_blocks), state.num_blocks
+        percent = f"{100 * used / n:.0f}%"
+        assert f"in use {used} ({percent})" in pool.caption.content, (cut, pool.caption.content)
+        assert metrics.kpis["usage"] == percent, (cut, metrics.kpis["usage"], pool.caption.content)
+        last = events[cut - 1]
+        if last["type"] == "metrics":  # an iteration's end: its event, its chart point and the state agree
+            assert round(last["kv_usage"] * n) == used
+            assert metrics.last_point["kv_usage"] == [last["step"], round(100 * last["kv_usage"], 2)]
+
+
+async def test_kv_usage_is_the_same_in_the_pool_the_headline_and_the_chart_at_every_step(
+        dash: Dash, tiny_dir: str) -> None:
+    """metrics 33% used vs pool 34% (#22): the headline read the last iteration's metrics event while the
+    pool had the next iteration's first allocations; both read the blocks held now."""
+    from kvscope.frontend.export_menu import parse_jsonl
+
+    for scenario, steps in (("memory-pressure", (3, 12, 30)), ("shared-prefix", (2, 6, 12))):
+        done = await dash.backend.start_run(scenario, {"model": tiny_dir}, speed=0)
+        await until_run(dash.backend, done, lambda r: r["finished"])
+        await check_kv_usage_agrees(dash, parse_jsonl(await dash.backend.trace(done)), steps)
+
+
+async def test_a_run_without_a_kv_cache_shows_no_kv_usage(dash: Dash, tiny_dir: str) -> None:
+    """A cache-off run read 6% KV usage (#22): its engine's scratch blocks hold nothing between iterations."""
+    from kvscope.frontend.export_menu import parse_jsonl
+    from tests.test_dashboard import small_scenario
+
+    done = await dash.backend.start_run(small_scenario(tiny_dir, count=3, kv_cache=False), speed=0)
+    await until_run(dash.backend, done, lambda r: r["finished"])
+    events = parse_jsonl(await dash.backend.trace(done))
+    assert max(e["kv_usage"] for e in events if e["type"] == "metrics") > 0  # what the engine reports
+    metrics = (await synthetic_column(dash, events)).views["metrics"]
+    assert metrics.kpis["usage"] == "no cache" and metrics.kpis["waste"] == "–"
+    assert "kv_usage" not in metrics.last_point and "kv_waste" not in metrics.last_point
+    assert "tokens_per_s" in metrics.last_point
+
+
+async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_sides_together(dash: Dash) -> None:
+    """memory-pressure, 24 blocks vs 256, in lesson mode: it paused silently with no lesson card (#22). Each
+    column has its card; when the 24-block run stops at its preemption the other is held, the line above
+    the columns says which side reached it, and one continue goes on with both."""
+    page = await dash.open("/")
+    await until(lambda: "memory-pressure" in page.panel.picker.options)
+    page.panel.picker.set_value("memory-pressure")
+    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page.compare.choose("num_blocks", 24, 256)
+    dash.user.find(marker="start-compare").click()
+    await until(lambda: len(dash.built) == 2)
+    side = dash.last.side_by_side
+    small, large = side.guides
+    await until(lambda: all(g.shown == 0 and g.next.visible for g in side.guides))  # both wait on the first step
+    assert all(g.feed.state.lesson and g.card.visible for g in side.guides)
+    await dash.user.should_see("Watch the block pool fill up", marker="lesson-text")
+
+    dash.user.find(marker="side-continue-0").click()  # one continue starts both
+    await until(lambda: small.paused_at == "preempt")
+    await until(lambda: 1 in side.held and large.feed.state.paused)
+    held_at = large.feed.state.step
+    assert not large.feed.state.finished and large.paused_at is None  # held for the other's moment
+    await until(lambda: "reached “First preemption”" in side.hold_line.content)
+    line = side.hold_line.content
+    assert line.startswith(f"blocks: 24 reached “First preemption” at iteration {small.moment.step}")
+    assert "blocks: 256 is held at iteration" in line and side.hold_line.visible
+    await asyncio.sleep(0.6)
+    assert large.feed.state.step <= held_at + 1  # an iteration under way when the pause came may end
+
+    dash.user.find(marker="side-continue-0").click()  # continue: both go on
+    await until(lambda: not side.held and not large.feed.state.paused)
+    await until(lambda: small.paused_at == "recompute")
+    await until(lambda: 1 in side.held or large.feed.state.finished)
