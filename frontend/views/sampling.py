@@ -77,7 +77,9 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
 
 def cuts_text(stages: Stages, knobs: Knobs) -> str:
     """In words, what the chart's stages did: each filter's removed share and where the rest of the vocabulary went."""
-    parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {stages.removed[s]:.0%}" for s in STAGES[2:]]
+    active = {"top_k": knobs.top_k > 0, "top_p": knobs.top_p < 1.0, "min_p": knobs.min_p > 0.0}
+    parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {stages.removed[s]:.0%}" for s in STAGES[2:]
+                                     if active[s]] or ["no cut (top-k, top-p and min-p are off)"]
     tail = f"other ({stages.tail_count:,} tokens): {stages.tail['raw']:.0%} raw → {stages.tail['min_p']:.0%} final"
     return " · ".join([*parts, tail])
 
@@ -119,15 +121,20 @@ class SamplingView(FeedView):
                 self.seq_picker = ui.select({}, label="sequence", on_change=self._on_seq_pick) \
                     .classes("w-28").props("dense").mark("seq-picker")
             self.seq_picker.set_visibility(False)
-            self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip")
+            self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip") \
+                .props("data-kv=token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
             legend(LEGEND)
-            self.chart = make_chart(probability_bars(), height, "sampling")
+            options = probability_bars()
+            options["grid"]["left"] = 64  # room for the log axis's 0.0001 and the axis name beside it
+            self.chart = make_chart(options, height, "sampling")
             with ui.row().classes("w-full items-center no-wrap gap-2"):
-                self.cuts = LiveText().classes("kv-small grow").mark("sampling-cuts")
-                self.exactness = LiveText().classes("kv-small").mark("sampling-exactness")
+                # data-kv: for the browser test
+                self.cuts = LiveText().classes("kv-small grow").mark("sampling-cuts").props("data-kv=sampling-cuts")
+                self.exactness = LiveText().classes("kv-small").mark("sampling-exactness") \
+                    .props("data-kv=sampling-exactness")
                 self.scale = ui.toggle({False: "linear", True: "log"}, value=None, on_change=self._on_scale) \
-                    .props("dense no-caps size=sm").mark("sampling-scale")
+                    .props("dense no-caps size=sm data-kv=sampling-scale").mark("sampling-scale")
             self._sliders()
         selection.on_change(self.invalidate)
         super().__init__(feed)
@@ -273,8 +280,10 @@ class SamplingView(FeedView):
             series.append({"id": "engine", "name": "engine's final", "type": "scatter", "symbol": "rect",
                            "symbolSize": [14, 3], "color": "#111",
                            "data": bar_values([final.get(t, 0.0) for t in stages.token_ids], log) + [None]})
-        axis = {"type": "log", "min": LOG_MIN, "max": 1, "name": "probability (log)"} if log else \
-            {"type": "value", "min": 0, "max": 1, "name": "probability"}
+        # startValue: ECharts grows log-axis bars from 1 (log 0) unless told where they start
+        axis = {"type": "log", "min": LOG_MIN, "startValue": LOG_MIN, "max": 1, "name": "probability (log)"} if log \
+            else {"type": "value", "min": 0, "startValue": 0, "max": 1, "name": "probability"}
+        axis |= {"nameLocation": "middle", "nameGap": 44}  # beside the axis: above it, the legend covers the name
         self.push(self.chart, {"xAxis": {"data": axis_labels(stages, token["token_id"], eos)}, "series": series,
                                "yAxis": axis}, replace_series=True)
 
