@@ -5,7 +5,7 @@ recompute the sampler's stages exactly at other settings (temperature moves mass
 the tail, and top-p's cut depends on all of it). So a served run keeps the raw (T = 1) probability
 row of each token it emits, the whole vocabulary, in a store bounded in bytes; the oldest rows go
 first. A row is 4 bytes per vocabulary entry (8 KB for the demo's 2,048, 196 KB for SmolLM2's
-49,152): the default budget holds about a thousand demo tokens or eighty SmolLM2 ones.
+49,152): the default budget holds about two thousand demo tokens or eighty SmolLM2 ones.
 
 The engine pays for it only when events carry `dist` (level `full`) and a store is attached
 (`StepEvents.rows`); headless runs attach none. The server reads rows from its HTTP threads while
