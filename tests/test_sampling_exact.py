@@ -110,3 +110,14 @@ def test_the_engine_keeps_no_row_when_events_carry_no_dist():
     rows = DistRows()
     assert run_tokens({"temperature": 1.0, "seed": 1}, level="summary", rows=rows)
     assert len(rows) == 0
+
+
+def test_the_view_says_approximate_when_only_the_top_tokens_were_recorded():
+    from kvscope.frontend.views.sampling import exactness_text
+
+    top = [[1, "a", 0.5, 0.6], [2, "b", 0.2, 0.4]]
+    modelled = compute_stages(top, Knobs(), {0}, 1000)
+    exact = compute_stages(top, Knobs(), {0}, 1000, np.full(1000, 0.001))
+    assert exactness_text(modelled, 10, False, False).startswith("approximate: only the top 10 tokens were recorded")
+    assert exactness_text(exact, 10, False, False) == "exact: every stage over the whole distribution (1,000 tokens)"
+    assert exactness_text(exact, 10, False, True).startswith("approximate: repetition")

@@ -84,13 +84,21 @@ def cuts_text(stages: Stages, knobs: Knobs) -> str:
     return " · ".join([*parts, tail])
 
 
-def exactness_text(stages: Stages, recorded: int, fetching: bool) -> str:
+def exactness_text(stages: Stages, recorded: int, fetching: bool, penalised: bool) -> str:
+    """Whether the stages are the engine's to the last token, and if not, why not."""
+    if penalised:  # the row is the raw one; the engine sampled from the penalised logits
+        return "approximate: repetition, presence and frequency penalties are not recomputed"
     if stages.exact:
         return f"exact: every stage over the whole distribution ({len(stages.token_ids) + stages.tail_count:,} tokens)"
     if fetching:
         return "fetching the whole distribution…"
     return (f"approximate: only the top {recorded} tokens were recorded; the other {stages.tail_count:,} "
             "are modelled (no more likely than the last shown)")
+
+
+def penalised(sampling: dict) -> bool:
+    return any(sampling.get(k, d) != d for k, d in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                                     ("frequency_penalty", 0.0)))
 
 
 def stage_name(stages: Stages, stage: str) -> str:
@@ -115,6 +123,7 @@ class SamplingView(FeedView):
         self.fetching: set[RowKey] = set()
         self.log_scale: bool | None = None  # None: automatic (log for a flat distribution)
         self.drawn_log: bool | None = None
+        self.stages: Stages | None = None  # what the chart draws now (the tests read it)
         with view_card("Sampling: from logits to the chosen token", EXPLANATION, "w-full"):
             with ui.row().classes("w-full items-center no-wrap gap-2"):
                 self.caption = LiveText().classes("kv-caption grow").mark("sampling-caption")
@@ -266,10 +275,11 @@ class SamplingView(FeedView):
         key = self._row_key(token)
         row = self._row(key)
         stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0), row)
-        self.stages = stages  # what is drawn, for the tests
+        self.stages = stages
         self.caption.set(self._caption(token, knobs, actual))
         self.cuts.set(cuts_text(stages, knobs))
-        self.exactness.set(exactness_text(stages, len(dist["top"]), key in self.fetching))
+        recorded = self.feed.state.config.get("dist_top_n") or len(dist["top"])
+        self.exactness.set(exactness_text(stages, recorded, key in self.fetching, bool(view and penalised(view.sampling))))
         log = self.log_scale if self.log_scale is not None else max(stages.probs["raw"], default=1) < AUTO_LOG_BELOW
         self.drawn_log = log
         self.scale.set_value(log)
@@ -296,7 +306,7 @@ class SamplingView(FeedView):
         """The token's whole raw distribution when fetched; else None, and a fetch starts (once)."""
         if key in self.rows:
             return self.rows[key]
-        if key not in self.fetching and self.feed.backend is not None:
+        if key not in self.fetching and self.feed.backend is not None and self.feed.kind != "replay":
             self.fetching.add(key)
             asyncio.get_running_loop().create_task(self._fetch(key))
         return None
@@ -345,7 +355,7 @@ class SamplingView(FeedView):
         self.cuts.set("")
         self.exactness.set("")
         self.push(self.chart, {"xAxis": {"data": labels}, "yAxis": {"type": "value", "name": "total log p", "min": None,
-                                                                    "max": 0},
+                                                                    "startValue": 0, "max": 0},
                                "series": [{"id": "beams", "name": f"beams kept at step {token['step']}",
                                            "type": "bar", "data": data}]}, replace_series=True)
 
