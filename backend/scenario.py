@@ -4,7 +4,8 @@ See docs/scenarios.md for the format. Drawn prompts (`prompt_tokens: N`) come, s
 project's own prompt pool: the validation split of Tiny Shakespeare, tokenized by the run's model.
 Chat requests (`messages:`) are written with the run's model's chat template, as the OpenAI API's
 chat completions are. A scenario whose model needs a package that is not installed (`smollm2`)
-cannot run, and says which command installs it.
+cannot run, and says which command installs it, unless it names a `fallback_model` (the demo) to
+run instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.moments import MomentKind
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.chat import encode_chat
+from kvscope.backend.model.packages import SHIPPED_MODELS, missing_package
 from kvscope.backend.model.tokenizer import Tokenizer, read_corpus
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, LINKS
 from kvscope.backend.perf.shapes import SHAPES
@@ -188,6 +190,9 @@ class Scenario(_Strict):
     description: str = ""
     lesson: list[LessonStep] = Field(default_factory=list, description="what to look at while it runs")
     model: str = "demo"
+    fallback_model: str | None = Field(default=None, description="a shipped model to run instead when `model` needs "
+                                                                   "a package that is not installed (resolved at load: "
+                                                                   "`model` then names the one that runs)")
     seed: int = Field(default=0, ge=0, lt=2**32)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     requests: list[RequestSpec] = Field(default_factory=list, max_length=10_000)
@@ -225,6 +230,19 @@ class Scenario(_Strict):
             raise ValueError("request ids must be unique")
         return self
 
+    @field_validator("fallback_model")
+    @classmethod
+    def _shipped_fallback(cls, name: str | None) -> str | None:
+        """A shipped model, so that the fallback itself is always there."""
+        return name if name is None else _known(name, list(SHIPPED_MODELS))
+
+    @model_validator(mode="after")
+    def _fall_back_when_not_installed(self) -> "Scenario":
+        """A lesson written for a real model runs on it where it is installed, else on the fallback (the demo)."""
+        if self.fallback_model is not None and missing_package(self.model) is not None:
+            self.model = self.fallback_model
+        return self
+
     def models(self) -> list[str]:
         """The models a run loads: its own, and a speculative draft model."""
         spec = self.engine.speculative
@@ -232,8 +250,6 @@ class Scenario(_Strict):
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (a model whose package is not installed, with the command), or None."""
-        from kvscope.backend.model.loader import missing_package  # here: the loader imports torch, listing does not need it
-
         for model in self.models():
             command = missing_package(model)
             if command is not None:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import orjson  # a NiceGUI dependency
@@ -98,6 +99,14 @@ class Backend:
 
     async def trace(self, run_id: str) -> str:
         return await self.request("GET", f"/api/runs/{run_id}/trace")
+
+    async def token_dist(self, run_id: str, request_id: str, seq_id: int, position: int) -> dict | None:
+        """One token's whole raw distribution, or None when the run does not keep it (a replay, evicted)."""
+        try:
+            return await self.request("GET", f"/api/runs/{run_id}/dist?" + urlencode(
+                {"request_id": request_id, "seq_id": seq_id, "position": position}))
+        except BackendError:
+            return None
 
 
 def _error_message(response: httpx.Response) -> str:

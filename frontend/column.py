@@ -117,7 +117,9 @@ class RunColumn:
             self.picker.set_options({FOLLOW: "follow running", **{r: r for r in state.requests}},
                                     value=self.picker.value if self.picker.value in state.requests else FOLLOW)
         scenario = state.scenario or {}
-        title = f"{scenario.get('name') or self.feed.kind} · {self.feed.run_id}"
+        # which model ran (a scenario with a fallback_model says so here); a folder by its last part
+        model = str(state.model.get("name") or "").rstrip("/").rsplit("/", 1)[-1]
+        title = f"{scenario.get('name') or self.feed.kind}{f' on {model}' if model else ''} · {self.feed.run_id}"
         summary = engine_summary(state.config, state.cache)  # the header may come after the first refresh
         if summary != self.engine.text:
             self.engine.set_text(summary)

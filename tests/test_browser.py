@@ -407,3 +407,34 @@ def test_a_lesson_pause_scrolls_the_view_it_names_into_sight(page, backend_url, 
         return box.top >= 0 && box.top < window.innerHeight && box.bottom > 0;
     }""")
     assert page.evaluate("window.scrollY") > 0  # it was below the fold: the page scrolled to it
+
+
+def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_scale(page, backend_url, dashboard_url):
+    """sampling-knobs on the demo: on the log scale the bars grow from its floor (ECharts grows them from 1),
+    each cut named with the mass it removed, the rest of the vocabulary its own bar, computed exactly."""
+    run_id = api(backend_url, "/api/runs", {"scenario": "sampling-knobs", "speed": 0,
+                                            "overrides": {"model": "demo"}})["run_id"]
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
+    page.get_by_role("option", name="min-p", exact=True).click()
+    page.locator("[data-kv=token-strip] [data-i='0']").first.click()
+    exactness = page.locator("[data-kv=sampling-exactness]")
+    page.wait_for_function("(el) => el.innerText.startsWith('exact')", arg=exactness.element_handle())
+    assert "(2,048 tokens)" in exactness.inner_text()
+    assert re.search(r"min-p removed [1-9]\d?%", page.locator("[data-kv=sampling-cuts]").inner_text())
+    page.locator("[data-kv=sampling-scale]").get_by_text("log").click()
+    page.wait_for_function(f"() => ({COMPONENT})('sampling').chart.getOption().yAxis[0].type === 'log'")
+    chart = page.evaluate(f"""() => {{
+        const option = ({COMPONENT})('sampling').chart.getOption();
+        return {{axis: option.yAxis[0], labels: option.xAxis[0].data.map((d) => d.value ?? d),
+                series: option.series.map((s) => ({{name: s.name, data: s.data}}))}};
+    }}""")
+    assert chart["axis"]["startValue"] == chart["axis"]["min"] > 0  # bars grow from the floor, not from 1
+    assert chart["labels"][-1].startswith("other (2,0")
+    names = [s["name"] for s in chart["series"]]
+    assert names[:4] == ["raw (T = 1)", "after temperature", "after top-k", "after top-p"]
+    assert re.fullmatch(r"after min-p = final \(−\d+%\)", names[4])
+    for s in chart["series"][:5]:  # every stage has bars above the floor, the tail included where it keeps mass
+        assert sum(1 for v in s["data"] if v is not None) >= 2, s["name"]
+    assert chart["series"][0]["data"][-1] > 0.01  # the raw tail: its own labelled bar

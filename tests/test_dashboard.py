@@ -292,6 +292,13 @@ async def test_sampling_what_if_knobs(dash: Dash, tiny_dir: str) -> None:
     await until(lambda: "what-if T=0.5 top-k=3" in view.caption.text)
     await dash.user.should_see("T = 0.5", marker="knob-temperature-value")  # each slider's value, always shown
     await dash.user.should_see("top-k = 3", marker="knob-top_k-value")
+    await until(lambda: view.exactness.text.startswith("exact: every stage over the whole distribution (2,048"))
+    assert "top-k removed" in view.cuts.text and view.stages.exact
+    token = column.feed.history.seq_output(column.feed.state, column.selection.sequence(column.feed.state))[0].event
+    view.set_knobs(Knobs(temperature=0.9, top_k=0, top_p=0.9, min_p=0.0))  # the request's own settings, as a what-if
+    await until(lambda: "what-if" not in view.caption.text and view.stages.exact)
+    engine = {t[0]: t[3] for t in token["dist"]["top"]}
+    assert dict(zip(view.stages.token_ids, view.stages.probs["min_p"])) == pytest.approx(engine, abs=1e-6)
     dash.user.find(marker="knob-reset").click()
     await until(lambda: "what-if" not in view.caption.text)
     view._on_token_click(type("E", (), {"args": 0})())

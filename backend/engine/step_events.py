@@ -12,6 +12,7 @@ import torch
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.engine.metrics import KVSnapshot
 from kvscope.backend.engine.request import Request
 from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
@@ -25,6 +26,7 @@ class StepEvents:
     def __init__(self, bus: EventBus, config: EngineConfig, tokenizer: Tokenizer, eos_ids: list[int]) -> None:
         self.bus, self.config, self.tokenizer, self.eos_ids = bus, config, tokenizer, eos_ids
         self._token_text: dict[int, str] = {}
+        self.rows: DistRows | None = None  # a served run attaches one: each dist token's whole raw row
 
     @property
     def wants_dist(self) -> bool:
@@ -111,6 +113,8 @@ class StepEvents:
         if top is not None:
             fields["dist"] = {"top": top, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                               "min_p": p.min_p}
+            if self.rows is not None and raw_probs is not None:
+                self.rows.put(req.request_id, seq.seq_id, fields["position"], raw_probs)
         if p.logprobs and raw_probs is not None:
             best = raw_probs.topk(p.logprobs)
             fields["top_logprobs"] = [[t, self.token_text(t), math.log(max(pr, 1e-45))]

