@@ -13,7 +13,10 @@ from tests.test_browser import (CHROMIUM, WAIT_S, backend_url, browser, dashboar
                                 start, wait_until, api)
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
-SHOTS = Path("/tmp/h22c/shots")  # screenshots to look at, when that folder exists (never in the tree)
+import os
+
+# KVSCOPE_COMPARE_SHOTS=FOLDER: write the screenshots there to look at (never into the tree by default)
+SHOTS = Path(os.environ.get("KVSCOPE_COMPARE_SHOTS", "/nonexistent"))
 
 # What each pool's canvas paints: its pixels' coverage (alpha; a cell's antialiased edge counts in part),
 # every block painted (free ones grey)
