@@ -98,7 +98,8 @@ class LessonQuestion:
     def _verdict(self, answer: frozenset[str]) -> str:
         if not answer:
             return "The run did not answer it at this moment."
-        right = " or ".join(self._label(v) for v in self.buttons if v in answer)
+        right = " and ".join(self._label(v) for v in self.buttons if v in answer)
+        right += " (together: each counts)" if len(answer) > 1 else ""
         if self.pick is None:
             return f"Answer: {right}."
         return f"Answer: {right}. The pick, {self._label(self.pick)}, was " + \
