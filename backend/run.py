@@ -56,6 +56,9 @@ class ScenarioRun:
         # A bound on iterations so that no bug can loop forever (a prompt's characters bound its tokens).
         self.max_steps = 64 + sum(4 * (len(p.prompt) + p.max_tokens) for p in self.pending) + \
             (self.pending[-1].arrival_step if self.pending else 0)
+        # Requests due at the first step arrive now: a run that waits before it (a lesson's start, a page
+        # opening it paused) shows its queue, and a lesson can ask about those requests there.
+        self._deliver_due()
 
     @property
     def done(self) -> bool:
@@ -63,13 +66,16 @@ class ScenarioRun:
 
     def step(self) -> None:
         """Deliver the requests due now, then run one engine iteration."""
+        self._deliver_due()
+        self.engine.step()
+
+    def _deliver_due(self) -> None:
         while self.pending and self.pending[0].arrival_step <= self.engine.step_no:
             p = self.pending.popleft()
             try:
                 self.engine.add_request(p.request_id, p.prompt, p.max_tokens, p.sampling)
             except RequestError as e:
                 self.rejected[p.request_id] = str(e)
-        self.engine.step()
 
     def run(self, on_step=None) -> dict:
         """Step to the end; returns the summary. on_step(run) is called after every iteration."""

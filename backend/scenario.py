@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.moments import MomentKind
+from kvscope.backend.events.questions import QUESTIONS, QuestionKind
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.model.packages import SHIPPED_MODELS, missing_package
@@ -146,11 +147,19 @@ class GenerateSpec(_Strict):
         return self
 
 
+class Ask(_Strict):
+    """A question the step asks the room (backend/events/questions.py), revealed at its moment's step."""
+
+    question: QuestionKind
+    text: str | None = Field(default=None, min_length=1, max_length=300, description="wording; default: the kind's")
+
+
 class LessonStep(_Strict):
     """One step of a lesson: shown at the run's start, or when lesson mode pauses at a key moment."""
 
     at: Literal["start"] | MomentKind = "start"
     text: str = Field(min_length=1, max_length=1000)
+    ask: Ask | None = None
 
 
 class SimulateSpec(_Strict):
@@ -206,6 +215,17 @@ class Scenario(_Strict):
         if isinstance(value, str):
             return [{"at": "start", "text": value}] if value.strip() else []
         return value
+
+    @field_validator("lesson")
+    @classmethod
+    def _asked_before_revealed(cls, lesson: list[LessonStep]) -> list[LessonStep]:
+        """A question is answered at its moment's step; the lesson pauses after a moment, so it is asked earlier."""
+        for i, step in enumerate(lesson):
+            reveal = QUESTIONS[step.ask.question].reveal if step.ask else None
+            if reveal is not None and all(later.at != reveal for later in lesson[i + 1:]):
+                raise ValueError(f"step {i}'s ask.question ({step.ask.question}) is revealed at the lesson's `{reveal}` "
+                                 f"step, and no step after it is at {reveal}")
+        return lesson
 
     @field_validator("requests")
     @classmethod

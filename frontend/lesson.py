@@ -18,6 +18,7 @@ from nicegui import ui
 
 from kvscope.backend.events.moments import Moment, MomentFinder
 from kvscope.frontend.client import Backend, BackendError, RunFeed
+from kvscope.frontend.lesson_question import LessonQuestion
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.text import md_escape
 
@@ -79,6 +80,7 @@ class LessonGuide:
                 self.next = ui.button("continue", icon="play_arrow", on_click=self.resume) \
                     .props("dense data-kv=lesson-continue").mark("lesson-continue")
             self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text")
+            self.question = LessonQuestion()  # a step's question, and at its moment the answer
         self.card.set_visibility(False)
         self.next.set_visibility(False)
         ui.timer(TICK_S, self.tick)
@@ -175,6 +177,7 @@ class LessonGuide:
         where = f" (iteration {self.moment.step})" if self.moment is not None else ""
         self.progress.set_text(f"step {index + 1} of {len(self.steps)} · {MOMENT_TITLES[step['at']]}{where}")
         self.text.set_content(md_escape(step["text"]))
+        self.question.on_step(step, self.feed, self.moment)
 
     def _highlight(self, moment: Moment) -> None:
         blocks = self.views.get("blocks")

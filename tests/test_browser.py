@@ -438,3 +438,33 @@ def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_sca
     for s in chart["series"][:5]:  # every stage has bars above the floor, the tail included where it keeps mass
         assert sum(1 for v in s["data"] if v is not None) >= 2, s["name"]
     assert chart["series"][0]["data"][-1] > 0.01  # the raw tail: its own labelled bar
+
+def test_a_lesson_question_is_answered_then_revealed_and_marked_at_its_moment(page, backend_url, dashboard_url,
+                                                                             tiny_dir, tmp_path):
+    """memory-pressure asks at its start which request is preempted first; the room's pick is clicked,
+    continue runs to the first preemption, and the card marks the answer and the pick."""
+    page.set_viewport_size({"width": 1280, "height": 720})
+    run_id = api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 0, "paused": True,
+                                            "lesson": True, "overrides": {"model": tiny_dir}})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    choices = page.locator("[data-kv=lesson-question] [data-kv=question-choice]")
+    choices.first.wait_for()
+    requests = list(api(backend_url, f"/api/runs/{run_id}")["requests"])
+    assert [choices.nth(i).get_attribute("data-choice") for i in range(choices.count())] == requests
+    box = choices.first.bounding_box()
+    assert box["height"] >= 40 and page.evaluate("(el) => parseFloat(getComputedStyle(el).fontSize)",
+                                                  choices.first.element_handle()) >= 18  # readable from the back
+    pick = page.locator("[data-kv=question-choice][data-choice=g0]")
+    pick.click()
+    page.wait_for_function("(el) => el.dataset.mark === 'picked'", arg=pick.element_handle())
+    page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question.png")
+
+    page.locator("[data-kv=lesson-continue]").click()
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, WAIT_S, "no preemption")
+    right = page.locator("[data-kv=question-choice][data-mark=right]")
+    right.wait_for()
+    victim = right.get_attribute("data-choice")
+    assert api(backend_url, f"/api/runs/{run_id}")["requests"][victim]["status"] == "preempted"
+    assert victim != "g0" and pick.get_attribute("data-mark") == "wrong"
+    assert page.locator("[data-kv=question-status]").inner_text().endswith("was wrong.")
+    page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question-revealed.png")

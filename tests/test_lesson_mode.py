@@ -100,3 +100,30 @@ def test_each_compare_axis_is_one_override() -> None:
     assert override_of(AXES["speculative"], "off") == {"engine.speculative": None}
     assert override_of(AXES["num_blocks"], 256.0) == {"engine.num_blocks": 256}
     assert override_of(AXES["arrival_rate"], 1.0) == {"generate.arrival.rate_per_step": 1.0}
+
+
+async def test_a_lesson_question_takes_the_rooms_pick_and_marks_it_at_its_moment(dash: Dash, tiny_dir: str) -> None:
+    """memory-pressure asks at the start which request is preempted first; the preemption answers it."""
+    run_id = await dash.backend.start_run("memory-pressure", {"model": tiny_dir}, speed=0, paused=True, lesson=True)
+    page = await dash.open(f"/?run={run_id}")
+    guide, feed = page.columns[0].guide, page.columns[0].feed
+    await until(lambda: guide.shown == 0 and guide.question.buttons)
+    question = guide.question
+    await dash.user.should_see("which request will give its blocks back first?", marker="question-text")
+    assert list(question.buttons) == list(feed.state.requests)  # the run's own requests, all still to run
+    dash.user.find(marker="question-choice-g0").click()  # the room's pick
+    assert question.pick == "g0" and question.buttons["g0"].props["data-mark"] == "picked"
+    dash.user.find(marker="lesson-continue").click()
+
+    await until(lambda: guide.paused_at == "preempt")
+    victim = guide.moment.request_ids[0]
+    assert victim != "g0"  # the newest running request goes first, not the oldest
+    assert question.buttons[victim].props["data-mark"] == "right"
+    assert question.buttons["g0"].props["data-mark"] == "wrong"
+    assert all(b.props["data-mark"] == "" for v, b in question.buttons.items() if v not in (victim, "g0"))
+    await dash.user.should_see("was wrong.", marker="question-status")
+    assert page.columns[0].selection.request_id == victim  # the moment's own highlight shows why
+
+    dash.user.find(marker="lesson-continue").click()
+    await until(lambda: guide.paused_at == "recompute", timeout=60)
+    assert not question.box.visible  # answered: the next step has no question
