@@ -1,8 +1,9 @@
 """The dashboard page: header controls, the new-run drawer, and one or two columns of views.
 
-`/` shows the recent runs; `/?run=ID` one run; `/?run=A&compare=B` two runs side by side, driven by
-the same controls, with their timelines and batch charts zoomed together; a run the server does
-not know (a wrong id, or it restarted) gives "No such run". The NiceGUI process
+`/` shows the recent runs and the run library; `/?run=ID` one run; `/?run=A&compare=B` two runs side
+by side, driven by the same controls, with their timelines and batch charts zoomed together. A run
+the server no longer holds (it left memory, or the server restarted) but saved in its library opens
+from there, as a replay at a new address; one it does not know at all gives "No such run". The NiceGUI process
 talks to the backend only through `frontend/client.py` (HTTP + the run's websocket).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from nicegui import app, ui
+from starlette.responses import RedirectResponse
 
 from kvscope.frontend.client import Backend, BackendError, FeedHub, RunFeed
 from kvscope.frontend.column import RunColumn
@@ -24,6 +26,7 @@ from kvscope.frontend.controls import RunControls
 from kvscope.frontend.export_menu import ExportMenu
 from kvscope.frontend.new_run import NewRunPanel
 from kvscope.frontend.palette import for_js
+from kvscope.frontend.saved_runs import SavedRuns
 from kvscope.frontend.side_by_side import SideBySide
 
 STATIC = Path(__file__).parent / "static"
@@ -70,6 +73,7 @@ class Dashboard:
         self.exports: list[ExportMenu] = []
         self.gone_check: ui.timer | None = None
         self.side_by_side: SideBySide | None = None
+        self.saved: SavedRuns | None = None
 
     async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
         ui.add_head_html(head_html())
@@ -101,6 +105,8 @@ class Dashboard:
         if feeds:
             self.gone_check = ui.timer(0.5, lambda: self._reload_if_gone(feeds))
         await self.panel.load()
+        if self.saved is not None:
+            await self.saved.load()
         if self.controls and runs:
             self.controls.load(runs)
 
@@ -141,12 +147,14 @@ class Dashboard:
                 ui.label(f"The backend is not reachable: {runs_error}").classes("text-negative")
             else:
                 self._run_list(runs)
+        if runs is not None:
+            self.saved = SavedRuns(self.backend, self.open)
 
     def _no_such_run(self, missing: list[str], runs: dict[str, dict]) -> None:
         with ui.card().classes("kv-card w-full").props("flat bordered").mark("no-such-run"):
             ui.label(f"No such run: {', '.join(missing)}").classes("kv-welcome-title")
-            ui.label("The server does not know this run: a mistyped link, or the server restarted "
-                     "(runs live in its memory).").classes("kv-muted")
+            ui.label("The server does not know this run, nor has it in its run library: a mistyped link, "
+                     "or a run deleted from the library.").classes("kv-muted")
             ui.link("← all runs", "/").mark("home-link")
             self._run_list(runs)
 
@@ -177,13 +185,37 @@ def make_root(backend: Backend, hub: FeedHub, default_model: str | None = None,
 
     `on_build` sees every tab's Dashboard once built (the tests use it to reach the views)."""
 
-    async def root(run: str = "", compare: str = "", lag: str = "") -> None:
+    async def root(run: str = "", compare: str = "", lag: str = "") -> RedirectResponse | None:
+        reopened = await reopen_saved(backend, hub, [r for r in (run, compare) if r])
+        if reopened:
+            return RedirectResponse(page_url(reopened.get(run, run), reopened.get(compare, compare) or None))
         dashboard = Dashboard(backend, hub, default_model)
         await dashboard.build(run or None, compare or None, show_lag=bool(lag))
         if on_build is not None:
             on_build(dashboard)
+        return None
 
     return root
+
+
+async def reopen_saved(backend: Backend, hub: FeedHub, run_ids: list[str]) -> dict[str, str]:
+    """Runs the server no longer holds that its library saved, each opened as a replay that plays to its
+    end (the run as it was when it finished): old id -> the replay's id."""
+    if not run_ids:
+        return {}
+    try:
+        held = {r["run_id"] for r in await backend.runs()}
+    except BackendError:
+        return {}  # unreachable: the page says so
+    reopened = {}
+    for run_id in run_ids:
+        if run_id in held or hub.watching(run_id):
+            continue
+        try:
+            reopened[run_id] = await backend.open_saved(run_id, speed=0, paused=False)
+        except BackendError:
+            continue  # not in the library either (or none is kept): "No such run"
+    return reopened
 
 
 def run_dashboard(backend_url: str, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,
