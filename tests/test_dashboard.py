@@ -205,8 +205,7 @@ async def test_the_run_library_survives_a_restart_and_opens_renames_and_deletes_
                 {k: list(v) for k, v in expected.history.tokens.items()}
 
             await dash.open("/")
-            await dash.user.should_see("prepared · ", marker="library-name")
-            await dash.user.should_see("prepared · ", marker="library-facts")
+            await dash.user.should_see("prepared", kind=ui.label, marker="library-name")
             await dash.user.should_see(f"{trace[-1]['step']} steps", marker="library-facts")
             dash.user.find(marker="library-rename").click()
             dash.user.find(marker="library-name-input").clear().type("Week 3: paging")

@@ -44,7 +44,7 @@ def test_a_saved_run_is_a_trace_and_a_sidecar_and_lists_with_its_facts(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a1.json", "a1.jsonl"]
     assert (tmp_path / "a1.jsonl").read_text() == fake_trace("a1")
     assert entry.scenario == "shared-prefix" and entry.model == "demo" and entry.steps == 12 and entry.requests == 3
-    assert entry.overrides == {"engine.block_size": 8} and entry.name.startswith("shared-prefix · ")
+    assert entry.overrides == {"engine.block_size": 8} and entry.name == "shared-prefix"
     assert entry.trace_bytes == len(fake_trace("a1"))
     assert RunLibrary(tmp_path).entries() == [entry]  # another instance on the folder: a restart
     assert library.trace_text("a1") == fake_trace("a1")

@@ -195,7 +195,6 @@ def run_facts(run_id: str, scenario: dict | None, model: dict | None, overrides:
     """An entry's facts (for save) from a finished run's reducer (its scenario and model) and its start."""
     name = (scenario or {}).get("name") or "run"
     model_name = (model or {}).get("name") or (scenario or {}).get("model") or "?"
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
-    return {"id": run_id, "name": f"{name} · {when}", "scenario": name, "model": str(model_name),
+    return {"id": run_id, "name": name, "scenario": name, "model": str(model_name),
             "overrides": overrides, "lesson": lesson, "steps": max(steps, 0), "requests": requests,
             "failed": failure is not None, "failure": failure}
