@@ -75,15 +75,20 @@ class Dashboard:
         self.side_by_side: SideBySide | None = None
         self.saved: SavedRuns | None = None
 
-    async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
-        ui.add_head_html(head_html())
-        ui.page_title("kvscope")
+    async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> str | None:
+        """Build the page; or, when a run named is gone from the server but saved in its library, open it
+        from there and return the address to go to instead (nothing is built then)."""
         runs, runs_error = await self._load_runs()
         run_ids = [r for r in (run_id, compare) if r]
         # An unreachable backend is no proof of absence: watch anyway, the feed reconnects.
         missing = [r for r in run_ids if runs is not None and r not in runs and not self.hub.watching(r)]
+        reopened = await self._reopen_saved(missing)
+        if reopened:
+            return page_url(reopened.get(run_id, run_id), reopened.get(compare, compare) if compare else None)
         if missing:
             run_ids = []
+        ui.add_head_html(head_html())
+        ui.page_title("kvscope")
         feeds = [self.hub.watch(r, (runs or {}).get(r, {}).get("kind")) for r in run_ids]
         client = ui.context.client
         client.on_delete(lambda: [self.hub.release(f) for f in feeds])
@@ -109,6 +114,18 @@ class Dashboard:
             await self.saved.load()
         if self.controls and runs:
             self.controls.load(runs)
+        return None
+
+    async def _reopen_saved(self, missing: list[str]) -> dict[str, str]:
+        """The runs the server no longer holds that its library saved, each opened as a replay that plays to
+        its end (the run as it was when it finished): old id -> the replay's id."""
+        reopened = {}
+        for run_id in missing:
+            try:
+                reopened[run_id] = await self.backend.open_saved(run_id, speed=0, paused=False)
+            except BackendError:
+                continue  # not in the library either (or none is kept): "No such run"
+        return reopened
 
     async def _load_runs(self) -> tuple[dict[str, dict] | None, str | None]:
         """The server's runs by id, oldest first; or None and why the backend could not say."""
@@ -186,36 +203,15 @@ def make_root(backend: Backend, hub: FeedHub, default_model: str | None = None,
     `on_build` sees every tab's Dashboard once built (the tests use it to reach the views)."""
 
     async def root(run: str = "", compare: str = "", lag: str = "") -> RedirectResponse | None:
-        reopened = await reopen_saved(backend, hub, [r for r in (run, compare) if r])
-        if reopened:
-            return RedirectResponse(page_url(reopened.get(run, run), reopened.get(compare, compare) or None))
         dashboard = Dashboard(backend, hub, default_model)
-        await dashboard.build(run or None, compare or None, show_lag=bool(lag))
+        redirect = await dashboard.build(run or None, compare or None, show_lag=bool(lag))
+        if redirect is not None:
+            return RedirectResponse(redirect)
         if on_build is not None:
             on_build(dashboard)
         return None
 
     return root
-
-
-async def reopen_saved(backend: Backend, hub: FeedHub, run_ids: list[str]) -> dict[str, str]:
-    """Runs the server no longer holds that its library saved, each opened as a replay that plays to its
-    end (the run as it was when it finished): old id -> the replay's id."""
-    if not run_ids:
-        return {}
-    try:
-        held = {r["run_id"] for r in await backend.runs()}
-    except BackendError:
-        return {}  # unreachable: the page says so
-    reopened = {}
-    for run_id in run_ids:
-        if run_id in held or hub.watching(run_id):
-            continue
-        try:
-            reopened[run_id] = await backend.open_saved(run_id, speed=0, paused=False)
-        except BackendError:
-            continue  # not in the library either (or none is kept): "No such run"
-    return reopened
 
 
 def run_dashboard(backend_url: str, host: str = "127.0.0.1", port: int = 8080, token: str | None = None,

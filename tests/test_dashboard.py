@@ -191,7 +191,6 @@ async def test_the_run_library_survives_a_restart_and_opens_renames_and_deletes_
         done = await backend.start_run(small_scenario(tiny_dir, name="prepared"), speed=0)
         await until_saved(backend, done)
         trace = parse_trace(await backend.trace(done))
-        await backend.models()  # each page asks; the first answer takes seconds: none may be in flight at the end
     with server() as url:  # ... and the server restarts before the class
         async with simulated(url, tiny_dir) as dash:
             page = await dash.open(f"/?run={done}")  # the old link: opened from the library, as it ended
