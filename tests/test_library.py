@@ -174,6 +174,8 @@ def test_bad_library_requests_are_4xx_naming_the_field(tiny_dir, folder):
         r = client.post(f"/api/library/{run_id}/open", json={"speed": -1})
         assert r.status_code == 400 and r.json()["field"] == "speed"
         assert client.delete("/api/library/feedfeedfeed").status_code == 404
+        sneaky = client.request("DELETE", f"/api/library/{run_id}", content="x", headers={"content-type": "text/plain"})
+        assert sneaky.status_code == 415  # only a DELETE without a body skips the JSON check
     manager.stop_all()
     with TestClient(create_app(RunManager(default_model=tiny_dir)), base_url=LOCAL) as client:  # no library
         assert client.get("/api/library").json() == {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
