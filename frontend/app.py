@@ -1,8 +1,9 @@
 """The dashboard page: header controls, the new-run drawer, and one or two columns of views.
 
-`/` shows the recent runs; `/?run=ID` one run; `/?run=A&compare=B` two runs side by side, driven by
-the same controls, with their timelines and batch charts zoomed together; a run the server does
-not know (a wrong id, or it restarted) gives "No such run". The NiceGUI process
+`/` shows the recent runs and the run library; `/?run=ID` one run; `/?run=A&compare=B` two runs side
+by side, driven by the same controls, with their timelines and batch charts zoomed together. A run
+the server no longer holds (it left memory, or the server restarted) but saved in its library opens
+from there, as a replay at a new address; one it does not know at all gives "No such run". The NiceGUI process
 talks to the backend only through `frontend/client.py` (HTTP + the run's websocket).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from nicegui import app, ui
+from starlette.responses import RedirectResponse
 
 from kvscope.frontend.client import Backend, BackendError, FeedHub, RunFeed
 from kvscope.frontend.column import RunColumn
@@ -24,6 +26,7 @@ from kvscope.frontend.controls import RunControls
 from kvscope.frontend.export_menu import ExportMenu
 from kvscope.frontend.new_run import NewRunPanel
 from kvscope.frontend.palette import for_js
+from kvscope.frontend.saved_runs import SavedRuns
 from kvscope.frontend.side_by_side import SideBySide
 
 STATIC = Path(__file__).parent / "static"
@@ -70,16 +73,22 @@ class Dashboard:
         self.exports: list[ExportMenu] = []
         self.gone_check: ui.timer | None = None
         self.side_by_side: SideBySide | None = None
+        self.saved: SavedRuns | None = None
 
-    async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> None:
-        ui.add_head_html(head_html())
-        ui.page_title("kvscope")
+    async def build(self, run_id: str | None, compare: str | None, show_lag: bool = False) -> str | None:
+        """Build the page; or, when a run named is gone from the server but saved in its library, open it
+        from there and return the address to go to instead (nothing is built then)."""
         runs, runs_error = await self._load_runs()
         run_ids = [r for r in (run_id, compare) if r]
         # An unreachable backend is no proof of absence: watch anyway, the feed reconnects.
         missing = [r for r in run_ids if runs is not None and r not in runs and not self.hub.watching(r)]
+        reopened = await self._reopen_saved(missing)
+        if reopened:
+            return page_url(reopened.get(run_id, run_id), reopened.get(compare, compare) if compare else None)
         if missing:
             run_ids = []
+        ui.add_head_html(head_html())
+        ui.page_title("kvscope")
         feeds = [self.hub.watch(r, (runs or {}).get(r, {}).get("kind")) for r in run_ids]
         client = ui.context.client
         client.on_delete(lambda: [self.hub.release(f) for f in feeds])
@@ -101,8 +110,22 @@ class Dashboard:
         if feeds:
             self.gone_check = ui.timer(0.5, lambda: self._reload_if_gone(feeds))
         await self.panel.load()
+        if self.saved is not None:
+            await self.saved.load()
         if self.controls and runs:
             self.controls.load(runs)
+        return None
+
+    async def _reopen_saved(self, missing: list[str]) -> dict[str, str]:
+        """The runs the server no longer holds that its library saved, each opened as a replay that plays to
+        its end (the run as it was when it finished): old id -> the replay's id."""
+        reopened = {}
+        for run_id in missing:
+            try:
+                reopened[run_id] = await self.backend.open_saved(run_id, speed=0, paused=False)
+            except BackendError:
+                continue  # not in the library either (or none is kept): "No such run"
+        return reopened
 
     async def _load_runs(self) -> tuple[dict[str, dict] | None, str | None]:
         """The server's runs by id, oldest first; or None and why the backend could not say."""
@@ -141,12 +164,14 @@ class Dashboard:
                 ui.label(f"The backend is not reachable: {runs_error}").classes("text-negative")
             else:
                 self._run_list(runs)
+        if runs is not None:
+            self.saved = SavedRuns(self.backend, self.open)
 
     def _no_such_run(self, missing: list[str], runs: dict[str, dict]) -> None:
         with ui.card().classes("kv-card w-full").props("flat bordered").mark("no-such-run"):
             ui.label(f"No such run: {', '.join(missing)}").classes("kv-welcome-title")
-            ui.label("The server does not know this run: a mistyped link, or the server restarted "
-                     "(runs live in its memory).").classes("kv-muted")
+            ui.label("The server does not know this run, nor has it in its run library: a mistyped link, "
+                     "or a run deleted from the library.").classes("kv-muted")
             ui.link("← all runs", "/").mark("home-link")
             self._run_list(runs)
 
@@ -177,11 +202,14 @@ def make_root(backend: Backend, hub: FeedHub, default_model: str | None = None,
 
     `on_build` sees every tab's Dashboard once built (the tests use it to reach the views)."""
 
-    async def root(run: str = "", compare: str = "", lag: str = "") -> None:
+    async def root(run: str = "", compare: str = "", lag: str = "") -> RedirectResponse | None:
         dashboard = Dashboard(backend, hub, default_model)
-        await dashboard.build(run or None, compare or None, show_lag=bool(lag))
+        redirect = await dashboard.build(run or None, compare or None, show_lag=bool(lag))
+        if redirect is not None:
+            return RedirectResponse(redirect)
         if on_build is not None:
             on_build(dashboard)
+        return None
 
     return root
 

@@ -108,6 +108,22 @@ class Backend:
         except BackendError:
             return None
 
+    # -- the run library (docs/api.md) ------------------------------------------------------------
+
+    async def library(self) -> dict:
+        return await self.request("GET", "/api/library")
+
+    async def rename_saved(self, entry_id: str, name: str) -> dict:
+        return await self.request("PATCH", f"/api/library/{entry_id}", {"name": name})
+
+    async def delete_saved(self, entry_id: str) -> None:
+        await self.request("DELETE", f"/api/library/{entry_id}")
+
+    async def open_saved(self, entry_id: str, speed: float = 4.0, paused: bool = True, lesson: bool = False) -> str:
+        """A saved run as a new replay run; its id."""
+        body = {"speed": speed, "paused": paused, "lesson": lesson}
+        return (await self.request("POST", f"/api/library/{entry_id}/open", body))["run_id"]
+
 
 def _error_message(response: httpx.Response) -> str:
     try:

@@ -161,12 +161,29 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     model = args.model or "demo"
     if args.command == "serve" or args.model:
         cached_model(model)  # a model that cannot load fails now, in one line, not as a 503 on the first request
-    manager = RunManager(default_model=model)
+    manager = RunManager(default_model=model, library=_library(args))
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
     print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
     return manager, run_id
+
+
+def _library(args: argparse.Namespace):
+    """The run library of --library (default: the user's data folder), or None with --no-library."""
+    from pathlib import Path
+
+    from kvscope.backend.server.library import DEFAULT_MAX_MB, RunLibrary, default_folder
+
+    if args.no_library:
+        return None
+    folder = Path(args.library).expanduser() if args.library else default_folder()
+    try:
+        library = RunLibrary(folder, args.library_max_mb or DEFAULT_MAX_MB)
+    except OSError as e:
+        raise UserError(f"--library {folder}", f"cannot use this folder ({e.strerror or e})") from None
+    print(f"finished runs are saved in {folder} (--library; --no-library keeps none)", flush=True)
+    return library
 
 
 def _listen(host: str, port: int, flag: str):
@@ -436,6 +453,13 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
         lim.add_argument("--trace-dir", help="write every run's whole trace to DIR/<run_id>.jsonl (never over an "
                                              "earlier one: DIR/<run_id>-N.jsonl)")
+        lib = v.add_argument_group("the run library: finished runs kept on disk (docs/dashboard.md#run-library)")
+        lib.add_argument("--library", metavar="DIR",
+                         help="save every finished run here (default: $XDG_DATA_HOME/kvscope/library, "
+                              "or ~/.local/share/kvscope/library)")
+        lib.add_argument("--library-max-mb", type=positive(float),
+                         help="the library's size; the oldest runs go first to make room (default 2048)")
+        lib.add_argument("--no-library", action="store_true", help="keep no library: runs live in memory only")
         lim.add_argument("--allow-paths", action="store_true",
                          help="let clients name scenario files and model folders on this machine")
         v.set_defaults(func=cmd_serve)

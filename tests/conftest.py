@@ -17,6 +17,14 @@ settings.load_profile("deterministic")
 from kvscope.backend.model.loader import LoadedModel, load_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_data_folder(tmp_path_factory):
+    """`kvscope serve` (run by tests as a subprocess) saves finished runs under $XDG_DATA_HOME: never the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo() -> LoadedModel:
     return load_model("demo")

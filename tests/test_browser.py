@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.backend.server.app import create_app
+from kvscope.backend.server.library import RunLibrary
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import free_port, serve_in_thread
@@ -44,8 +45,9 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 
 @pytest.fixture(scope="module")
-def backend_url() -> Iterator[str]:
-    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True)))) as url:
+def backend_url(tmp_path_factory) -> Iterator[str]:
+    library = RunLibrary(tmp_path_factory.mktemp("library"))  # as `kvscope serve` keeps one
+    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True), library=library))) as url:
         yield url
 
 
@@ -241,6 +243,43 @@ def test_an_unknown_run_says_no_such_run_and_links_home(page, dashboard_url):
     page.get_by_text("← all runs").click()
     page.get_by_text("Watch an LLM inference engine think").wait_for()
     assert page.url.rstrip("/") == dashboard_url
+
+
+def test_the_run_library_on_the_landing_page_opens_renames_and_deletes(page, backend_url, dashboard_url, tiny_dir,
+                                                                      tmp_path):
+    run_id = start(backend_url, scenario(tiny_dir, "prepared-ahead", 64, 4, 3, (16, 32), (8, 12),
+                                         {"process": "burst"}), speed=0, paused=False)
+    wait_until(lambda: any(e["id"] == run_id for e in api(backend_url, "/api/library")["entries"]), WAIT_S,
+               "the finished run was not saved")
+    page.goto(dashboard_url)
+    entry = page.locator("[data-kv=library-entry]", has_text="prepared-ahead").first
+    entry.wait_for()
+    facts = entry.locator("[data-kv=library-facts]").inner_text()
+    steps = api(backend_url, f"/api/runs/{run_id}")["step"]
+    assert entry.locator("[data-kv=library-name]").inner_text() == "prepared-ahead"
+    assert re.match(r"20\d\d-\d\d-\d\d \d\d:\d\d · ", facts) and f" · {steps} steps · 3 requests" in facts
+    page.locator("[data-kv=library]").screenshot(path=str(Path(SHOTS or tmp_path) / "run-library.png"))
+
+    entry.locator("[data-kv=library-rename]").click()
+    page.locator("[data-kv=library-rename-save]").wait_for()
+    page.screenshot(path=str(Path(SHOTS or tmp_path) / "run-library-rename.png"), full_page=True)
+    page.locator("input[data-kv=library-name-input], [data-kv=library-name-input] input").fill("Lecture 4: bursts")
+    page.locator("[data-kv=library-rename-save]").click()
+    renamed = page.locator("[data-kv=library-entry]", has_text="Lecture 4: bursts")
+    renamed.wait_for()
+    assert api(backend_url, f"/api/library/{run_id}")["name"] == "Lecture 4: bursts"
+
+    renamed.locator("[data-kv=library-open]").click()  # a replay, paused at its start
+    page.wait_for_url(re.compile(r"\?run=(?!" + run_id + ")[0-9a-f]{12}$"))
+    page.wait_for_function("() => document.querySelector('[data-kv=run-status]')?.innerText.includes('paused')")
+    replay = api(backend_url, f"/api/runs/{page.url.rsplit('=', 1)[1]}")
+    assert replay["kind"] == "replay" and replay["paused"] and replay["step"] == -1
+
+    page.goto(dashboard_url)
+    page.locator("[data-kv=library-entry]", has_text="Lecture 4: bursts").locator("[data-kv=library-delete]").click()
+    page.locator("[data-kv=library-delete-confirm]").click()
+    page.locator("[data-kv=library-entry]", has_text="Lecture 4: bursts").wait_for(state="detached")
+    assert all(e["id"] != run_id for e in api(backend_url, "/api/library")["entries"])
 
 
 # ---- layout: nothing overflows, projector mode ---------------------------------------------------------

@@ -166,6 +166,73 @@ async def test_an_unknown_run_says_no_such_run_with_a_link_home(dash: Dash) -> N
     await dash.user.should_see("Watch an LLM inference engine think")
 
 
+async def until_saved(backend: Backend, run_id: str) -> dict:
+    """The library entry of a run, once the server has saved it."""
+    for _ in range(int(STEP_TIMEOUT_S / 0.05)):
+        entries = (await backend.library())["entries"]
+        if any(e["id"] == run_id for e in entries):
+            return next(e for e in entries if e["id"] == run_id)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run_id} was never saved")
+
+
+async def test_the_run_library_survives_a_restart_and_opens_renames_and_deletes_from_the_landing_page(
+        tiny_dir: str, tmp_path: Path) -> None:
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.backend.events.trace import parse_trace
+    from kvscope.backend.server.library import RunLibrary
+
+    def server():
+        return serve_in_thread(create_app(RunManager(library=RunLibrary(tmp_path / "library"),
+                                                     limits=ServiceLimits(allow_paths=True))))
+
+    with server() as url:  # the lecturer prepares a run ...
+        backend = Backend(url)
+        done = await backend.start_run(small_scenario(tiny_dir, name="prepared"), speed=0)
+        await until_saved(backend, done)
+        trace = parse_trace(await backend.trace(done))
+    with server() as url:  # ... and the server restarts before the class
+        async with simulated(url, tiny_dir) as dash:
+            page = await dash.open(f"/?run={done}")  # the old link: opened from the library, as it ended
+            feed = page.columns[0].feed
+            assert feed.run_id != done  # a replay of the saved trace, at its own address
+            await finished(feed)
+            assert feed.kind == "replay"
+            expected = RunRecord.from_events(trace)
+            assert feed.history.masks == expected.history.masks and any(expected.history.masks.values())
+            assert {k: list(v) for k, v in feed.history.tokens.items()} == \
+                {k: list(v) for k, v in expected.history.tokens.items()}
+
+            await dash.open("/")
+            await dash.user.should_see("prepared", kind=ui.label, marker="library-name")
+            await dash.user.should_see(f"{trace[-1]['step']} steps", marker="library-facts")
+            dash.user.find(marker="library-rename").click()
+            dash.user.find(marker="library-name-input").clear().type("Week 3: paging")
+            dash.user.find(marker="library-rename-save").click()
+            for _ in range(int(STEP_TIMEOUT_S / 0.05)):
+                if (await until_saved(dash.backend, done))["name"] == "Week 3: paging":
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the rename never reached the library")
+            await dash.user.should_see("Week 3: paging", kind=ui.label, marker="library-name")
+
+            count = len(dash.built)
+            dash.user.find(marker="library-open").click()  # opens paused at its start, for the class
+            await until(lambda: len(dash.built) > count)
+            opened = dash.last.columns[0].feed
+            await until(lambda: opened.state is not None)
+            assert opened.kind == "replay" and opened.state.paused and opened.state.step == -1
+
+            await dash.open("/")
+            dash.user.find(marker="library-delete").click()
+            dash.user.find(marker="library-delete-confirm").click()
+            await dash.user.should_see("No saved runs yet", marker="library-empty")
+            assert (await dash.backend.library())["entries"] == []
+            await dash.open(f"/?run={done}")  # deleted: now the old link has nothing to open
+            await dash.user.should_see(f"No such run: {done}")
+
+
 async def test_a_feed_of_an_unknown_run_stops_at_once(dash: Dash) -> None:
     feed = RunFeed(dash.backend, "nope")
     await asyncio.wait_for(feed.run(), 5)  # the server closes with 4404: no reconnecting

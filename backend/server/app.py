@@ -14,7 +14,7 @@ import secrets
 from typing import Annotated, Any, Literal
 
 import yaml
-from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar import Litestar, MediaType, Request, Response, delete, get, patch, post
 from litestar.config.cors import CORSConfig
 from litestar.params import FromPath, JSONBody, Parameter
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
@@ -28,6 +28,7 @@ from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.scenario import (ChatMessage, YAMLTooDeep, bundled_path, list_scenarios, load_scenario,
                                      safe_load)
 from kvscope.backend.server.guards import require_token
+from kvscope.backend.server.library import MAX_NAME, LibraryError
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.runs import EngineRun, RunBusy, RunError, ServedRun
@@ -105,6 +106,16 @@ class AddRequest(_Body):
     sampling: dict[Annotated[str, Field(max_length=64)], Any] = Field(default_factory=dict, max_length=32)
 
 
+class OpenSaved(_Body):
+    speed: Speed = 4.0
+    paused: bool = True  # a prepared run opens at its start, for the class to watch from step 0
+    lesson: bool = False
+
+
+class RenameSaved(_Body):
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+
+
 # ---- guards and errors --------------------------------------------------------------------------------
 
 
@@ -114,6 +125,10 @@ def _error(status: int, message: str, field: str | None = None) -> Response:
 
 def user_error(_: Request, exc: KvscopeError) -> Response:
     return _error(400, str(exc), exc.field)
+
+
+def library_error(_: Request, exc: LibraryError) -> Response:
+    return _error(404 if exc.missing else 400, str(exc), exc.field)
 
 
 def busy_error(_: Request, exc: RunBusy) -> Response:
@@ -283,6 +298,43 @@ def token_dist(request: Request, run_id: FromPath[str],
             "raw_probs_f32": base64.b64encode(row).decode("ascii")}
 
 
+# ---- the run library (library.py) -----------------------------------------------------------------------
+
+
+@get("/api/library", sync_to_thread=True)
+def library_list(request: Request) -> dict:
+    """The saved runs, newest first, and the folder's bytes against its limit (--library-max-mb)."""
+    library = request.app.state.manager.library
+    if library is None:
+        return {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
+    entries = library.entries()
+    return {"enabled": True, "bytes": sum(e.trace_bytes for e in entries), "max_bytes": library.max_bytes,
+            "entries": [e.model_dump() for e in entries]}
+
+
+# Not on a thread: with three sync handlers on one path, Litestar 2.25 answered this GET with its
+# handler's coroutine unawaited (a 500); reading a sidecar (64 KB at most) is quick.
+@get("/api/library/{entry_id:str}")
+async def library_entry(request: Request, entry_id: FromPath[str]) -> dict:
+    return request.app.state.manager.saved().get(entry_id).model_dump()
+
+
+@patch("/api/library/{entry_id:str}", guards=[require_token], sync_to_thread=True)
+def library_rename(request: Request, entry_id: FromPath[str], data: JSONBody[RenameSaved]) -> dict:
+    return request.app.state.manager.saved().rename(entry_id, data.name).model_dump()
+
+
+@delete("/api/library/{entry_id:str}", guards=[require_token], sync_to_thread=True, status_code=204)
+def library_delete(request: Request, entry_id: FromPath[str]) -> None:
+    request.app.state.manager.saved().delete(entry_id)
+
+
+@post("/api/library/{entry_id:str}/open", guards=[require_token], sync_to_thread=True, status_code=201)
+def library_open(request: Request, entry_id: FromPath[str], data: JSONBody[OpenSaved]) -> dict:
+    run = request.app.state.manager.open_saved(entry_id, data.speed, data.paused, data.lesson)
+    return {"run_id": run.run_id, "kind": run.kind}
+
+
 # ---- the application ------------------------------------------------------------------------------------
 
 
@@ -306,8 +358,9 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         manager.limits = limits
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
-                        add_request, run_trace, token_dist, run_socket, *openai_routes],
-        exception_handlers={KvscopeError: user_error, RunBusy: busy_error,
+                        add_request, run_trace, token_dist, library_list, library_entry, library_rename,
+                        library_delete, library_open, run_socket, *openai_routes],
+        exception_handlers={KvscopeError: user_error, LibraryError: library_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),

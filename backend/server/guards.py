@@ -6,6 +6,7 @@ to any server, a localhost one included, and lets it open websockets anywhere. S
   can send that cross-site without a preflight, which this server only grants to `--cors-origin`s;
 - a browser `Origin` on a POST (or a websocket) must be the server's own, a `--cors-origin` or the
   dashboard's (403 otherwise); clients that are not browsers send no Origin and are not concerned;
+  a DELETE without a body is let through (a browser preflights every DELETE);
 - on a loopback bind the `Host` must be a loopback name (403 otherwise): DNS rebinding points a
   hostile name at 127.0.0.1, and the Host header is what gives it away;
 - off loopback, watching runs needs the token too, unless the server was started to show them publicly;
@@ -30,7 +31,7 @@ from litestar.utils import ensure_async_callable
 MAX_JSON_DEPTH = 32  # an inline scenario nests 4 deep; the decoder's own limit is ~1000
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\[\]]+)(?::\d+)?$")  # a name or [IPv6], then a port
-WATCH_PATHS = ("/api/runs", "/ws/runs")  # snapshots, traces, the websocket: what the dashboard watches
+WATCH_PATHS = ("/api/runs", "/ws/runs", "/api/library")  # snapshots, traces, the websocket, saved runs
 
 
 def require_token(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -95,6 +96,8 @@ async def check_json_body(connection: ASGIConnection, _: BaseRouteHandler) -> No
     if connection.scope["type"] != "http" or connection.scope["method"] not in CHANGING_METHODS:
         return
     media_type = connection.headers.get("content-type", "").split(";")[0].strip().lower()
+    if connection.scope["method"] == "DELETE" and not media_type and connection.headers.get("content-length", "0") == "0":
+        return  # a DELETE has nothing to say (and a browser preflights one anyway)
     if media_type != "application/json":
         raise HTTPException(status_code=415, detail=f"Content-Type: {media_type or 'none'} given; "
                                                     "bodies must be application/json")

@@ -7,11 +7,16 @@ expired runs are forgotten first to make room; a forgotten run lets go of its we
 run counts as finished, so dead runs never hold the server's places. A watchdog thread fails the runs
 whose worker makes no progress for --stall-timeout-s, and the API's run, once failed, is replaced by a
 fresh one on the next request.
+
+With a run library (library.py), every scenario run that finishes (or fails) saves its whole trace
+there, on its own worker thread, as it ends; a saved run opens again as a replay whose every view
+is the live run's, after the run has left memory or the server has restarted.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -22,15 +27,19 @@ from typing import Any
 
 from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.errors import ModelLoadError
+from kvscope.backend.events.trace import TraceError, parse_trace
 from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
 from kvscope.backend.model.weights import WeightCache, WeightKey
 from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
+from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
 from kvscope.backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
+
+log = logging.getLogger(__name__)
 
 API_RUN_ID = "api"  # the server's own model; another model named by an API request gets "api-<name>"
 # A model outside the shipped demos gets its KV cache by bytes: SmolLM2 in fp32 (46 KB per token)
@@ -83,8 +92,10 @@ def describe_copy(need: WeightNeed) -> str:
 
 class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
-                 limits: ServiceLimits | None = None, weights: WeightCache | None = None) -> None:
+                 limits: ServiceLimits | None = None, weights: WeightCache | None = None,
+                 library: RunLibrary | None = None) -> None:
         self.default_model = default_model
+        self.library = library  # finished runs saved to disk; None: none kept (tests, --no-library)
         self.watcher_queue_limit = watcher_queue_limit
         self.limits = limits or ServiceLimits()
         self.runs: dict[str, ServedRun] = {}
@@ -119,13 +130,50 @@ class RunManager:
         planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
         retention = self.retention(planned=planned)
         kv_field = "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb"
-        return self._add(lambda run_id: EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson,
-                                                  weights=self.weights), kv, kv_field, needs=needs)
+        return self._add(lambda run_id: self._saved_when_done(
+            EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson, weights=self.weights),
+            dict(overrides or {})), kv, kv_field, needs=needs)
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
                      lesson: bool = False) -> ServedRun:
         retention = replace(self.retention(), history=None)
         return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention, lesson=lesson), 0)
+
+    # ---- the run library ----------------------------------------------------------------------------
+
+    def saved(self) -> RunLibrary:
+        if self.library is None:
+            raise LibraryError(None, "this server keeps no run library (started with --no-library)", missing=True)
+        return self.library
+
+    def open_saved(self, entry_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
+                   lesson: bool = False) -> ServedRun:
+        """A saved run as a replay (a new run id): its trace holds every event, so every view is the live run's."""
+        text = self.saved().trace_text(entry_id)
+        try:
+            events = parse_trace(text, f"library entry {entry_id}")
+        except TraceError as e:  # a trace edited in place (its size unchanged): a 400 saying where, and a log line
+            log.warning("library: cannot open %s: %s", entry_id, e)
+            raise
+        return self.start_replay(events, speed, paused, lesson)
+
+    def _saved_when_done(self, run: EngineRun, overrides: dict[str, Any]) -> EngineRun:
+        """Subscribed before the run starts, so that even an unpaced run's end is seen."""
+        if self.library is not None:
+            run.bus.subscribe(lambda event: self._save_if_done(run, event, overrides))
+        return run
+
+    def _save_if_done(self, run: EngineRun, event: dict, overrides: dict[str, Any]) -> None:
+        """On the run's thread, after the run applied `event`: its end (finished, or failed) saves it."""
+        if event["type"] != "run_finished" and not (event["type"] == "error" and event.get("fatal")):
+            return
+        state = run.state
+        facts = run_facts(run.run_id, state.scenario, state.model, overrides, run.lesson, state.step,
+                          len(state.requests), run.failure)
+        try:
+            self.library.save(run.trace_jsonl(), **facts)
+        except (OSError, ValueError) as e:  # a full disk or a bad fact: the run is over either way, never failed by it
+            log.error("library: run %s not saved: %s", run.run_id, e)
 
     def api_models(self) -> list[str]:
         """Models the OpenAI API serves by name: the server's first, then the shipped ones and smollm2 when present."""

@@ -1,0 +1,200 @@
+"""The run library: finished runs kept on disk, so that a class can be prepared ahead and a restart loses nothing.
+
+A folder holds, per entry, the run's whole trace (`<id>.jsonl`, written by trace_file.py, which never
+overwrites a file) and a small JSON sidecar (`<id>.json`: name, scenario, overrides, model, when,
+steps, requests, bytes). The sidecar is written last and atomically: a trace without one is a save
+that did not finish, and is not an entry. The folder is bounded (`max_bytes`): a save evicts the
+oldest entries until the rest fit.
+
+Anything in the folder may have been edited, truncated or planted. An id is a file stem of a fixed
+alphabet (no path ever comes from a client or a sidecar), a sidecar is read only if small and valid,
+and a trace whose size is not the one its sidecar recorded is skipped: each with one logged line,
+never an error for the client who lists the library.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvscope.backend.errors import KvscopeError
+from kvscope.backend.server.trace_file import TraceFile
+
+log = logging.getLogger(__name__)
+
+ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")  # a run id: a file stem, never a path
+TRACE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,63}\.jsonl$"  # trace_file.py's <run_id>.jsonl or <run_id>-N.jsonl
+MAX_SIDECAR_BYTES = 64 * 1024  # a sidecar is a few hundred bytes: a larger one is not ours
+MAX_NAME = 120
+DEFAULT_MAX_MB = 2048.0
+
+
+class LibraryError(KvscopeError):
+    """A library request that cannot be done: a bad id or name (400), or an entry that is gone (404)."""
+
+    def __init__(self, field: str | None, reason: str, missing: bool = False) -> None:
+        super().__init__(field, reason)
+        self.missing = missing
+
+
+class Entry(BaseModel):
+    """One saved run, as its sidecar stores it and GET /api/library lists it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(pattern=ID_PATTERN.pattern)
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    scenario: str = Field(max_length=200)
+    model: str = Field(max_length=1000)
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    lesson: bool = False
+    created: float = Field(ge=0)  # seconds since the epoch
+    steps: int = Field(ge=0)
+    requests: int = Field(ge=0)
+    failed: bool = False
+    failure: str | None = Field(default=None, max_length=1000)
+    trace: str = Field(pattern=TRACE_PATTERN)  # the trace's file name, in the library folder
+    trace_bytes: int = Field(ge=0)
+
+
+def default_folder() -> Path:
+    """$XDG_DATA_HOME/kvscope/library, or ~/.local/share/kvscope/library (runs are data, not a cache)."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "kvscope" / "library"
+
+
+def check_id(entry_id: str) -> str:
+    if not ID_PATTERN.fullmatch(entry_id):
+        raise LibraryError("id", f"{entry_id[:64]!r} is not a library id (lower-case letters, digits and -)")
+    return entry_id
+
+
+def check_name(name: str) -> str:
+    name = name.strip()
+    if not 1 <= len(name) <= MAX_NAME or any(ord(c) < 32 for c in name):
+        raise LibraryError("name", f"a name has 1 to {MAX_NAME} characters and no control characters")
+    return name
+
+
+class RunLibrary:
+    """The folder's entries: save, list, rename, delete, read a trace. Thread-safe (runs finish on their threads)."""
+
+    def __init__(self, folder: str | Path, max_mb: float = DEFAULT_MAX_MB) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = int(max_mb * 1024**2)
+        self._lock = threading.Lock()
+
+    def entries(self) -> list[Entry]:
+        """Every valid entry, newest first; anything else in the folder is skipped with a logged line."""
+        found = (self._read(path) for path in self.folder.glob("*.json"))
+        return sorted((e for e in found if e is not None), key=lambda e: e.created, reverse=True)
+
+    def get(self, entry_id: str) -> Entry:
+        entry = self._read(self.folder / f"{check_id(entry_id)}.json")
+        if entry is None:
+            raise LibraryError("id", f"no library entry {entry_id!r}", missing=True)
+        return entry
+
+    def trace_text(self, entry_id: str) -> str:
+        """The entry's trace as saved (the caller parses it, naming the entry in any error)."""
+        entry = self.get(entry_id)
+        try:
+            return (self.folder / entry.trace).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("library: %s: cannot read %s: %s", entry_id, entry.trace, e)
+            raise LibraryError("id", f"library entry {entry_id!r}: its trace cannot be read", missing=True) from None
+
+    def save(self, trace: str, **facts: Any) -> Entry | None:
+        """Store a run's trace and its facts (Entry's fields but trace, trace_bytes and created) under
+        facts["id"], replacing an entry of that id; then evict the oldest to fit. None if it cannot."""
+        data = trace.encode("utf-8")
+        if len(data) > self.max_bytes:
+            log.warning("library: run %s not saved: %d bytes is more than --library-max-mb", facts["id"], len(data))
+            return None
+        with self._lock:
+            self._remove_locked(check_id(facts["id"]))
+            file = TraceFile(self.folder, facts["id"])
+            file.write(trace.removesuffix("\n"))
+            file.close()
+            if file.fault is not None or file.path is None:
+                log.warning("library: run %s not saved: %s", facts["id"], file.fault)
+                return None
+            entry = Entry(**facts, created=time.time(), trace=file.path.name, trace_bytes=file.path.stat().st_size)
+            self._write_sidecar(entry)
+            self._evict_locked(keep=entry.id)
+        return entry
+
+    def rename(self, entry_id: str, name: str) -> Entry:
+        with self._lock:
+            entry = self.get(entry_id).model_copy(update={"name": check_name(name)})
+            self._write_sidecar(entry)
+        return entry
+
+    def delete(self, entry_id: str) -> None:
+        with self._lock:
+            self.get(entry_id)  # a 404 for an id that is not an entry
+            self._remove_locked(entry_id)
+
+    # ---- the folder ---------------------------------------------------------------------------------
+
+    def _read(self, sidecar: Path) -> Entry | None:
+        """The sidecar's entry if it is ours and its trace is whole; None (and a log line) otherwise."""
+        try:
+            if not sidecar.is_file():
+                return None
+            if sidecar.stat().st_size > MAX_SIDECAR_BYTES:
+                raise ValueError(f"{sidecar.stat().st_size} bytes, more than a sidecar has")
+            entry = Entry.model_validate_json(sidecar.read_bytes())
+            if entry.id != sidecar.stem:
+                raise ValueError(f"it names id {entry.id!r}")
+            size = (self.folder / entry.trace).stat().st_size
+            if size != entry.trace_bytes:
+                raise ValueError(f"its trace has {size} bytes, not the {entry.trace_bytes} saved (cut or edited)")
+        except (OSError, ValueError, ValidationError) as e:  # ValidationError is a ValueError: named for the reader
+            log.warning("library: skipped %s: %s", sidecar.name, str(e).splitlines()[0])
+            return None
+        return entry
+
+    def _write_sidecar(self, entry: Entry) -> None:
+        """Atomically: a reader sees the old sidecar or the new one, never half of one."""
+        tmp = self.folder / f".{entry.id}.json.tmp"
+        tmp.write_text(entry.model_dump_json(indent=1), encoding="utf-8")
+        os.replace(tmp, self.folder / f"{entry.id}.json")
+
+    def _remove_locked(self, entry_id: str) -> None:
+        """The entry's sidecar first (then it is no entry), then its trace; nothing if there is none."""
+        sidecar = self.folder / f"{entry_id}.json"
+        entry = self._read(sidecar) if sidecar.exists() else None
+        sidecar.unlink(missing_ok=True)
+        if entry is not None:
+            (self.folder / entry.trace).unlink(missing_ok=True)
+
+    def _evict_locked(self, keep: str) -> None:
+        """Oldest entries out until all fit in max_bytes (the one just saved stays)."""
+        entries = self.entries()
+        total = sum(e.trace_bytes for e in entries)
+        for old in reversed(entries):  # oldest first
+            if total <= self.max_bytes:
+                return
+            if old.id != keep:
+                log.info("library: evicted %s (%s) to stay within %d bytes", old.id, old.name, self.max_bytes)
+                self._remove_locked(old.id)
+                total -= old.trace_bytes
+
+
+def run_facts(run_id: str, scenario: dict | None, model: dict | None, overrides: dict[str, Any], lesson: bool,
+              steps: int, requests: int, failure: str | None) -> dict[str, Any]:
+    """An entry's facts (for save) from a finished run's reducer (its scenario and model) and its start."""
+    name = (scenario or {}).get("name") or "run"
+    model_name = (model or {}).get("name") or (scenario or {}).get("model") or "?"
+    return {"id": run_id, "name": name, "scenario": name, "model": str(model_name),
+            "overrides": overrides, "lesson": lesson, "steps": max(steps, 0), "requests": requests,
+            "failed": failure is not None, "failure": failure}

@@ -1,0 +1,243 @@
+"""The run library: finished runs saved to a folder, listed, renamed, deleted and reopened exactly, across restarts.
+
+The module alone (library.py) on made-up traces, then the API on real runs of the tiny model: two
+servers on one folder stand for a restart, and a reopened run's record (state and every view's past)
+is compared with the one the original run's events build.
+"""
+
+import json
+import logging
+import time
+from collections import deque
+
+import pytest
+from litestar.testing import TestClient
+
+from kvscope.backend.events.record import RunRecord
+from kvscope.backend.events.trace import parse_trace
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.library import Entry, LibraryError, RunLibrary, run_facts
+from kvscope.backend.server.manager import RunManager
+from kvscope.frontend.client import resynced_record
+from tests.test_server import JSON, LOCAL, scenario, wait_for
+
+MB = 1024**2
+
+
+def fake_trace(run_id: str, lines: int = 3) -> str:
+    header = {"type": "header", "seq": 0, "step": -1, "t": 0.0, "run_id": run_id}
+    return "\n".join([json.dumps(header)] + [json.dumps({"type": "x", "seq": i, "step": i, "t": 0.0})
+                                               for i in range(1, lines)]) + "\n"
+
+
+def facts(run_id: str, **extra) -> dict:
+    return {**run_facts(run_id, {"name": "shared-prefix"}, {"name": "demo"}, {"engine.block_size": 8}, False, 12, 3,
+                        None), **extra}
+
+
+# ---- the module ---------------------------------------------------------------------------------------
+
+
+def test_a_saved_run_is_a_trace_and_a_sidecar_and_lists_with_its_facts(tmp_path):
+    library = RunLibrary(tmp_path)
+    entry = library.save(fake_trace("a1"), **facts("a1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a1.json", "a1.jsonl"]
+    assert (tmp_path / "a1.jsonl").read_text() == fake_trace("a1")
+    assert entry.scenario == "shared-prefix" and entry.model == "demo" and entry.steps == 12 and entry.requests == 3
+    assert entry.overrides == {"engine.block_size": 8} and entry.name == "shared-prefix"
+    assert entry.trace_bytes == len(fake_trace("a1"))
+    assert RunLibrary(tmp_path).entries() == [entry]  # another instance on the folder: a restart
+    assert library.trace_text("a1") == fake_trace("a1")
+
+
+def test_entries_list_newest_first_and_rename_and_delete_change_only_theirs(tmp_path):
+    library = RunLibrary(tmp_path)
+    for rid in ("a1", "b2", "c3"):
+        library.save(fake_trace(rid), **facts(rid))
+        time.sleep(0.01)
+    assert [e.id for e in library.entries()] == ["c3", "b2", "a1"]
+    assert library.rename("b2", "  Week 3: prefix caching  ").name == "Week 3: prefix caching"
+    library.delete("a1")
+    assert [(e.id, e.name) for e in RunLibrary(tmp_path).entries()][1] == ("b2", "Week 3: prefix caching")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b2.json", "b2.jsonl", "c3.json", "c3.jsonl"]
+
+
+def test_saving_a_run_again_replaces_its_entry(tmp_path):
+    library = RunLibrary(tmp_path)
+    library.save(fake_trace("a1"), **facts("a1"))
+    library.save(fake_trace("a1", lines=5), **facts("a1", steps=40))
+    assert [(e.id, e.steps) for e in library.entries()] == [("a1", 40)]
+    assert library.trace_text("a1") == fake_trace("a1", lines=5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a1.json", "a1.jsonl"]
+
+
+def test_the_oldest_entries_are_evicted_to_stay_within_the_size_limit(tmp_path):
+    size = len(fake_trace("a1", lines=200))
+    library = RunLibrary(tmp_path, max_mb=2.5 * size / MB)
+    for rid in ("a1", "b2", "c3", "d4"):
+        library.save(fake_trace(rid, lines=200), **facts(rid))
+        time.sleep(0.01)
+    assert [e.id for e in library.entries()] == ["d4", "c3"]
+    assert not (tmp_path / "a1.jsonl").exists() and not (tmp_path / "b2.json").exists()
+    assert library.save(fake_trace("e5", lines=2000), **facts("e5")) is None  # larger than the whole library
+    assert [e.id for e in library.entries()] == ["d4", "c3"]
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "A1", "a1.json", "", "a" * 65, "a/b", "-a"])
+def test_ids_that_are_not_file_stems_are_refused_naming_the_field(tmp_path, bad):
+    library = RunLibrary(tmp_path)
+    with pytest.raises(LibraryError) as e:
+        library.get(bad)
+    assert e.value.field == "id" and not e.value.missing
+
+
+@pytest.mark.parametrize("name", ["", "   ", "x" * 121, "a\nb"])
+def test_names_are_one_line_of_bounded_length(tmp_path, name):
+    library = RunLibrary(tmp_path)
+    library.save(fake_trace("a1"), **facts("a1"))
+    with pytest.raises(LibraryError, match="^name: "):
+        library.rename("a1", name)
+
+
+def test_hostile_and_cut_files_in_the_folder_are_skipped_with_a_logged_line(tmp_path, caplog):
+    library = RunLibrary(tmp_path)
+    good = library.save(fake_trace("a1"), **facts("a1"))
+    library.save(fake_trace("b2"), **facts("b2"))
+    with (tmp_path / "b2.jsonl").open("r+") as f:  # cut short, as by a full disk or a kill
+        f.truncate(10)
+    (tmp_path / "c3.json").write_text("{not json")
+    entry = json.loads((tmp_path / "a1.json").read_text())
+    (tmp_path / "d4.json").write_text(json.dumps({**entry, "id": "d4", "trace": "../../etc/passwd"}))
+    (tmp_path / "e5.json").write_text(json.dumps({**entry, "id": "a1"}))  # names another entry
+    (tmp_path / "f6.json").write_text(json.dumps({**entry, "id": "f6", "steps": "many"}))
+    (tmp_path / "g7.json").write_text(" " * 70_000)
+    (tmp_path / "h8.jsonl").write_text(fake_trace("h8"))  # a save that never wrote its sidecar
+    with caplog.at_level(logging.WARNING, logger="kvscope.backend.server.library"):
+        assert library.entries() == [good]
+    for name in ("b2.json", "c3.json", "d4.json", "e5.json", "f6.json", "g7.json"):
+        assert f"library: skipped {name}: " in caplog.text, name
+    assert "cut or edited" in caplog.text
+    with pytest.raises(LibraryError) as e:
+        library.trace_text("d4")
+    assert e.value.missing
+
+
+# ---- the API ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return tmp_path / "library"
+
+
+def served(tiny_dir, folder):
+    return RunManager(default_model=tiny_dir, library=RunLibrary(folder))
+
+
+def finished_run(client, tiny_dir, overrides=None) -> str:
+    body = {"scenario": scenario(tiny_dir), "speed": 0, "overrides": overrides or {}}
+    run_id = client.post("/api/runs", json=body).json()["run_id"]
+    wait_for(lambda: any(e["id"] == run_id for e in client.get("/api/library").json()["entries"]))
+    return run_id
+
+
+def test_a_finished_run_is_listed_renamed_and_deleted_over_http(tiny_dir, folder):
+    manager = served(tiny_dir, folder)
+    with TestClient(create_app(manager), base_url=LOCAL) as client:
+        run_id = finished_run(client, tiny_dir, {"engine.block_size": 8})
+        listed = client.get("/api/library").json()
+        [entry] = listed["entries"]
+        assert listed["enabled"] and listed["bytes"] == entry["trace_bytes"] > 0
+        assert entry["scenario"] == "t" and entry["overrides"] == {"engine.block_size": 8} and not entry["failed"]
+        assert entry["steps"] == client.get(f"/api/runs/{run_id}").json()["step"] and entry["requests"] == 4
+        assert client.get(f"/api/library/{run_id}").json() == entry
+        renamed = client.patch(f"/api/library/{run_id}", json={"name": "Lecture 2"})
+        assert renamed.status_code == 200 and renamed.json()["name"] == "Lecture 2"
+        assert client.delete(f"/api/library/{run_id}").status_code == 204
+        assert client.get("/api/library").json()["entries"] == []
+        assert client.get(f"/api/library/{run_id}").status_code == 404
+    manager.stop_all()
+
+
+def test_bad_library_requests_are_4xx_naming_the_field(tiny_dir, folder):
+    manager = served(tiny_dir, folder)
+    with TestClient(create_app(manager), base_url=LOCAL) as client:
+        run_id = finished_run(client, tiny_dir)
+        r = client.patch(f"/api/library/{run_id}", json={"name": ""})
+        assert r.status_code == 400 and r.json()["field"] == "name"
+        r = client.patch(f"/api/library/{run_id}", json={"name": "x", "title": "x"})
+        assert r.status_code == 400 and r.json()["field"] == "title"
+        r = client.patch("/api/library/NOT..AN-ID", json={"name": "x"})
+        assert r.status_code == 400 and r.json()["field"] == "id"
+        r = client.post("/api/library/feedfeedfeed/open", json={})
+        assert r.status_code == 404 and r.json()["field"] == "id"
+        r = client.post(f"/api/library/{run_id}/open", json={"speed": -1})
+        assert r.status_code == 400 and r.json()["field"] == "speed"
+        assert client.delete("/api/library/feedfeedfeed").status_code == 404
+        sneaky = client.request("DELETE", f"/api/library/{run_id}", content="x", headers={"content-type": "text/plain"})
+        assert sneaky.status_code == 415  # only a DELETE without a body skips the JSON check
+    manager.stop_all()
+    with TestClient(create_app(RunManager(default_model=tiny_dir)), base_url=LOCAL) as client:  # no library
+        assert client.get("/api/library").json() == {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
+        assert client.post(f"/api/library/{run_id}/open", json={}).status_code == 404
+
+
+def test_a_run_saved_by_one_server_reopens_exactly_on_the_next(tiny_dir, folder):
+    """A restart: every view's past (attention masks, token rows with their distributions, the timeline)
+    and the state after the reopened replay are those the original run's events build."""
+    first = served(tiny_dir, folder)
+    with TestClient(create_app(first), base_url=LOCAL) as client:
+        run_id = finished_run(client, tiny_dir)
+        original = parse_trace(client.get(f"/api/runs/{run_id}/trace").text)
+    first.stop_all()
+    second = served(tiny_dir, folder)
+    with TestClient(create_app(second), base_url=LOCAL) as client:
+        assert [e["id"] for e in client.get("/api/library").json()["entries"]] == [run_id]
+        opened = client.post(f"/api/library/{run_id}/open", json={"speed": 0, "paused": False})
+        assert opened.status_code == 201 and opened.json()["kind"] == "replay"
+        replay_id = opened.json()["run_id"]
+        wait_for(lambda: client.get(f"/api/runs/{replay_id}").json()["finished"])
+        with client.websocket_connect(f"/ws/runs/{replay_id}") as ws:
+            reopened = resynced_record(ws.receive_json())
+    second.stop_all()
+    expected = RunRecord.from_events(original)
+    assert any(expected.history.masks.values()) and any(len(t) > 1 for t in expected.history.tokens.values())
+    assert expected.history.masks == reopened.history.masks
+    assert as_lists(expected.history.tokens) == as_lists(reopened.history.tokens)
+    assert all(e["dist"] for t in reopened.history.tokens.values() for e in t)  # the sampling panel's rows
+    assert expected.history.columns == reopened.history.columns
+    assert expected.state.snapshot()["requests"] == reopened.state.snapshot()["requests"]
+    assert expected.state.snapshot()["block_tables"] == reopened.state.snapshot()["block_tables"]
+
+
+def as_lists(rows: dict[str, deque]) -> dict[str, list]:
+    return {k: list(v) for k, v in rows.items()}
+
+
+def test_a_failed_run_is_saved_marked_failed(tiny_dir, folder):
+    manager = served(tiny_dir, folder)
+    with TestClient(create_app(manager), base_url=LOCAL) as client:
+        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+        manager.get(run_id).fail("the lecturer pulled the plug")
+        wait_for(lambda: client.get("/api/library").json()["entries"])
+        [entry] = client.get("/api/library").json()["entries"]
+        assert entry["id"] == run_id and entry["failed"] and "pulled the plug" in entry["failure"]
+    manager.stop_all()
+
+
+def test_the_entry_model_refuses_paths_as_trace_names():
+    with pytest.raises(ValueError):
+        Entry(**facts("a1"), created=0, trace="../a1.jsonl", trace_bytes=1)
+
+
+def test_serve_flags_choose_the_folder_or_none(tmp_path, monkeypatch):
+    import argparse
+
+    from kvscope.cli import _library
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    flags = {"no_library": False, "library": None, "library_max_mb": None}
+    assert _library(argparse.Namespace(**flags)).folder == tmp_path / "data" / "kvscope" / "library"
+    chosen = _library(argparse.Namespace(**{**flags, "library": str(tmp_path / "mine"), "library_max_mb": 5.0}))
+    assert chosen.folder == tmp_path / "mine" and chosen.max_bytes == 5 * MB
+    assert _library(argparse.Namespace(**{**flags, "no_library": True})) is None
