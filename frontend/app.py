@@ -31,6 +31,8 @@ from kvscope.frontend.side_by_side import SideBySide
 
 STATIC = Path(__file__).parent / "static"
 
+PAGE_BUILD_TIMEOUT_S = 30.0
+
 
 def page_url(run_id: str | None, compare: str | None = None) -> str:
     query = {k: v for k, v in (("run", run_id), ("compare", compare)) if v}
@@ -224,7 +226,10 @@ def run_dashboard(backend_url: str, host: str = "127.0.0.1", port: int = 8080, t
     # passes, which otherwise stall the event loop for a tenth of a second at a time.
     app.on_startup(gc.freeze)
     # Ctrl-C ends ui.run with KeyboardInterrupt: the caller says what stopped and exits 130.
-    ui.run(make_root(backend, hub, default_model), host=host, port=port, title="kvscope", reload=False,
+    # NiceGUI gives a page 3 s to build by default; on a loaded machine the first call to the backend alone
+    # took longer, and the tab got a 500 page instead of the dashboard.
+    ui.page("/", response_timeout=PAGE_BUILD_TIMEOUT_S)(make_root(backend, hub, default_model))
+    ui.run(host=host, port=port, title="kvscope", reload=False,
            show=False, show_welcome_message=False, favicon="🔭", uvicorn_logging_level="warning",
            tailwind=False)  # static/kvscope.css has the few utilities we use
 
