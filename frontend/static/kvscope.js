@@ -197,9 +197,34 @@
     window.dispatchEvent(new Event("kvscope-projector")); // the block pool lays its cells out again
   };
   kv.toggleProjector = () => kv.setProjector(!kv.projector());
+  // The fixed header's height, for the CSS that keeps cards clear of it (kvscope.css: the lesson dock).
+  (function watchHeader() {
+    const header = document.querySelector(".q-header");
+    if (!header) return setTimeout(watchHeader, 100); // Vue mounts the page after this script ran
+    new ResizeObserver(() => root.style.setProperty("--kv-header-h", `${header.offsetHeight}px`)).observe(header);
+  })();
   root.classList.toggle("kv-projector", sessionStorage.getItem(PROJECTOR_KEY) === "1");
   window.kvscope = kv;
-  setInterval(() => { // charts mounted after the switch (a page opened in projector mode) catch up
+  // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
+  // narrow fallback glyph (6 px at 16 px), so it lays labels out as if lines were 6 px tall: the
+  // timeline's 512 request names, legend rows and axis names overlap. This font holds that one glyph,
+  // an empty square one em wide (fontTools' FontBuilder: glyph uni56FD, advance 1000 of 1000 units),
+  // and the charts' font list names it (views/charts.py). Built from bytes it is ready at once, before
+  // any chart measures a label (zrender caches what it measured).
+  const EM_FONT = "AAEAAAAKAIAAAwAgT1MvMpvcpSEAAAEoAAAAYGNtYXAADFdQAAABkAAAADRnbHlmAAAAAAAAAcwAAAABaGVhZC2AxoQAAACsAAAANmhoZWEDcgNzAAAA5AAAACRobXR4A+gAAAAAAYgAAAAIbG9jYQAAAAAAAAHEAAAABm1heHAAAwACAAABCAAAACBuYW1lRdlAGQAAAdAAAABpcG9zdLWzPKsAAAI8AAAALgABAAAAAQAADPIWp18PPPUAAwPoAAAAAOc1QtIAAAAA5zVC0gAAAAAAAAAAAAAAAwACAAAAAAAAAAEAAANw/4gAAAPoAAAAAAAAAAEAAAAAAAAAAAAAAAAAAAACAAEAAAACAAAAAAAAAAAAAgAAAAAAAAAAAAAAAAAAAAAAAwPoAZAABQAEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAAAAAAAAAAAAAAAPz8/PwAAVv1W/QNw/4gAAANwAHgAAAAAAAAAAAAAAAAAAAAgAAAAAAAAA+gAAAAAAAIAAAADAAAAFAADAAEAAAAUAAQAIAAAAAQABAABAABW/f//AABW/f//qQQAAQAAAAAAAAAAAAAAAAAAAAAAAAAEADYAAQAAAAAAAQAKAAAAAQAAAAAAAgAHAAoAAwABBAkAAQAUABEAAwABBAkAAgAOACVrdnNjb3BlLWVtUmVndWxhcgBrAHYAcwBjAG8AcABlAC0AZQBtAFIAZQBnAHUAbABhAHIAAAAAAgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAAABAgd1bmk1NkZEAAA=";
+  document.fonts.add(new FontFace("kvscope-em", Uint8Array.from(atob(EM_FONT), (c) => c.charCodeAt(0)),
+                                  { unicodeRange: "U+56FD" }));
+  // Each card's height as --kv-h: in projector mode a card's scroll-margin-bottom tops it up to the
+  // window's height (kvscope.css), so a lesson's scrollIntoView({block: "nearest"}) always puts the
+  // card it names whole just under the header, where a card that grows during the pause stays in sight.
+  const cardSizes = new ResizeObserver((entries) => {
+    for (const e of entries) e.target.style.setProperty("--kv-h", `${e.target.offsetHeight}px`);
+  });
+  setInterval(() => { // charts and cards mounted after the switch (a page opened in projector mode) catch up
+    for (const card of document.querySelectorAll(".kv-card:not([data-kv-sized])")) {
+      card.dataset.kvSized = "1";
+      cardSizes.observe(card);
+    }
     const on = kv.projector();
     for (const chart of charts()) if (chart.__kvProjector !== on && (on || chart.__kvNormal)) chartFonts(chart, on);
   }, 500);
