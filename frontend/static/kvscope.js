@@ -45,12 +45,16 @@
       const ink = { stroke: "#111827", lineWidth: 1.5 };
       const kids = [{ type: "line", shape: { x1: x0, y1: y, x2: x1, y2: y }, style: ink }];
       if (parent >= 0) kids.push({ type: "line", shape: { x1: x0, y1: yOf(parent), x2: x0, y2: y }, style: ink });
-      const r = Math.min(4, band / slots / 2 + 1);
-      if (end === 2) {
-        kids.push({ type: "line", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: { stroke: "#dc2626", lineWidth: 2 } });
-        kids.push({ type: "line", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: { stroke: "#dc2626", lineWidth: 2 } });
+      // the marks keep their size however thin the lines get: a lesson points at them
+      const r = kv.markPx() / 2, cross = { stroke: "#dc2626", lineWidth: r / 2.5 };
+      if (parent >= 0) // the fork: where this sequence left its parent
+        kids.push({ type: "circle", name: "fork", shape: { cx: x0, cy: y, r: r - 1 }, z2: 2,
+                    style: { fill: "#fff", stroke: "#111827", lineWidth: r / 4 } });
+      if (end === 2) { // pruned: a cross
+        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: cross, z2: 2 });
+        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: cross, z2: 2 });
       } else if (end === 1) {
-        kids.push({ type: "circle", shape: { cx: x1, cy: y, r: r * 0.8 }, style: { fill: "#111827" } });
+        kids.push({ type: "circle", name: "finished", shape: { cx: x1, cy: y, r: r }, style: { fill: "#111827" }, z2: 2 });
       }
       return { type: "group", children: kids };
     },
@@ -171,14 +175,16 @@
       const of = (list, key) => (list || []).map((item) => (item[key] || {}).fontSize || 12);
       chart.__kvNormal = { x: of(o.xAxis, "axisLabel"), xn: of(o.xAxis, "nameTextStyle"),
                            y: of(o.yAxis, "axisLabel"), yn: of(o.yAxis, "nameTextStyle"),
-                           legend: of(o.legend, "textStyle") };
+                           legend: of(o.legend, "textStyle"), tooltip: of(o.tooltip, "textStyle"),
+                           zoom: of(o.dataZoom, "textStyle") };
     }
     const n = chart.__kvNormal;
     const size = (normal, i) => (on ? Math.max(PROJECTOR_FONT, normal[i] || 0) : normal[i]);
     const axes = (list, labels, names) => (list || []).map((_, i) => ({
       axisLabel: { fontSize: size(labels, i) }, nameTextStyle: { fontSize: size(names, i) } }));
-    chart.setOption({ xAxis: axes(o.xAxis, n.x, n.xn), yAxis: axes(o.yAxis, n.y, n.yn),
-                      legend: (o.legend || []).map((_, i) => ({ textStyle: { fontSize: size(n.legend, i) } })) });
+    const texts = (list, normal) => (list || []).map((_, i) => ({ textStyle: { fontSize: size(normal, i) } }));
+    chart.setOption({ xAxis: axes(o.xAxis, n.x, n.xn), yAxis: axes(o.yAxis, n.y, n.yn), legend: texts(o.legend, n.legend),
+                      tooltip: texts(o.tooltip, n.tooltip), dataZoom: texts(o.dataZoom, n.zoom) });
     chart.__kvProjector = on;
   }
   function charts() {
@@ -190,6 +196,8 @@
     return out;
   }
   kv.projector = () => root.classList.contains("kv-projector");
+  // The size of a chart's marks (fork, prune, finish, first token): 16 px from the back of a room.
+  kv.markPx = () => (kv.projector() ? 16 : 10);
   kv.setProjector = (on) => {
     root.classList.toggle("kv-projector", on);
     sessionStorage.setItem(PROJECTOR_KEY, on ? "1" : "");
