@@ -42,20 +42,29 @@ CHART_TEXTS = """() => {
         const c = window.getElement && getElement(el.id.slice(1));
         if (!c || !c.chart || c.chart.isDisposed()) continue;
         const texts = [];
-        const visit = (e) => {
+        const visit = (e, clip) => {  // clip: the box a scrolling legend shows its current page in
             if (e.ignore || e.invisible) return;
+            const path = e.getClipPath && e.getClipPath();
+            if (path) {
+                const r = path.getBoundingRect().clone();
+                r.applyTransform(path.getComputedTransform() || e.getComputedTransform());
+                clip = [r.x, r.y, r.x + r.width, r.y + r.height];
+            }
             const label = e.getTextContent && e.getTextContent();
-            if (label) visit(label);
+            if (label) visit(label, clip);
             const text = e.type === 'text' && e.style && e.style.text;
             if (text !== undefined && text !== false && String(text).trim() && (e.style.opacity ?? 1) > 0) {
-                const r = e.getBoundingRect().clone();
-                r.applyTransform(e.getComputedTransform());
-                texts.push({text: String(text).slice(0, 24), x: r.x, y: r.y, w: r.width, h: r.height,
-                            px: e.style.fontSize || 12});
+                const r = e.getBoundingRect(), m = e.getComputedTransform() || [1, 0, 0, 1, 0, 0];
+                const corners = [[r.x, r.y], [r.x + r.width, r.y], [r.x + r.width, r.y + r.height], [r.x, r.y + r.height]]
+                    .map(([x, y]) => [m[0] * x + m[2] * y + m[4], m[1] * x + m[3] * y + m[5]]);  // rotated labels too
+                const cx = corners.reduce((a, c) => a + c[0], 0) / 4, cy = corners.reduce((a, c) => a + c[1], 0) / 4;
+                if (clip && (cx < clip[0] || cx > clip[2] || cy < clip[1] || cy > clip[3])) return;  // on another page
+                const px = e.style.fontSize || parseFloat((/([\d.]+)px/.exec(e.style.font || '') || [])[1]) || 12;
+                texts.push({text: String(text).slice(0, 24), corners, px});
             }
-            if (e.isGroup) for (const k of e.children()) visit(k);
+            if (e.isGroup) for (const k of e.children()) visit(k, clip);
         };
-        for (const root of c.chart.getZr().storage.getRoots()) visit(root);
+        for (const root of c.chart.getZr().storage.getRoots()) visit(root, null);
         const o = c.chart.getOption();
         const sizes = (list) => (list || []).map((x) => (x.textStyle || {}).fontSize || 12);
         out[el.dataset.kv] = {texts, option: [...sizes(o.legend), ...sizes(o.tooltip), ...sizes(o.dataZoom)]};
@@ -67,13 +76,13 @@ CHART_TEXTS = """() => {
 DOM_OVERLAPS = """() => {
     const own = (el) => Array.from(el.childNodes).some((n) => n.nodeType === 3 && n.textContent.trim());
     const els = Array.from(document.querySelectorAll('.kv-main *')).filter((el) => own(el) && el.getClientRects().length
-        && getComputedStyle(el).visibility !== 'hidden' && !el.closest('.q-field, .q-btn, .q-toggle, .nicegui-echart'));
-    const boxes = els.map((el) => el.getBoundingClientRect());
+        && getComputedStyle(el).visibility !== 'hidden' && !el.closest('.q-field, .q-btn, .q-toggle, .q-slider, .nicegui-echart'));
+    const boxes = els.map((el) => Array.from(el.getClientRects()));  // an inline element wrapped: one per line
+    const meet = (a, b) => a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
     const out = [];
     for (let i = 0; i < els.length; i++) for (let j = i + 1; j < els.length; j++) {
-        const a = boxes[i], b = boxes[j];
         if (els[i].contains(els[j]) || els[j].contains(els[i])) continue;
-        if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1)
+        if (boxes[i].some((a) => boxes[j].some((b) => meet(a, b))))
             out.push(`${els[i].textContent.trim().slice(0, 20)} / ${els[j].textContent.trim().slice(0, 20)}`);
     }
     return out;
@@ -108,14 +117,26 @@ def settled(page, mark: str) -> dict:
     return boxes
 
 
+Point = tuple[float, float]
+
+
+def intersect(a: list[Point], b: list[Point], slack: float = 1.0) -> bool:
+    """Whether two convex boxes (corners in order) overlap by more than `slack` px: no edge of either
+    separates them (the separating axis theorem; a rotated label's own box, not the box around it)."""
+    for poly in (a, b):
+        for (x0, y0), (x1, y1) in zip(poly, poly[1:] + poly[:1]):
+            nx, ny = y0 - y1, x1 - x0
+            norm = (nx * nx + ny * ny) ** 0.5 or 1.0
+            pa = [(x * nx + y * ny) / norm for x, y in a]
+            pb = [(x * nx + y * ny) / norm for x, y in b]
+            if min(max(pa), max(pb)) - max(min(pa), min(pb)) <= slack:
+                return False
+    return True
+
+
 def overlapping(texts: list[dict]) -> list[tuple[str, str]]:
-    pairs = []
-    for i, a in enumerate(texts):
-        for b in texts[i + 1:]:
-            if a["x"] < b["x"] + b["w"] - 1 and b["x"] < a["x"] + a["w"] - 1 and \
-                    a["y"] < b["y"] + b["h"] - 1 and b["y"] < a["y"] + a["h"] - 1:
-                pairs.append((a["text"], b["text"]))
-    return pairs
+    return [(a["text"], b["text"]) for i, a in enumerate(texts) for b in texts[i + 1:]
+            if intersect(a["corners"], b["corners"])]
 
 
 def finished_run(base: str, name: str, overrides: dict | None = None) -> str:
@@ -174,7 +195,7 @@ def test_projector_mode_text_is_16px_and_no_two_labels_overlap(page, backend_url
         assert m["small"] == [], f"{width}x{height}: text under {PROJECTOR_PX} px: {m['small'][:8]}"
         time.sleep(1.0)  # the charts lay out again a frame after the resize
         shot(page, f"{scenario}-{width}x{height}")
-        for kv, chart in page.evaluate(CHART_TEXTS).items():
+        for kv, chart in page.evaluate(CHART_TEXTS).items():  # every chart, on screen or scrolled past
             small = [t for t in chart["texts"] if t["px"] < PROJECTOR_PX]
             assert not small and min(chart["option"], default=PROJECTOR_PX) >= PROJECTOR_PX, \
                 f"{scenario} {width}x{height}: {kv} draws text under {PROJECTOR_PX} px: {small[:4]} {chart['option']}"
@@ -186,7 +207,7 @@ def test_projector_mode_draws_beam_marks_16px_across(page, backend_url, dashboar
     run_id = finished_run(backend_url, "beam-search")
     in_projector_mode(page, *SIZES[0])
     page.goto(f"{dashboard_url}/?run={run_id}")
-    page.wait_for_function(f"() => {MARKS}().prune")
+    page.wait_for_function(f"() => ({MARKS})().prune")
     marks = page.evaluate(MARKS)
     assert set(marks) == {"fork", "prune", "finished"}
     assert min(min(sizes) for sizes in marks.values()) >= PROJECTOR_PX, marks

@@ -120,7 +120,7 @@ class MetricsView(FeedView):
         return {
             # one scrolling row, and the axes named along their sides: a wrapped legend or names
             # above the plot ran into each other at 16 px (projector mode)
-            "legend": {"top": 0, "type": "scroll", "textStyle": {"fontSize": 11}},
+            "legend": {"top": 0, "type": "scroll", "textStyle": {"fontSize": 11}, "pageTextStyle": {"fontSize": 16}},
             "tooltip": {"trigger": "axis"},
             "grid": [{"left": 76, "right": 76, "top": 34, "bottom": "52%"},
                      {"left": 76, "right": 76, "top": "58%", "bottom": 44}],
