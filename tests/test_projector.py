@@ -59,7 +59,7 @@ CHART_TEXTS = """() => {
                     .map(([x, y]) => [m[0] * x + m[2] * y + m[4], m[1] * x + m[3] * y + m[5]]);  // rotated labels too
                 const cx = corners.reduce((a, c) => a + c[0], 0) / 4, cy = corners.reduce((a, c) => a + c[1], 0) / 4;
                 if (clip && (cx < clip[0] || cx > clip[2] || cy < clip[1] || cy > clip[3])) return;  // on another page
-                const px = e.style.fontSize || parseFloat((/([\d.]+)px/.exec(e.style.font || '') || [])[1]) || 12;
+                const px = e.style.fontSize || parseFloat((/([\\d.]+)px/.exec(e.style.font || '') || [])[1]) || 12;
                 texts.push({text: String(text).slice(0, 24), corners, px});
             }
             if (e.isGroup) for (const k of e.children()) visit(k, clip);
