@@ -45,12 +45,16 @@
       const ink = { stroke: "#111827", lineWidth: 1.5 };
       const kids = [{ type: "line", shape: { x1: x0, y1: y, x2: x1, y2: y }, style: ink }];
       if (parent >= 0) kids.push({ type: "line", shape: { x1: x0, y1: yOf(parent), x2: x0, y2: y }, style: ink });
-      const r = Math.min(4, band / slots / 2 + 1);
-      if (end === 2) {
-        kids.push({ type: "line", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: { stroke: "#dc2626", lineWidth: 2 } });
-        kids.push({ type: "line", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: { stroke: "#dc2626", lineWidth: 2 } });
+      // the marks keep their size however thin the lines get: a lesson points at them
+      const r = kv.markPx() / 2, cross = { stroke: "#dc2626", lineWidth: r / 2.5 };
+      if (parent >= 0) // the fork: where this sequence left its parent
+        kids.push({ type: "circle", name: "fork", shape: { cx: x0, cy: y, r: r - 1 }, z2: 2,
+                    style: { fill: "#fff", stroke: "#111827", lineWidth: r / 4 } });
+      if (end === 2) { // pruned: a cross
+        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: cross, z2: 2 });
+        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: cross, z2: 2 });
       } else if (end === 1) {
-        kids.push({ type: "circle", shape: { cx: x1, cy: y, r: r * 0.8 }, style: { fill: "#111827" } });
+        kids.push({ type: "circle", name: "finished", shape: { cx: x1, cy: y, r: r }, style: { fill: "#111827" }, z2: 2 });
       }
       return { type: "group", children: kids };
     },
@@ -171,14 +175,16 @@
       const of = (list, key) => (list || []).map((item) => (item[key] || {}).fontSize || 12);
       chart.__kvNormal = { x: of(o.xAxis, "axisLabel"), xn: of(o.xAxis, "nameTextStyle"),
                            y: of(o.yAxis, "axisLabel"), yn: of(o.yAxis, "nameTextStyle"),
-                           legend: of(o.legend, "textStyle") };
+                           legend: of(o.legend, "textStyle"), tooltip: of(o.tooltip, "textStyle"),
+                           zoom: of(o.dataZoom, "textStyle") };
     }
     const n = chart.__kvNormal;
     const size = (normal, i) => (on ? Math.max(PROJECTOR_FONT, normal[i] || 0) : normal[i]);
     const axes = (list, labels, names) => (list || []).map((_, i) => ({
       axisLabel: { fontSize: size(labels, i) }, nameTextStyle: { fontSize: size(names, i) } }));
-    chart.setOption({ xAxis: axes(o.xAxis, n.x, n.xn), yAxis: axes(o.yAxis, n.y, n.yn),
-                      legend: (o.legend || []).map((_, i) => ({ textStyle: { fontSize: size(n.legend, i) } })) });
+    const texts = (list, normal) => (list || []).map((_, i) => ({ textStyle: { fontSize: size(normal, i) } }));
+    chart.setOption({ xAxis: axes(o.xAxis, n.x, n.xn), yAxis: axes(o.yAxis, n.y, n.yn), legend: texts(o.legend, n.legend),
+                      tooltip: texts(o.tooltip, n.tooltip), dataZoom: texts(o.dataZoom, n.zoom) });
     chart.__kvProjector = on;
   }
   function charts() {
@@ -190,6 +196,8 @@
     return out;
   }
   kv.projector = () => root.classList.contains("kv-projector");
+  // The size of a chart's marks (fork, prune, finish, first token): 16 px from the back of a room.
+  kv.markPx = () => (kv.projector() ? 16 : 10);
   kv.setProjector = (on) => {
     root.classList.toggle("kv-projector", on);
     sessionStorage.setItem(PROJECTOR_KEY, on ? "1" : "");
@@ -197,9 +205,34 @@
     window.dispatchEvent(new Event("kvscope-projector")); // the block pool lays its cells out again
   };
   kv.toggleProjector = () => kv.setProjector(!kv.projector());
+  // The fixed header's height, for the CSS that keeps cards clear of it (kvscope.css: the lesson dock).
+  (function watchHeader() {
+    const header = document.querySelector(".q-header");
+    if (!header) return setTimeout(watchHeader, 100); // Vue mounts the page after this script ran
+    new ResizeObserver(() => root.style.setProperty("--kv-header-h", `${header.offsetHeight}px`)).observe(header);
+  })();
   root.classList.toggle("kv-projector", sessionStorage.getItem(PROJECTOR_KEY) === "1");
   window.kvscope = kv;
-  setInterval(() => { // charts mounted after the switch (a page opened in projector mode) catch up
+  // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
+  // narrow fallback glyph (6 px at 16 px), so it lays labels out as if lines were 6 px tall: the
+  // timeline's 512 request names, legend rows and axis names overlap. This font holds that one glyph,
+  // an empty square one em wide (fontTools' FontBuilder: glyph uni56FD, advance 1000 of 1000 units),
+  // and the charts' font list names it (views/charts.py). Built from bytes it is ready at once, before
+  // any chart measures a label (zrender caches what it measured).
+  const EM_FONT = "AAEAAAAKAIAAAwAgT1MvMpvcpSEAAAEoAAAAYGNtYXAADFdQAAABkAAAADRnbHlmAAAAAAAAAcwAAAABaGVhZC2AxoQAAACsAAAANmhoZWEDcgNzAAAA5AAAACRobXR4A+gAAAAAAYgAAAAIbG9jYQAAAAAAAAHEAAAABm1heHAAAwACAAABCAAAACBuYW1lRdlAGQAAAdAAAABpcG9zdLWzPKsAAAI8AAAALgABAAAAAQAADPIWp18PPPUAAwPoAAAAAOc1QtIAAAAA5zVC0gAAAAAAAAAAAAAAAwACAAAAAAAAAAEAAANw/4gAAAPoAAAAAAAAAAEAAAAAAAAAAAAAAAAAAAACAAEAAAACAAAAAAAAAAAAAgAAAAAAAAAAAAAAAAAAAAAAAwPoAZAABQAEAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAAAAAAAAAAAAAAAPz8/PwAAVv1W/QNw/4gAAANwAHgAAAAAAAAAAAAAAAAAAAAgAAAAAAAAA+gAAAAAAAIAAAADAAAAFAADAAEAAAAUAAQAIAAAAAQABAABAABW/f//AABW/f//qQQAAQAAAAAAAAAAAAAAAAAAAAAAAAAEADYAAQAAAAAAAQAKAAAAAQAAAAAAAgAHAAoAAwABBAkAAQAUABEAAwABBAkAAgAOACVrdnNjb3BlLWVtUmVndWxhcgBrAHYAcwBjAG8AcABlAC0AZQBtAFIAZQBnAHUAbABhAHIAAAAAAgAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACAAABAgd1bmk1NkZEAAA=";
+  document.fonts.add(new FontFace("kvscope-em", Uint8Array.from(atob(EM_FONT), (c) => c.charCodeAt(0)),
+                                  { unicodeRange: "U+56FD" }));
+  // Each card's height as --kv-h: in projector mode a card's scroll-margin-bottom tops it up to the
+  // window's height (kvscope.css), so a lesson's scrollIntoView({block: "nearest"}) always puts the
+  // card it names whole just under the header, where a card that grows during the pause stays in sight.
+  const cardSizes = new ResizeObserver((entries) => {
+    for (const e of entries) e.target.style.setProperty("--kv-h", `${e.target.offsetHeight}px`);
+  });
+  setInterval(() => { // charts and cards mounted after the switch (a page opened in projector mode) catch up
+    for (const card of document.querySelectorAll(".kv-card:not([data-kv-sized])")) {
+      card.dataset.kvSized = "1";
+      cardSizes.observe(card);
+    }
     const on = kv.projector();
     for (const chart of charts()) if (chart.__kvProjector !== on && (on || chart.__kvNormal)) chartFonts(chart, on);
   }, 500);

@@ -126,16 +126,16 @@ class BatchView(FeedView):
 
     def _options(self) -> dict:
         return {
-            "grid": [{"left": 56, "right": 16, "top": 12, "bottom": "40%"},
-                     {"left": 56, "right": 16, "top": "66%", "bottom": 48}],
+            "grid": [{"left": 72, "right": 16, "top": 12, "bottom": "40%"},
+                     {"left": 72, "right": 16, "top": "66%", "bottom": 48}],
             "tooltip": {"trigger": "item", ":formatter": "kvscope.batchTip"},
             "xAxis": [{"type": "value", "gridIndex": 0, "min": "dataMin", "max": "dataMax",
                        "axisLabel": {"show": False}},
                       {"type": "value", "gridIndex": 1, "min": "dataMin", "max": "dataMax", "name": "iteration",
                        "nameLocation": "middle", "nameGap": 20, "axisLabel": INTEGER_LABELS}],
-            "yAxis": [{"type": "value", "gridIndex": 0, "name": "tokens", "nameLocation": "middle", "nameGap": 36},
+            "yAxis": [{"type": "value", "gridIndex": 0, "name": "tokens", "nameLocation": "middle", "nameGap": 52},
                       {"type": "value", "gridIndex": 1, "name": "slots", "minInterval": 1, "nameLocation": "middle",
-                       "nameGap": 36}],
+                       "nameGap": 52, "splitNumber": 2}],
             "dataZoom": [{"type": "slider", "xAxisIndex": [0, 1], "filterMode": "weakFilter", "height": 14,
                           "bottom": 2, "showDataShadow": False},
                          {"type": "inside", "xAxisIndex": [0, 1], "filterMode": "weakFilter"}],

@@ -10,6 +10,9 @@ const MIN_NUMBER_PX = 11, PROJECTOR_NUMBER_PX = 16;
 // Pools of one scale group (side by side) share one scale, bytes per px²: the scale that lets every
 // member fit its canvas. A pool of fewer bytes is then drawn smaller, equal area meaning equal bytes.
 const SCALE_GROUPS = new Map(); // group name -> Set of components
+// A lesson's ring is at least this wide, centred on its cell: 2,048 blocks make 5 px cells, and a
+// ring that small is not seen from the back of a room.
+const MIN_RING_PX = 16;
 
 export default {
   template: `<div style="position:relative;width:100%;height:100%">
@@ -85,7 +88,7 @@ export default {
     ring(blocks) {
       for (const b of this.focused) this.dirty.add(b);
       this.focused = new Set(blocks);
-      for (const b of this.focused) this.dirty.add(b);
+      this.all = true; // a ring larger than its cell covers neighbours: repaint them all
       this.$refs.canvas.dataset.ringed = blocks.join(" "); // what a canvas draws, readable by a test or a screen reader
       this.schedule();
     },
@@ -109,7 +112,7 @@ export default {
       const projector = document.documentElement.classList.contains("kv-projector");
       const font = Math.min(Math.floor(cell * 0.42), 20); // "2047" fits a cell at this size
       const numbers = font >= (projector ? PROJECTOR_NUMBER_PX : MIN_NUMBER_PX) ? font : 0;
-      this.geom = { cell: Math.max(cell, 2), cols: fitCols, dpr, numbers };
+      this.geom = { cell: Math.max(cell, 2), cols: fitCols, dpr, numbers, ring: Math.max(cell, MIN_RING_PX) };
       Object.assign(canvas.dataset, { cell: this.geom.cell, blocks: this.n, bytesPerBlock: this.bytesPerBlock });
       this.all = true;
       this.schedule();
@@ -151,6 +154,7 @@ export default {
         for (const b of this.flashes.keys()) if (!this.dirty.has(b)) this.drawCell(ctx, b, now);
       }
       this.dirty.clear();
+      for (const b of this.focused) this.drawRing(ctx, b); // on top: a repainted neighbour cleared its overhang
       if (this.flashes.size) this.schedule();
     },
     drawCell(ctx, b, now) {
@@ -213,20 +217,26 @@ export default {
           ctx.globalAlpha = 1;
         }
       }
-      if (this.focused.has(b)) {
-        const w = Math.max(2, cell / 8);
-        ctx.lineWidth = w;
-        ctx.strokeStyle = this.colors.focus;
-        ctx.strokeRect(x + w / 2, y + w / 2, cell - w, cell - w);
-        ctx.strokeStyle = "#fff";
-        ctx.lineWidth = Math.max(1, w / 2);
-        ctx.strokeRect(x + w * 1.25, y + w * 1.25, cell - w * 2.5, cell - w * 2.5);
-      }
       if (b === this.hover) {
         ctx.strokeStyle = "#111";
         ctx.lineWidth = 2;
         ctx.strokeRect(x + 1, y + 1, cell - 2, cell - 2);
       }
+    },
+    // The lesson's double ring (dark outside, white inside) around block b, `ring` px across.
+    drawRing(ctx, b) {
+      if (b < 0 || b >= this.n) return;
+      const { cell, cols, ring } = this.geom;
+      const inside = (v) => Math.max(0, v); // a ring at the pool's edge stays on the canvas
+      const x = Math.min(inside((b % cols) * cell + (cell - ring) / 2), inside(cols * cell - ring));
+      const y = inside(Math.floor(b / cols) * cell + (cell - ring) / 2);
+      const w = Math.max(3, ring / 8);
+      ctx.lineWidth = w;
+      ctx.strokeStyle = this.colors.focus;
+      ctx.strokeRect(x + w / 2, y + w / 2, ring - w, ring - w);
+      ctx.strokeStyle = "#fff";
+      ctx.lineWidth = Math.max(1, w / 2);
+      ctx.strokeRect(x + w * 1.25, y + w * 1.25, ring - w * 2.5, ring - w * 2.5);
     },
     blockAt(e) {
       const r = this.$refs.canvas.getBoundingClientRect();

@@ -9,9 +9,11 @@ from typing import Any
 from nicegui import ui
 
 
+# kvscope-em (static/kvscope.css) gives "国", which zrender measures as a line's height, its true size
+CHART_FONT = "Inter, Roboto, kvscope-em, sans-serif"
 BASE_OPTIONS: dict[str, Any] = {
     "animation": False,  # live data: tweening every update would lag behind and cost CPU
-    "textStyle": {"fontFamily": "Inter, Roboto, sans-serif"},
+    "textStyle": {"fontFamily": CHART_FONT},
 }
 
 
@@ -24,10 +26,12 @@ def make_chart(options: dict[str, Any], height: str, marker: str) -> ui.echart:
 def probability_bars(grid_top: int = 30, grid_bottom: int = 62) -> dict[str, Any]:
     """Options of a bar chart of token probabilities (tokens on x, series filled in by the view)."""
     return {
-        "legend": {"top": 0, "textStyle": {"fontSize": 11}},
+        # one scrolling row of legend, the y axis named along its side: at 16 px (projector mode) a
+        # wrapped legend ran into a name above the axis
+        "legend": {"top": 0, "type": "scroll", "textStyle": {"fontSize": 11}, "pageTextStyle": {"fontSize": 16}},
         "tooltip": {"trigger": "axis", "axisPointer": {"type": "shadow"}},
-        "grid": {"left": 48, "right": 12, "top": grid_top, "bottom": grid_bottom},
+        "grid": {"left": 72, "right": 12, "top": grid_top, "bottom": grid_bottom},
         "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 40, "fontSize": 11}},
-        "yAxis": {"type": "value", "name": "probability", "max": 1},
+        "yAxis": {"type": "value", "name": "probability", "nameLocation": "middle", "nameGap": 50, "max": 1},
         "series": [],
     }

@@ -104,6 +104,9 @@ def line_value(point: MetricPoint, key: str) -> float | None:
     return round(100 * value, 2) if key in PERCENT else round(value, 1)
 
 
+SIDE_NAME = {"nameLocation": "middle", "nameGap": 56}  # beside the numbers ("50,000" at 16 px), not on them
+
+
 class MetricsView(FeedView):
     name = "metrics"
 
@@ -124,18 +127,21 @@ class MetricsView(FeedView):
 
     def _options(self) -> dict:
         return {
-            "legend": {"top": 0, "textStyle": {"fontSize": 11}},
+            # one scrolling row, and the axes named along their sides: a wrapped legend or names
+            # above the plot ran into each other at 16 px (projector mode)
+            "legend": {"top": 0, "type": "scroll", "textStyle": {"fontSize": 11}, "pageTextStyle": {"fontSize": 16}},
             "tooltip": {"trigger": "axis"},
-            "grid": [{"left": 52, "right": 52, "top": 28, "bottom": "52%"},
-                     {"left": 52, "right": 52, "top": "56%", "bottom": 44}],
+            "grid": [{"left": 76, "right": 76, "top": 34, "bottom": "52%"},
+                     {"left": 76, "right": 76, "top": "58%", "bottom": 44}],
             "xAxis": [{"type": "value", "gridIndex": 0, "min": "dataMin", "max": "dataMax",
                        "axisLabel": {"show": False}},
                       {"type": "value", "gridIndex": 1, "min": "dataMin", "max": "dataMax", "name": "iteration",
                        "nameLocation": "middle", "nameGap": 22}],
-            "yAxis": [{"type": "value", "gridIndex": 0, "name": "tokens/s"},
-                      {"type": "value", "gridIndex": 0, "name": "ms", "position": "right",
-                       "splitLine": {"show": False}},
-                      {"type": "value", "gridIndex": 1, "name": "%", "min": 0, "max": 100}],
+            "yAxis": [{"type": "value", "gridIndex": 0, "name": "tokens/s", **SIDE_NAME, "splitNumber": 3},
+                      {"type": "value", "gridIndex": 0, "name": "ms", "position": "right", **SIDE_NAME,
+                       "splitNumber": 3, "splitLine": {"show": False}},
+                      {"type": "value", "gridIndex": 1, "name": "%", "min": 0, "max": 100, **SIDE_NAME,
+                       "interval": 50}],
             "dataZoom": [{"type": "inside", "xAxisIndex": [0, 1], "filterMode": "none"}],
             "series": [],
         }

@@ -187,9 +187,9 @@ class TimelineView(FeedView):
 
     def _options(self) -> dict:
         return {
-            "grid": {"left": 84, "right": 36, "top": 8, "bottom": 58},
+            "grid": {"left": 84, "right": 36, "top": 8, "bottom": 66},  # the axis name clear of the slider at 16 px
             "tooltip": {"trigger": "item", ":formatter": "kvscope.timelineTip"},
-            "xAxis": {"type": "value", "name": "iteration", "nameLocation": "middle", "nameGap": 22,
+            "xAxis": {"type": "value", "name": "iteration", "nameLocation": "middle", "nameGap": 26,
                       "min": "dataMin", "max": "dataMax", "axisLabel": {"fontSize": 11, **INTEGER_LABELS}},
             "yAxis": {"type": "category", "data": [], "inverse": True, "axisLabel": {"fontSize": 11}},
             "dataZoom": [
@@ -303,7 +303,7 @@ class TimelineView(FeedView):
         if not force and data == self.ttft_sent:
             return None
         self.ttft_sent = data
-        return {"id": "ttft", "type": "scatter", "data": data, "symbol": "diamond", "symbolSize": 9,
+        return {"id": "ttft", "type": "scatter", "data": data, "symbol": "diamond", "symbolSize": Js("kvscope.markPx"),
                 "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
 
     def _branch_series(self, force: bool = False) -> dict | None:

@@ -1,0 +1,236 @@
+"""Projector mode in a room (#22): in headless Chromium at 1280x720 and 1920x1080, a lesson pause shows
+its card and the view it names on one screen, no text is under 16 px, no two labels overlap (measured
+on the boxes ECharts itself draws and on the page's own elements), and the marks a lesson points at
+(beam forks, prunes, finishes; the block pool's rings) are at least 16 px.
+
+Shares test_browser's servers and its `page` fixture, which fails a test on any page error.
+`KVSCOPE_SHOTS=folder` saves a screenshot of every layout checked here, to look at.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvscope.backend.events.moments import VIEWS
+from kvscope.frontend.lesson import MOMENT_TITLES
+from kvscope.frontend.palette import FOCUS_COLOR
+from tests.test_browser import (COMPONENT, MEASURE, PROJECTOR_PX, SHOTS, WAIT_S, api, backend_url, browser,  # noqa: F401
+                                dashboard_url, laid_out, measure_when, page, pytestmark, wait_until)
+
+SIZES = ((1280, 720), (1920, 1080))
+# a view's card is the one holding its chart or canvas
+CARD_OF = {"blocks": "block-pool", "timeline": "timeline", "batch": "batch", "metrics": "metrics",
+           "speculative": "spec-pq", "sampling": "sampling", "attention": "attention", "roofline": "roofline"}
+KIND_OF_TITLE = {title: kind for kind, title in MOMENT_TITLES.items()}
+
+# The boxes of the lesson card and of a view's card, once the page stopped moving (a pause scrolls smoothly).
+BOXES = """(mark) => {
+    const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom].map(Math.round); };
+    const card = document.querySelector(`[data-kv='${mark}']`).closest('.kv-card');
+    return {lesson: box(document.querySelector('.kv-lesson-card')), view: box(card), focused: card.classList.contains('kv-focus'),
+            header: Math.round(document.querySelector('.q-header').getBoundingClientRect().bottom),
+            width: window.innerWidth, height: window.innerHeight, scroll: window.scrollY};
+}"""
+
+# Every text ECharts drew, as boxes on the page: zrender's own text elements (axis labels and names,
+# legend items, titles) and the labels of shapes, with the transforms that placed them.
+CHART_TEXTS = """() => {
+    const out = {};
+    for (const el of document.querySelectorAll('[data-kv]')) {
+        const c = window.getElement && getElement(el.id.slice(1));
+        if (!c || !c.chart || c.chart.isDisposed()) continue;
+        const texts = [];
+        const visit = (e, clip) => {  // clip: the box a scrolling legend shows its current page in
+            if (e.ignore || e.invisible) return;
+            const path = e.getClipPath && e.getClipPath();
+            if (path) {
+                const r = path.getBoundingRect().clone();
+                r.applyTransform(path.getComputedTransform() || e.getComputedTransform());
+                clip = [r.x, r.y, r.x + r.width, r.y + r.height];
+            }
+            const label = e.getTextContent && e.getTextContent();
+            if (label) visit(label, clip);
+            const text = e.type === 'text' && e.style && e.style.text;
+            if (text !== undefined && text !== false && String(text).trim() && (e.style.opacity ?? 1) > 0) {
+                const r = e.getBoundingRect(), m = e.getComputedTransform() || [1, 0, 0, 1, 0, 0];
+                const corners = [[r.x, r.y], [r.x + r.width, r.y], [r.x + r.width, r.y + r.height], [r.x, r.y + r.height]]
+                    .map(([x, y]) => [m[0] * x + m[2] * y + m[4], m[1] * x + m[3] * y + m[5]]);  // rotated labels too
+                const cx = corners.reduce((a, c) => a + c[0], 0) / 4, cy = corners.reduce((a, c) => a + c[1], 0) / 4;
+                if (clip && (cx < clip[0] || cx > clip[2] || cy < clip[1] || cy > clip[3])) return;  // on another page
+                const px = e.style.fontSize || parseFloat((/([\\d.]+)px/.exec(e.style.font || '') || [])[1]) || 12;
+                texts.push({text: String(text).slice(0, 24), corners, px});
+            }
+            if (e.isGroup) for (const k of e.children()) visit(k, clip);
+        };
+        for (const root of c.chart.getZr().storage.getRoots()) visit(root, null);
+        const o = c.chart.getOption();
+        const sizes = (list) => (list || []).map((x) => (x.textStyle || {}).fontSize || 12);
+        out[el.dataset.kv] = {texts, option: [...sizes(o.legend), ...sizes(o.tooltip), ...sizes(o.dataZoom)]};
+    }
+    return out;
+}"""
+
+# The page's own labels that overlap another (neither inside the other), in the views and the dock.
+DOM_OVERLAPS = """() => {
+    const own = (el) => Array.from(el.childNodes).some((n) => n.nodeType === 3 && n.textContent.trim());
+    const els = Array.from(document.querySelectorAll('.kv-main *')).filter((el) => own(el) && el.getClientRects().length
+        && getComputedStyle(el).visibility !== 'hidden' && !el.closest('.q-field, .q-btn, .q-toggle, .q-slider, .nicegui-echart'));
+    const boxes = els.map((el) => Array.from(el.getClientRects()));  // an inline element wrapped: one per line
+    const meet = (a, b) => a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+    const out = [];
+    for (let i = 0; i < els.length; i++) for (let j = i + 1; j < els.length; j++) {
+        if (els[i].contains(els[j]) || els[j].contains(els[i])) continue;
+        if (boxes[i].some((a) => boxes[j].some((b) => meet(a, b))))
+            out.push(`${els[i].textContent.trim().slice(0, 20)} / ${els[j].textContent.trim().slice(0, 20)}`);
+    }
+    return out;
+}"""
+
+MARKS = """() => {
+    const el = document.querySelector('[data-kv=timeline]');
+    const sizes = {};
+    const visit = (e) => {
+        if (['fork', 'prune', 'finished'].includes(e.name)) {
+            const r = e.getBoundingRect();
+            (sizes[e.name] = sizes[e.name] || []).push(Math.min(r.width, r.height));
+        }
+        if (e.isGroup) for (const k of e.children()) visit(k);
+    };
+    for (const root of getElement(el.id.slice(1)).chart.getZr().storage.getRoots()) visit(root);
+    return sizes;
+}"""
+
+
+def in_projector_mode(page, width: int, height: int) -> None:
+    page.set_viewport_size({"width": width, "height": height})
+    page.add_init_script("sessionStorage.setItem('kvscope-projector', '1')")  # as the header's switch leaves it
+
+
+def settled(page, mark: str) -> dict:
+    """BOXES once two readings 0.3 s apart agree (the smooth scroll and the charts' layout are done)."""
+    last, deadline = None, time.monotonic() + WAIT_S
+    while (boxes := page.evaluate(BOXES, mark)) != last and time.monotonic() < deadline:
+        last = boxes
+        time.sleep(0.3)
+    return boxes
+
+
+Point = tuple[float, float]
+
+
+def intersect(a: list[Point], b: list[Point], slack: float = 1.0) -> bool:
+    """Whether two convex boxes (corners in order) overlap by more than `slack` px: no edge of either
+    separates them (the separating axis theorem; a rotated label's own box, not the box around it)."""
+    for poly in (a, b):
+        for (x0, y0), (x1, y1) in zip(poly, poly[1:] + poly[:1]):
+            nx, ny = y0 - y1, x1 - x0
+            norm = (nx * nx + ny * ny) ** 0.5 or 1.0
+            pa = [(x * nx + y * ny) / norm for x, y in a]
+            pb = [(x * nx + y * ny) / norm for x, y in b]
+            if min(max(pa), max(pb)) - max(min(pa), min(pb)) <= slack:
+                return False
+    return True
+
+
+def overlapping(texts: list[dict]) -> list[tuple[str, str]]:
+    return [(a["text"], b["text"]) for i, a in enumerate(texts) for b in texts[i + 1:]
+            if intersect(a["corners"], b["corners"])]
+
+
+def finished_run(base: str, name: str, overrides: dict | None = None) -> str:
+    run_id = api(base, "/api/runs", {"scenario": name, "speed": 0, "paused": False, "overrides": overrides or {}})["run_id"]
+    wait_until(lambda: api(base, f"/api/runs/{run_id}")["finished"], 300, f"{name} did not finish")
+    return run_id
+
+
+def shot(page, name: str) -> None:
+    if SHOTS:
+        page.screenshot(path=f"{SHOTS}/projector-{name}.png")
+
+
+@pytest.mark.parametrize("width,height", SIZES)
+@pytest.mark.parametrize("scenario,last", [("memory-pressure", "preempt"), ("speculative-draft", "draft_rejected"),
+                                           ("beam-search", "prune")])
+def test_a_lesson_pause_shows_its_card_and_the_view_it_names_on_one_screen(page, backend_url, dashboard_url,
+                                                                          scenario, last, width, height):
+    in_projector_mode(page, width, height)
+    run_id = api(backend_url, "/api/runs", {"scenario": scenario, "speed": 0, "paused": True, "lesson": True})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    progress = page.locator(".kv-lesson-card .kv-caption").first  # "step 2 of 4 · First preemption (iteration 2)"
+    kind, seen = "start", []
+    while kind != last:
+        before = progress.inner_text()
+        page.locator("[data-kv=lesson-continue]").click()
+        page.wait_for_function("(before) => { const p = document.querySelector('.kv-lesson-card .kv-caption');"
+                               " return p.innerText !== before && document.querySelector('.kv-focus'); }", arg=before)
+        title = progress.inner_text().split(" · ")[1].split(" (")[0]
+        kind = KIND_OF_TITLE[title]
+        seen.append(kind)
+        assert kind != "finished", f"{scenario} finished before its {last} moment: {seen}"
+        b = settled(page, CARD_OF[VIEWS[kind][0]])
+        shot(page, f"{scenario}-{kind}-{width}x{height}")
+        where = f"{scenario} at {kind}, {width}x{height}: {b}"
+        for name in ("lesson", "view"):
+            left, top, right, bottom = b[name]
+            assert left >= 0 and right <= b["width"] and top >= b["header"] and bottom <= b["height"], \
+                f"the {name} card is not whole on the screen below the header, {where}"
+        lesson, view = b["lesson"], b["view"]
+        assert lesson[0] >= view[2] or lesson[2] <= view[0] or lesson[1] >= view[3] or lesson[3] <= view[1], \
+            f"the lesson card covers the view it names, {where}"
+        assert b["focused"], f"the view is not outlined, {where}"
+
+
+@pytest.mark.parametrize("scenario", ["roofline", "beam-search", "memory-pressure"])
+def test_projector_mode_text_is_16px_and_no_two_labels_overlap(page, backend_url, dashboard_url, scenario):
+    """roofline: 512 requests on the timeline's axis; beam-search: sequences; memory-pressure: preemptions."""
+    run_id = finished_run(backend_url, scenario)
+    in_projector_mode(page, *SIZES[0])
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")
+    for width, height in SIZES:
+        page.set_viewport_size({"width": width, "height": height})
+        m = measure_when(page, lambda m: laid_out(m, True, "single"))
+        assert m["small"] == [], f"{width}x{height}: text under {PROJECTOR_PX} px: {m['small'][:8]}"
+        time.sleep(1.0)  # the charts lay out again a frame after the resize
+        shot(page, f"{scenario}-{width}x{height}")
+        for kv, chart in page.evaluate(CHART_TEXTS).items():  # every chart, on screen or scrolled past
+            small = [t for t in chart["texts"] if t["px"] < PROJECTOR_PX]
+            assert not small and min(chart["option"], default=PROJECTOR_PX) >= PROJECTOR_PX, \
+                f"{scenario} {width}x{height}: {kv} draws text under {PROJECTOR_PX} px: {small[:4]} {chart['option']}"
+            assert overlapping(chart["texts"]) == [], f"{scenario} {width}x{height}: labels overlap in {kv}"
+        assert page.evaluate(DOM_OVERLAPS) == [], f"{scenario} {width}x{height}: page labels overlap"
+
+
+def test_projector_mode_draws_beam_marks_16px_across(page, backend_url, dashboard_url):
+    run_id = finished_run(backend_url, "beam-search")
+    in_projector_mode(page, *SIZES[0])
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function(f"() => ({MARKS})().prune")
+    marks = page.evaluate(MARKS)
+    assert set(marks) == {"fork", "prune", "finished"}
+    assert min(min(sizes) for sizes in marks.values()) >= PROJECTOR_PX, marks
+
+
+def test_a_lesson_ring_is_16px_across_when_2048_blocks_make_the_cells_tiny(page, backend_url, dashboard_url):
+    in_projector_mode(page, *SIZES[0])
+    run_id = api(backend_url, "/api/runs", {"scenario": "beam-search", "speed": 0, "paused": True, "lesson": True,
+                                            "overrides": {"engine.num_blocks": 2048}})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator("[data-kv=lesson-continue]").click()  # to the fork: its shared blocks are ringed
+    canvas = page.locator("[data-kv=block-pool] canvas")
+    page.wait_for_function("(el) => (el.dataset.ringed || '') !== ''", arg=canvas.element_handle())
+    time.sleep(0.5)
+    ring = page.evaluate(f"""() => {{
+        const pool = ({COMPONENT})('block-pool'), g = pool.geom;
+        const b = Number(pool.$refs.canvas.dataset.ringed.split(' ')[0]);
+        const cx = (b % g.cols) * g.cell + g.cell / 2, cy = Math.floor(b / g.cols) * g.cell + g.cell / 2;
+        const ctx = pool.$refs.canvas.getContext('2d');
+        const at = (x, y) => Array.from(ctx.getImageData(Math.round(x * g.dpr), Math.round(y * g.dpr), 1, 1).data.slice(0, 3));
+        const left = Math.max(0, cx - g.ring / 2) + 1;  // inside the ring's dark outer line
+        return {{cell: g.cell, ring: g.ring, edge: at(left, cy)}};
+    }}""")
+    dark = [int(FOCUS_COLOR[i:i + 2], 16) for i in (1, 3, 5)]
+    assert ring["cell"] < PROJECTOR_PX <= ring["ring"], ring
+    assert all(abs(a - b) <= 8 for a, b in zip(ring["edge"], dark)), ring
