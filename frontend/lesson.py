@@ -24,7 +24,9 @@ from kvscope.frontend.text import md_escape
 TICK_S = 0.05
 FOCUS_CLASS = "kv-focus"
 MOMENT_TITLES = {
-    "start": "Before it starts", "prefix_hit": "First prefix hit", "share": "First shared block",
+    "start": "Before it starts", "queued": "First request queued", "slot_refilled": "A freed slot refilled",
+    "prefill_chunk": "First prefill chunk", "prompt_cached": "First prompt cached",
+    "first_decode": "First decode step", "block_added": "First block added while decoding", "prefix_hit": "First prefix hit", "share": "First shared block",
     "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
     "draft_rejected": "First draft rejection", "finished": "Finished",
