@@ -124,11 +124,14 @@ class ModelSelect(ui.select):
 
 
 class NewRunPanel:
-    """The drawer's content. `navigate(run_id, compare_id)` opens the started run(s)."""
+    """The drawer's content. `navigate(run_id, compare_id)` opens the started run(s); `start_when_drawn(run_id)`
+    hands a run started paused to the page that opens it, which resumes it once it has drawn step 0."""
 
-    def __init__(self, backend: Backend, navigate: Navigate, default_model: str | None = None) -> None:
+    def __init__(self, backend: Backend, navigate: Navigate, default_model: str | None = None,
+                 start_when_drawn: Callable[[str], None] | None = None) -> None:
         self.backend = backend
         self.navigate = navigate
+        self.start_when_drawn = start_when_drawn
         self.base: dict[str, Any] = {}  # the picked scenario's own values (model + engine fields)
         self.default_model = default_model
         self.form: dict[str, Any] = {"model": default_model} if default_model else {}
@@ -290,11 +293,17 @@ class NewRunPanel:
             return None
         try:
             lesson = self.has_lesson()
-            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed,
-                                                  self.paused or lesson, lesson=lesson)
+            # Always paused at step 0: a lesson waits on its first step, "start paused" on play, and any
+            # other run on its page, so that nobody opens a run already under way.
+            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed, True, lesson=lesson)
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None
+        if not (self.paused or lesson):
+            if self.start_when_drawn is None:  # no page hands it on: go now
+                await self.backend.control(run_id, "resume")
+            else:
+                self.start_when_drawn(run_id)
         await _maybe_await(self.navigate(run_id, None))
         return run_id
 

@@ -214,6 +214,10 @@ async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> N
     dash.user.find(marker="start-run").click()
     await until(lambda: len(dash.built) == 2)
     column = dash.last.columns[0]
+    await until(lambda: column.guide.next.visible)  # a lesson: it waits on its first step
+    column.guide.mode.set_value(False)  # run through, no pauses
+    await until(lambda: column.feed.state.lesson is False)
+    dash.user.find(marker="lesson-continue").click()
     await finished(column.feed)
     await until(lambda: all(v.version == column.feed.version for v in column.views.values()))
     views = column.views

@@ -161,8 +161,8 @@ def test_paged_adds_blocks_as_tokens_come_and_contiguous_reserves_the_pool_up_fr
 def test_every_lesson_step_waits_for_a_moment_its_scenario_has(trace):
     from kvscope.backend.scenario import load_scenario
 
-    for name in ("continuous-batching", "kv-cache-off", "poisson-load", "chunked-prefill", "attention-variants",
-                 "long-prompt"):
+    for name in ("continuous-batching", "kv-cache-off", "paged-vs-contiguous", "poisson-load", "chunked-prefill",
+                 "attention-variants", "long-prompt"):
         steps = [s.at for s in load_scenario(name).lesson]
         assert steps[0] == "start" and steps[-1] == "finished" and len(steps) >= 3, name
         assert set(steps) - {"start"} <= set(by_kind(trace(name))), name
