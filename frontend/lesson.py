@@ -79,13 +79,14 @@ class LessonGuide:
         with ui.card().classes("kv-card kv-lesson-card w-full").props("flat bordered").mark("lesson") as self.card:
             with ui.row().classes("w-full items-center no-wrap gap-2"):
                 ui.label("Lesson").classes("kv-card-title")
-                self.progress = ui.label("").classes("kv-caption").mark("lesson-progress")
+                self.progress = ui.label("").classes("kv-caption").mark("lesson-progress") \
+                    .props("data-kv=lesson-progress")
                 ui.space()
                 self.mode = ui.switch("lesson mode", value=False, on_change=self._on_mode).mark("lesson-mode") \
                     .tooltip("pause at each key moment the lesson explains")
                 self.next = ui.button("continue", icon="play_arrow", on_click=self.resume) \
                     .props("dense data-kv=lesson-continue").mark("lesson-continue")
-            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text")
+            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text").props("data-kv=lesson-text")
         self.card.set_visibility(False)
         self.next.set_visibility(False)
         ui.timer(TICK_S, self.tick)
@@ -131,6 +132,7 @@ class LessonGuide:
                 await self._control("resume")
 
     def _join(self) -> None:
+        self._name_cards()
         state = self.feed.state
         self.epoch, self.version = self.feed.epoch, self.feed.version
         self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
@@ -146,6 +148,13 @@ class LessonGuide:
         last = self._step_at("finished")
         if state.finished and last is not None and last != self.shown and all(i != last for i, _ in self.queue):
             self.queue.append((last, Moment("finished", state.step, 0, VIEWS["finished"])))  # opened after the end
+
+    def _name_cards(self) -> None:
+        """Each view's card says which view it is (`data-view`), for the names moments give views."""
+        for name, view in self.views.items():
+            card = card_of(view)
+            if card is not None and card.props.get("data-view") != name:
+                card.props(f"data-view={name}")
 
     def _step_at(self, kind: str) -> int | None:
         return next((i for i, step in enumerate(self.steps) if step["at"] == kind), None)

@@ -143,16 +143,19 @@ class NewRunPanel:
 
     def _build(self) -> None:
         ui.label("New run").classes("kv-drawer-title")
-        self.picker = ui.select({}, label="scenario", on_change=self._on_pick).classes("w-full").mark("scenario")
-        self.about = ui.markdown("").classes("kv-small kv-lesson").mark("scenario-about")
+        self.picker = ui.select({}, label="scenario", on_change=self._on_pick).classes("w-full").mark("scenario") \
+            .props("data-kv=scenario")
+        self.about = ui.markdown("").classes("kv-small kv-lesson").mark("scenario-about") \
+            .props("data-kv=scenario-about")
         with ui.expansion("Engine configuration", icon="tune").classes("w-full").props("dense"):
             self._engine_form()
         ui.timer(0.0, self.load_models, once=True)  # not awaited by the page: a first GGUF conversion takes ~10 s
         with ui.row().classes("items-center gap-2 w-full"):
-            ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed")
+            ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed") \
+                .props("data-kv=start-speed")
             ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
         self.start_button = ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full") \
-            .mark("start-run")
+            .mark("start-run").props("data-kv=start-run")
         self.install = ui.label("").classes("kv-small").mark("scenario-install")
         self.install.set_visibility(False)
         ui.separator()
