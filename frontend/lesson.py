@@ -30,7 +30,8 @@ FOCUS_CLASS = "kv-focus"
 MOMENT_TITLES = {
     "start": "Before it starts", "queued": "First request queued", "slot_refilled": "A freed slot refilled",
     "prefill_chunk": "First prefill chunk", "prompt_cached": "First prompt cached",
-    "first_decode": "First decode step", "block_added": "First block added while decoding", "prefix_hit": "First prefix hit", "share": "First shared block",
+    "first_decode": "First decode step", "block_added": "First block added while decoding",
+    "prefix_hit": "First prefix hit", "share": "First shared block",
     "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
     "draft_rejected": "First draft rejection", "finished": "Finished",
@@ -86,7 +87,8 @@ class LessonGuide:
                     .tooltip("pause at each key moment the lesson explains")
                 self.next = ui.button("continue", icon="play_arrow", on_click=self.resume) \
                     .props("dense data-kv=lesson-continue").mark("lesson-continue")
-            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text").props("data-kv=lesson-text")
+            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text") \
+                .props("data-kv=lesson-text")
         self.card.set_visibility(False)
         self.next.set_visibility(False)
         ui.timer(TICK_S, self.tick)

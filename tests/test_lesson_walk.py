@@ -88,7 +88,8 @@ def check_the_moment(page, backend_url: str, run_id: str, kind: str, errors: lis
     moments = {m.kind: m for m in find_moments(trace_events(backend_url, run_id))}
     blocks = " ".join(str(b) for b in moments[kind].blocks)
     canvas = page.locator("[data-kv=block-pool] canvas")
-    wait_until(lambda: (canvas.get_attribute("data-ringed") or "") == blocks, WAIT_S, f"{kind}: blocks {blocks} not ringed")
+    wait_until(lambda: (canvas.get_attribute("data-ringed") or "") == blocks, WAIT_S,
+               f"{kind}: blocks {blocks} not ringed")
 
 
 def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
@@ -107,7 +108,8 @@ def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
     with the lesson card at its top, in 256 colours (a third of the bytes, no visible loss for flat UI)."""
     page.mouse.move(VIEWPORT["width"] - 2, 2)  # no tooltip in the picture
     if index == 1 and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
-        page.locator("[data-kv=lesson-text]").evaluate("(el) => el.closest('.kv-card').scrollIntoView({block: 'start'})")
+        page.locator("[data-kv=lesson-text]").evaluate(
+            "(el) => el.closest('.kv-card').scrollIntoView({block: 'start'})")
         time.sleep(0.3)
         Image.open(io.BytesIO(page.screenshot())).quantize(256).save(DOCS_DIR / f"{name}.png", optimize=True)
     page.evaluate("window.scrollTo(0, 0)")  # the fixed header at the top of the long picture

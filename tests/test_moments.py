@@ -123,7 +123,8 @@ def test_the_first_prefill_chunk_is_what_the_budget_leaves_beside_the_decodes(tr
     chunk = by_kind(events)["prefill_chunk"]
     assert (chunk.step, chunk.request_ids, chunk.blocks) == (4, ("long",), (3, 4, 5, 6))  # 62 tokens: 4 blocks
     it = next(e for e in events if e["type"] == "iteration" and e["step"] == 4)
-    assert [(b["request_id"], b["num_query_tokens"]) for b in it["batch"]] == [("short-1", 1), ("short-2", 1), ("long", 62)]
+    batch = [(b["request_id"], b["num_query_tokens"]) for b in it["batch"]]
+    assert batch == [("short-1", 1), ("short-2", 1), ("long", 62)]
     assert "prefill_chunk" not in by_kind(trace("chunked-prefill", "engine.max_num_batched_tokens=512"))
 
 
@@ -150,7 +151,8 @@ def test_the_first_decode_without_a_kv_cache_recomputes_the_whole_context(trace)
 def test_paged_adds_blocks_as_tokens_come_and_contiguous_reserves_the_pool_up_front(trace):
     paged = by_kind(trace("paged-vs-contiguous"))
     assert (paged["prompt_cached"].step, paged["prompt_cached"].blocks) == (0, tuple(range(16)))
-    assert (paged["block_added"].step, paged["block_added"].blocks, paged["block_added"].request_ids) == (1, (16,), ("g4",))
+    added = paged["block_added"]
+    assert (added.step, added.blocks, added.request_ids) == (1, (16,), ("g4",))
     assert "queued" not in paged
     contiguous = by_kind(trace("paged-vs-contiguous", "engine.kv_layout=contiguous"))
     assert contiguous["prompt_cached"].blocks == tuple(range(64))  # 4 requests x 256 / 16
