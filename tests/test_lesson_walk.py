@@ -108,6 +108,7 @@ def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
     with the lesson card at its top, in 256 colours (a third of the bytes, no visible loss for flat UI)."""
     page.mouse.move(VIEWPORT["width"] - 2, 2)  # no tooltip in the picture
     if index == 1 and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
+        DOCS_DIR.mkdir(parents=True, exist_ok=True)
         page.locator("[data-kv=lesson-text]").evaluate(
             "(el) => el.closest('.kv-card').scrollIntoView({block: 'start'})")
         time.sleep(0.3)
