@@ -95,7 +95,7 @@ class Dashboard:
         client = ui.context.client
         client.on_delete(lambda: [self.hub.release(f) for f in feeds])
         with ui.left_drawer(value=not feeds).classes("kv-drawer").props("width=340 bordered") as drawer:
-            self.panel = NewRunPanel(self.backend, self.open, self.default_model)
+            self.panel = NewRunPanel(self.backend, self.open, self.default_model, self.hub.start_when_drawn)
             ui.separator()
             self.compare = ComparePanel(self.panel)
         self._header(drawer, feeds, show_lag)

@@ -155,6 +155,9 @@ class RunFeed:
         self.status = "connecting"
         self.missing = False  # the server does not know this run (a wrong id, or the server restarted)
         self.watchers = 0
+        # Started paused by this dashboard only so that no page opens mid-run: the first page to draw
+        # its step 0 resumes it (frontend/lesson.py).
+        self.start_when_drawn = False
         self.task: asyncio.Task | None = None
         self._release_handle: asyncio.TimerHandle | None = None
 
@@ -246,6 +249,11 @@ class FeedHub:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.feeds: dict[str, RunFeed] = {}
+        self.to_start: set[str] = set()  # runs to resume once a page has drawn their step 0
+
+    def start_when_drawn(self, run_id: str) -> None:
+        """The run (started paused) goes on when the first page watching it has drawn it from step 0."""
+        self.to_start.add(run_id)
 
     def watch(self, run_id: str, kind: str | None = None) -> RunFeed:
         """The run's feed; `kind` (from the run list) is known before the first snapshot."""
@@ -253,6 +261,9 @@ class FeedHub:
         if feed is None or (feed.task is not None and feed.task.done()):
             feed = self.feeds[run_id] = RunFeed(self.backend, run_id)
         feed.kind = kind or feed.kind
+        if run_id in self.to_start:
+            self.to_start.discard(run_id)
+            feed.start_when_drawn = True
         feed.watchers += 1
         if feed._release_handle is not None:
             feed._release_handle.cancel()

@@ -7,7 +7,11 @@ exactly there at any speed, unpaced included. The guide feeds the same events, a
 the same pure MomentFinder; when a moment a step waits for completes, it rings the blocks concerned
 in the block pool, selects the request concerned (so every view highlights its row), outlines the
 views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
-mode on and off for everyone watching it.
+mode on and off for everyone watching it. The `finished` step shows at the end whatever the switch,
+also on a page opened after the end.
+
+A run started from the dashboard waits paused at step 0 for its page (RunFeed.start_when_drawn): the
+guide resumes it once the page has drawn that step, unless a lesson's first step holds it for "continue".
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from nicegui import ui
 
-from kvscope.backend.events.moments import Moment, MomentFinder
+from kvscope.backend.events.moments import VIEWS, Moment, MomentFinder
 from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.lesson_question import LessonQuestion
 from kvscope.frontend.selection import Selection
@@ -25,7 +29,10 @@ from kvscope.frontend.text import md_escape
 TICK_S = 0.05
 FOCUS_CLASS = "kv-focus"
 MOMENT_TITLES = {
-    "start": "Before it starts", "prefix_hit": "First prefix hit", "share": "First shared block",
+    "start": "Before it starts", "queued": "First request queued", "slot_refilled": "A freed slot refilled",
+    "prefill_chunk": "First prefill chunk", "prompt_cached": "First prompt cached",
+    "first_decode": "First decode step", "block_added": "First block added while decoding",
+    "prefix_hit": "First prefix hit", "share": "First shared block",
     "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
     "draft_rejected": "First draft rejection", "finished": "Finished",
@@ -68,18 +75,21 @@ class LessonGuide:
         self.queue: list[tuple[int, Moment]] = []  # steps whose moments came while one was on screen
         self.finder: MomentFinder | None = None
         self.epoch, self.version = -1, 0
+        self.drawn_ticks = 0  # ticks since the page first had the run's state (step 0 drawn after two)
         self.focused: list[ui.element] = []
         self.selected_before: str | None = None
         with ui.card().classes("kv-card kv-lesson-card w-full").props("flat bordered").mark("lesson") as self.card:
             with ui.row().classes("w-full items-center no-wrap gap-2"):
                 ui.label("Lesson").classes("kv-card-title")
-                self.progress = ui.label("").classes("kv-caption").mark("lesson-progress")
+                self.progress = ui.label("").classes("kv-caption").mark("lesson-progress") \
+                    .props("data-kv=lesson-progress")
                 ui.space()
                 self.mode = ui.switch("lesson mode", value=False, on_change=self._on_mode).mark("lesson-mode") \
                     .tooltip("pause at each key moment the lesson explains")
                 self.next = ui.button("continue", icon="play_arrow", on_click=self.resume) \
                     .props("dense data-kv=lesson-continue").mark("lesson-continue")
-            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text")
+            self.text = ui.markdown("").classes("kv-lesson-text w-full").mark("lesson-text") \
+                .props("data-kv=lesson-text")
             self.question = LessonQuestion()  # a step's question, and at its moment the answer
         self.card.set_visibility(False)
         self.next.set_visibility(False)
@@ -107,12 +117,26 @@ class LessonGuide:
                 self._on_moment(moment)
         if self.mode.value != feed.state.lesson:  # another viewer flipped it
             self.mode.set_value(feed.state.lesson)
+        await self._start_when_drawn()
         if self.moment is None and self.next.visible and feed.state.step >= 0:
             self.next.set_visibility(False)  # the start step's "continue": the run was started another way
         if self.moment is None and self.queue:
             await self._stop_at(*self.queue.pop(0))
 
+    async def _start_when_drawn(self) -> None:
+        """Resume a run held at step 0 for its page, once this page has drawn it. Views tick at 20 Hz like
+        the guide, and their timers run only once the browser is connected: two ticks later they drew it."""
+        feed = self.feed
+        if not feed.start_when_drawn:
+            return
+        self.drawn_ticks += 1
+        if self.drawn_ticks >= 2:
+            feed.start_when_drawn = False  # the first page does it; a second tab finds it done
+            if feed.state.step < 0 and feed.state.paused:
+                await self._control("resume")
+
     def _join(self) -> None:
+        self._name_cards()
         state = self.feed.state
         self.epoch, self.version = self.feed.epoch, self.feed.version
         self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
@@ -123,11 +147,25 @@ class LessonGuide:
             self.card.set_visibility(bool(steps))
             if steps and self.shown is None and steps[0]["at"] == "start":
                 self._show(0)
-                self.next.set_visibility(state.step < 0 and state.paused)  # read it, then start
+                # read it, then start (a run held only for its page starts by itself)
+                self.next.set_visibility(state.step < 0 and state.paused and not self.feed.start_when_drawn)
+        last = self._step_at("finished")
+        if state.finished and last is not None and last != self.shown and all(i != last for i, _ in self.queue):
+            self.queue.append((last, Moment("finished", state.step, 0, VIEWS["finished"])))  # opened after the end
+
+    def _name_cards(self) -> None:
+        """Each view's card says which view it is (`data-view`), for the names moments give views."""
+        for name, view in self.views.items():
+            card = card_of(view)
+            if card is not None and card.props.get("data-view") != name:
+                card.props(f"data-view={name}")
+
+    def _step_at(self, kind: str) -> int | None:
+        return next((i for i, step in enumerate(self.steps) if step["at"] == kind), None)
 
     def _on_moment(self, moment: Moment) -> None:
-        for i, step in enumerate(self.steps):
-            if step["at"] == moment.kind and self.mode.value:
+        for i, step in enumerate(self.steps):  # the conclusion shows with lesson mode off too
+            if step["at"] == moment.kind and (self.mode.value or moment.kind == "finished"):
                 self.queue.append((i, moment))
 
     async def _stop_at(self, index: int, moment: Moment) -> None:

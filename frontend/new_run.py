@@ -124,11 +124,14 @@ class ModelSelect(ui.select):
 
 
 class NewRunPanel:
-    """The drawer's content. `navigate(run_id, compare_id)` opens the started run(s)."""
+    """The drawer's content. `navigate(run_id, compare_id)` opens the started run(s); `start_when_drawn(run_id)`
+    hands a run started paused to the page that opens it, which resumes it once it has drawn step 0."""
 
-    def __init__(self, backend: Backend, navigate: Navigate, default_model: str | None = None) -> None:
+    def __init__(self, backend: Backend, navigate: Navigate, default_model: str | None = None,
+                 start_when_drawn: Callable[[str], None] | None = None) -> None:
         self.backend = backend
         self.navigate = navigate
+        self.start_when_drawn = start_when_drawn
         self.base: dict[str, Any] = {}  # the picked scenario's own values (model + engine fields)
         self.default_model = default_model
         self.form: dict[str, Any] = {"model": default_model} if default_model else {}
@@ -140,16 +143,19 @@ class NewRunPanel:
 
     def _build(self) -> None:
         ui.label("New run").classes("kv-drawer-title")
-        self.picker = ui.select({}, label="scenario", on_change=self._on_pick).classes("w-full").mark("scenario")
-        self.about = ui.markdown("").classes("kv-small kv-lesson").mark("scenario-about")
+        self.picker = ui.select({}, label="scenario", on_change=self._on_pick).classes("w-full").mark("scenario") \
+            .props("data-kv=scenario")
+        self.about = ui.markdown("").classes("kv-small kv-lesson").mark("scenario-about") \
+            .props("data-kv=scenario-about")
         with ui.expansion("Engine configuration", icon="tune").classes("w-full").props("dense"):
             self._engine_form()
         ui.timer(0.0, self.load_models, once=True)  # not awaited by the page: a first GGUF conversion takes ~10 s
         with ui.row().classes("items-center gap-2 w-full"):
-            ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed")
+            ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed") \
+                .props("data-kv=start-speed")
             ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
         self.start_button = ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full") \
-            .mark("start-run")
+            .mark("start-run").props("data-kv=start-run")
         self.install = ui.label("").classes("kv-small").mark("scenario-install")
         self.install.set_visibility(False)
         ui.separator()
@@ -290,11 +296,17 @@ class NewRunPanel:
             return None
         try:
             lesson = self.has_lesson()
-            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed,
-                                                  self.paused or lesson, lesson=lesson)
+            # Always paused at step 0: a lesson waits on its first step, "start paused" on play, and any
+            # other run on its page, so that nobody opens a run already under way.
+            run_id = await self.backend.start_run(self.picker.value, self.overrides(), self.speed, True, lesson=lesson)
         except BackendError as e:
             ui.notify(f"Could not start: {e}", type="negative", multi_line=True)
             return None
+        if not (self.paused or lesson):
+            if self.start_when_drawn is None:  # no page hands it on: go now
+                await self.backend.control(run_id, "resume")
+            else:
+                self.start_when_drawn(run_id)
         await _maybe_await(self.navigate(run_id, None))
         return run_id
 

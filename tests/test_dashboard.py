@@ -281,6 +281,10 @@ async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> N
     dash.user.find(marker="start-run").click()
     await until(lambda: len(dash.built) == 2)
     column = dash.last.columns[0]
+    await until(lambda: column.guide.next.visible)  # a lesson: it waits on its first step
+    column.guide.mode.set_value(False)  # run through, no pauses
+    await until(lambda: column.feed.state.lesson is False)
+    dash.user.find(marker="lesson-continue").click()
     await finished(column.feed)
     await until(lambda: all(v.version == column.feed.version for v in column.views.values()))
     views = column.views
@@ -669,6 +673,8 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     assert [f.state.config["batching"] for f in feeds] == ["static", "continuous"]
     await compare.controls.step()
     await until(lambda: all(f.state.step == 0 for f in feeds))
+    for feed in feeds:  # its lesson pauses at moments (a request queued...): here the runs go to the end
+        await dash.backend.control(feed.run_id, "lesson", 0)
     compare.controls.speed_select.set_value(0.0)
     await until(lambda: compare.controls.speed == 0.0)
     await compare.controls.toggle()

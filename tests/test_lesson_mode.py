@@ -6,7 +6,7 @@ import asyncio
 
 from kvscope.backend.events.moments import find_moments
 from kvscope.frontend.lesson import FOCUS_CLASS, card_of, lesson_markdown, lesson_steps
-from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until  # noqa: F401 (fixtures)
+from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until, until_run  # noqa: F401 (fixtures)
 
 
 async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: Dash, tiny_dir: str) -> None:
@@ -127,3 +127,54 @@ async def test_a_lesson_question_takes_the_rooms_pick_and_marks_it_at_its_moment
     dash.user.find(marker="lesson-continue").click()
     await until(lambda: guide.paused_at == "recompute", timeout=60)
     assert not question.box.visible  # answered: the next step has no question
+
+
+async def test_a_run_started_from_the_page_waits_at_step_0_until_its_page_has_drawn_it(dash: Dash) -> None:
+    page = await dash.open("/")
+    await until(lambda: "continuous-batching" in page.panel.picker.options)
+    page.panel.picker.set_value("continuous-batching")
+    await until(lambda: page.panel.base.get("block_size") == 16)
+    page.panel.has_lesson = lambda: False  # a scenario whose lesson never pauses (all shipped ones do)
+    page.panel.speed = 0.0  # unpaced: a run that did not wait would be dozens of iterations in
+    dash.user.find(marker="start-run").click()
+    await until(lambda: len(dash.built) == 2)
+    feed = dash.last.columns[0].feed
+    await until(lambda: feed.state is not None and feed.state.finished)
+    live = [e.event for e in feed.log]  # what the page's feed saw arrive, after its first snapshot
+    resumed = next(i for i, e in enumerate(live) if e["type"] == "control" and e["action"] == "resume")
+    assert live[resumed]["step"] == -1  # resumed by the page, before the first iteration
+    assert min(e["step"] for e in live if e["type"] == "iteration") == 0
+    guide = dash.last.columns[0].guide
+    assert not feed.state.lesson
+    await until(lambda: guide.paused_at == "finished")  # its conclusion, lesson mode off
+
+
+async def test_the_finished_step_shows_with_lesson_mode_off_and_on_a_page_opened_after_the_end(
+        dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run("chunked-prefill", {"model": tiny_dir}, speed=0, paused=True)
+    page = await dash.open(f"/?run={run_id}")
+    guide = page.columns[0].guide
+    await until(lambda: guide.steps)
+    assert not guide.mode.value
+    await dash.backend.control(run_id, "resume")
+    await until(lambda: guide.paused_at == "finished")
+    await dash.user.should_see("never more", marker="lesson-text")  # the finished step's text
+    assert FOCUS_CLASS in card_of(page.columns[0].views["metrics"]).classes
+    late = await dash.open(f"/?run={run_id}")  # a second tab, after the end
+    await until(lambda: late.columns[0].guide.paused_at == "finished")
+    assert late.columns[0].guide.shown == len(late.columns[0].guide.steps) - 1
+
+
+async def test_a_page_joining_late_draws_the_run_from_step_0(dash: Dash, tiny_dir: str) -> None:
+    run_id = await dash.backend.start_run("chunked-prefill", {"model": tiny_dir}, speed=0, paused=True)
+    await dash.backend.control(run_id, "step", 10)
+    await until_run(dash.backend, run_id, lambda r: r["step"] >= 9)
+    page = await dash.open(f"/?run={run_id}")
+    feed = page.columns[0].feed
+    await until(lambda: feed.state is not None and feed.state.step >= 9)
+    history = feed.history
+    assert [c.step for c in history.columns] == list(range(10))  # the whole past, not only from the join
+    first = history.columns[0].cells
+    assert [(c.request_id, c.kind, c.tokens) for c in first] == [("short-1", "prefill", 16), ("short-2", "prefill", 12)]
+    assert sorted(history.masks) == list(range(10))  # attention masks from step 0
+    assert len(history.tokens["short-1"]) == 10  # every token sampled so far, with its distribution

@@ -94,3 +94,77 @@ def test_feeding_one_event_at_a_time_finds_what_the_whole_trace_finds(trace):
     live = [(i, m) for i, e in enumerate(events) for m in finder.feed(e)]
     assert [m for _, m in live] == find_moments(events)
     assert all(events[i]["seq"] == m.seq for i, m in live)  # reported at the event that completes it
+
+
+# -- the moments of the scenarios that teach scheduling (greedy, ignore_eos: the steps are the model's own) --
+
+
+def test_a_request_queues_when_every_slot_is_busy_and_takes_the_first_slot_freed_beside_the_decodes(trace):
+    moments = by_kind(trace("continuous-batching"))
+    queued, refilled = moments["queued"], moments["slot_refilled"]
+    assert (queued.step, queued.request_ids, queued.blocks) == (7, ("g4",), ())  # g0..g3 hold the 4 slots
+    # g3 finished at iteration 17; g4, waiting since 7, prefills at 18 beside three decodes, in one new block
+    assert (refilled.step, refilled.request_ids, refilled.blocks) == (18, ("g4",), (13,))
+
+
+def test_static_batching_never_refills_a_slot_while_others_decode(trace):
+    moments = by_kind(trace("continuous-batching", "engine.batching=static"))
+    assert "queued" in moments and "slot_refilled" not in moments
+
+
+def test_poisson_load_queues_then_refills(trace):
+    moments = by_kind(trace("poisson-load"))
+    assert (moments["queued"].step, moments["queued"].request_ids) == (12, ("g2",))
+    assert (moments["slot_refilled"].step, moments["slot_refilled"].request_ids) == (29, ("g4",))
+
+
+def test_the_first_prefill_chunk_is_what_the_budget_leaves_beside_the_decodes(trace):
+    events = trace("chunked-prefill")
+    chunk = by_kind(events)["prefill_chunk"]
+    assert (chunk.step, chunk.request_ids, chunk.blocks) == (4, ("long",), (3, 4, 5, 6))  # 62 tokens: 4 blocks
+    it = next(e for e in events if e["type"] == "iteration" and e["step"] == 4)
+    batch = [(b["request_id"], b["num_query_tokens"]) for b in it["batch"]]
+    assert batch == [("short-1", 1), ("short-2", 1), ("long", 62)]
+    assert "prefill_chunk" not in by_kind(trace("chunked-prefill", "engine.max_num_batched_tokens=512"))
+
+
+def test_a_long_prompt_is_chunked_then_cached_then_grows_a_block_at_a_time(trace):
+    moments = by_kind(trace("long-prompt"))
+    assert (moments["prefill_chunk"].step, moments["prefill_chunk"].blocks) == (0, tuple(range(16)))  # 256 tokens
+    assert (moments["prompt_cached"].step, moments["prompt_cached"].blocks) == (2, tuple(range(38)))  # 600 tokens
+    assert moments["first_decode"].step == 3
+    assert (moments["block_added"].step, moments["block_added"].blocks) == (11, (38,))  # token 609: a 39th block
+    assert moments["prompt_cached"].request_ids == moments["block_added"].request_ids == ("long",)
+
+
+def test_the_first_decode_without_a_kv_cache_recomputes_the_whole_context(trace):
+    on, off = trace("kv-cache-off"), trace("kv-cache-off", "engine.kv_cache=false")
+    for events, tokens in ((on, [1, 1]), (off, [25, 41])):
+        moment = by_kind(events)["first_decode"]
+        it = next(e for e in events if e["type"] == "iteration" and e["step"] == moment.step)
+        assert moment.step == 1 and moment.request_ids == ("a", "b")
+        assert [b["num_query_tokens"] for b in it["batch"]] == tokens
+    added = by_kind(on)["block_added"]
+    assert (added.step, added.blocks, added.request_ids) == (9, (5, 6), ("a", "b"))  # 33rd token of a, 49th of b
+
+
+def test_paged_adds_blocks_as_tokens_come_and_contiguous_reserves_the_pool_up_front(trace):
+    paged = by_kind(trace("paged-vs-contiguous"))
+    assert (paged["prompt_cached"].step, paged["prompt_cached"].blocks) == (0, tuple(range(16)))
+    added = paged["block_added"]
+    assert (added.step, added.blocks, added.request_ids) == (1, (16,), ("g4",))
+    assert "queued" not in paged
+    contiguous = by_kind(trace("paged-vs-contiguous", "engine.kv_layout=contiguous"))
+    assert contiguous["prompt_cached"].blocks == tuple(range(64))  # 4 requests x 256 / 16
+    assert (contiguous["queued"].step, contiguous["queued"].request_ids) == (0, ("g4",))
+    assert "block_added" not in contiguous
+
+
+def test_every_lesson_step_waits_for_a_moment_its_scenario_has(trace):
+    from kvscope.backend.scenario import load_scenario
+
+    for name in ("continuous-batching", "kv-cache-off", "paged-vs-contiguous", "poisson-load", "chunked-prefill",
+                 "attention-variants", "long-prompt"):
+        steps = [s.at for s in load_scenario(name).lesson]
+        assert steps[0] == "start" and steps[-1] == "finished" and len(steps) >= 3, name
+        assert set(steps) - {"start"} <= set(by_kind(trace(name))), name

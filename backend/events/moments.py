@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Event = dict[str, Any]
-MomentKind = Literal["prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
+MomentKind = Literal["queued", "slot_refilled", "prefill_chunk", "prompt_cached", "first_decode", "block_added",
+                     "prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
                      "prune", "draft_rejected", "finished"]
 MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
 # Where each moment is seen: the views lesson mode highlights.
 VIEWS: dict[str, tuple[str, ...]] = {
+    "queued": ("timeline", "batch"), "slot_refilled": ("batch", "timeline"),
+    "prefill_chunk": ("batch", "timeline"), "prompt_cached": ("blocks", "kv_calc"),
+    "first_decode": ("batch", "timeline"), "block_added": ("blocks", "block_table"),
     "prefix_hit": ("blocks", "block_table"), "share": ("blocks", "block_table"),
     "copy_on_write": ("blocks", "block_table"), "cache_full": ("blocks", "metrics"),
     "preempt": ("blocks", "timeline"), "recompute": ("timeline", "batch"), "fork": ("timeline", "blocks"),
@@ -63,6 +67,11 @@ class MomentFinder:
         self.freed: dict[int, list[int]] = {}  # seq -> blocks freed in the current step
         self.allocated: dict[str, list[int]] = {}  # request -> blocks allocated in the current step
         self.victim: str | None = None  # the first preempted request, until its recompute
+        self.prompt_len: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}  # request -> the blocks it holds (all its sequences)
+        self.unscheduled: list[str] = []  # arrived, never in a batch yet, in arrival order
+        self.waited: set[str] = set()  # requests that sat in the queue through an iteration
+        self.finished_step = -2  # the step of the newest request_finished
 
     @classmethod
     def joining(cls, num_blocks: int | None, step: int, seq_request: dict[int, str]) -> MomentFinder:
@@ -104,6 +113,11 @@ class MomentFinder:
 
     def _on_request_arrived(self, e: Event) -> None:
         self.seq_request[e["seq_id"]] = e["request_id"]
+        self.prompt_len[e["request_id"]] = len(e["prompt_token_ids"])
+        self.unscheduled.append(e["request_id"])
+
+    def _on_request_finished(self, e: Event) -> None:
+        self.finished_step = self.step
 
     def _on_seq_fork(self, e: Event) -> None:
         self.seq_request[e["seq_id"]] = e["request_id"]
@@ -113,9 +127,11 @@ class MomentFinder:
     def _on_block_alloc(self, e: Event) -> None:
         self.seq_request[e["seq_id"]] = e["request_id"]
         self.allocated.setdefault(e["request_id"], []).append(e["block_id"])
+        self.tables.setdefault(e["request_id"], []).append(e["block_id"])
 
     def _on_block_share(self, e: Event) -> None:
         block, rid = [e["block_id"]], e["request_id"]
+        self.tables.setdefault(rid, []).append(e["block_id"])
         for kind in ("share", "prefix_hit") if e["reason"] == "prefix_cache" else ("share",):
             if moment := self._note(kind):
                 moment.add(block, rid)
@@ -128,6 +144,9 @@ class MomentFinder:
 
     def _on_block_free(self, e: Event) -> None:
         self.freed.setdefault(e["seq_id"], []).append(e["block_id"])
+        table = self.tables.get(e["request_id"], [])
+        if e["block_id"] in table:
+            table.remove(e["block_id"])
 
     def _on_preempt(self, e: Event) -> None:
         if self.victim is None and "recompute" not in self.found:
@@ -141,11 +160,40 @@ class MomentFinder:
     def _on_iteration(self, e: Event) -> None:
         if self.num_blocks is not None and e["kv_blocks_used"] >= self.num_blocks:
             self._note("cache_full")
+        self._scheduling(e["batch"])
+        for entry in e["batch"]:
+            self._phase(entry)
         rid = self.victim
         if rid is not None and any(b["request_id"] == rid and b["phase"] == "prefill" for b in e["batch"]):
             self.victim = None
             if moment := self._note("recompute"):
                 moment.add(self.allocated.get(rid, []), rid)
+
+    def _scheduling(self, batch: list[dict]) -> None:
+        """Who waits, and who takes a slot a finished request freed while others were still decoding."""
+        in_batch = {entry["request_id"] for entry in batch}
+        newcomers = [rid for rid in self.unscheduled if rid in in_batch]
+        self.unscheduled = [rid for rid in self.unscheduled if rid not in in_batch]
+        if self.unscheduled and (moment := self._note("queued")):
+            moment.add(request_id=self.unscheduled[0])
+        self.waited.update(self.unscheduled)
+        refilled = [rid for rid in newcomers if rid in self.waited]
+        if refilled and self.finished_step >= self.step - 1 and len(in_batch) > len(newcomers) \
+                and (moment := self._note("slot_refilled")):  # static batching never refills beside a decode
+            moment.add(self.allocated.get(refilled[0], []), refilled[0])
+
+    def _phase(self, entry: dict) -> None:
+        """Prefill chunks, a prompt wholly cached, the first decode, a block added while decoding."""
+        rid, phase = entry["request_id"], entry["phase"]
+        prompt_len = self.prompt_len.get(rid, 0)
+        if phase == "prefill" and entry["context_len"] < prompt_len and (moment := self._note("prefill_chunk")):
+            moment.add(self.allocated.get(rid, []), rid)
+        if phase == "prefill" and entry["context_len"] >= prompt_len and (moment := self._note("prompt_cached")):
+            moment.add(self.tables.get(rid, []), rid)
+        if phase == "decode" and (moment := self._note("first_decode")):
+            moment.add(request_id=rid)
+        if phase in ("decode", "verify") and self.allocated.get(rid) and (moment := self._note("block_added")):
+            moment.add(self.allocated[rid], rid)
 
     def _on_seq_end(self, e: Event) -> None:
         if e["reason"] == "pruned" and (moment := self._note("prune")):

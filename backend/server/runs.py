@@ -7,7 +7,9 @@ itself after the iteration in which a moment its scenario's lesson explains happ
 at any speed. Every event it emits is applied to the run's reducer and handed to each watcher's
 bounded queue under one lock, so that a snapshot plus the events after it is always exactly the
 state. A watcher that falls behind is not waited
-for: its queue is dropped and it is told to resync from a fresh snapshot.
+for: its queue is dropped and it is told to resync from a fresh snapshot. A run that keeps its whole
+trace in memory (a scenario's) puts the events so far in that message too (`past`, as a replay does),
+so that a page joining late draws every view from step 0, not from the moment it joined.
 
 A run may live forever (the API's): it keeps a bounded window of finished requests (its reducer's
 `max_finished`) and of events (`Retention.trace_window`), so its memory and its snapshot stay
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 WATCHER_QUEUE_LIMIT = 4096  # events a watcher may lag behind before it is resynced instead
+# A resync carries the past up to this many events (a few MB of JSON, a second or two to rebuild in
+# the dashboard); a longer run resyncs from its snapshot alone, whose views start at the join.
+RESYNC_PAST_LIMIT = 50_000
 T = TypeVar("T")
 
 
@@ -270,8 +275,19 @@ class ServedRun:
 
     def _resync_locked(self) -> ResyncCache:
         if self._resync_cache is None or self._resync_cache.stale:
-            self._resync_cache = ResyncCache(encode_event(self._resync_message_locked()))
+            self._resync_cache = ResyncCache(self._with_past_locked(encode_event(self._resync_message_locked())))
         return self._resync_cache
+
+    def _with_past_locked(self, message: str) -> str:
+        """The resync message with `past`: the whole trace so far, spliced in as the JSON it already is
+        (decoding and encoding thousands of events would hold the lock that long). Only when nothing was
+        dropped from it: a windowed trace (the API's run) resyncs from its snapshot alone."""
+        lines = self.trace_lines
+        complete = self.keeps_trace and self.header_line is not None and lines.maxlen is None
+        if not complete or len(lines) >= RESYNC_PAST_LIMIT:
+            return message
+        assert message.endswith("}")
+        return message[:-1] + ',"past":[' + ",".join([self.header_line, *lines]) + "]}"
 
     def resync_all(self) -> None:
         with self.lock:

@@ -1,0 +1,171 @@
+"""A recorded walk of every scenario's lesson, as a lecturer gives it, in headless Chromium.
+
+Each scenario is opened from the landing page (picked in the drawer, started unpaced: lesson mode
+stops it at every moment anyway) and walked step by step with the lesson's "continue" button to its
+`finished` step. At each moment: no page error, the view the step names scrolled into the window and
+outlined (`kv-focus`), and the blocks the moment concerns ringed in the block pool. A screenshot of
+every moment goes to KVSCOPE_WALK_DIR (default: a temporary folder), `<scenario>-<n>-<moment>.png`,
+for a person to look through; with KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also
+written, at 1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
+
+The servers, the browser and the page-error check are tests/test_browser.py's fixtures.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from kvscope.backend.events.moments import VIEWS, find_moments
+from kvscope.backend.model.loader import missing_package
+from kvscope.backend.scenario import SCENARIOS_DIR, load_scenario
+from kvscope.frontend.lesson import MOMENT_TITLES
+from tests.test_browser import ROOT, WAIT_S, api, backend_url, browser, dashboard_url, page, wait_until  # noqa: F401
+
+SCENARIOS = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
+DOCS_DIR = ROOT / "docs" / "images" / "scenarios"
+VIEWPORT = {"width": 1280, "height": 720}  # a projector's: what a class sees
+TITLE_KINDS = {title: kind for kind, title in MOMENT_TITLES.items()}
+IN_SIGHT = """(view) => {
+    const card = document.querySelector(`.kv-card[data-view='${view}']`);
+    if (!card) return null;
+    const box = card.getBoundingClientRect();
+    return {focused: card.classList.contains('kv-focus'),
+            in_sight: box.bottom > 0 && box.top < window.innerHeight && box.right > 0 && box.left < window.innerWidth};
+}"""
+
+
+@pytest.fixture(scope="module")
+def walk_dir(tmp_path_factory) -> Path:
+    folder = Path(os.environ["KVSCOPE_WALK_DIR"]) if os.environ.get("KVSCOPE_WALK_DIR") else \
+        tmp_path_factory.mktemp("walk")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def progress(page) -> str:
+    return page.locator("[data-kv=lesson-progress]").inner_text()
+
+
+def moment_kind(text: str) -> str:
+    """'step 2 of 4 · First prefill chunk (iteration 4)' -> 'prefill_chunk'."""
+    match = re.search(r"· (.+?)(?: \(iteration \d+\))?$", text)
+    assert match and match.group(1) in TITLE_KINDS, f"not a lesson step: {text!r}"
+    return TITLE_KINDS[match.group(1)]
+
+
+def start_from_the_landing_page(page, dashboard_url: str, name: str) -> str:  # noqa: F811
+    """Pick the scenario in the drawer, unpaced, and start it; its run id."""
+    page.goto(dashboard_url + "/")
+    page.locator("[data-kv=scenario]").click()
+    page.get_by_role("option", name=name, exact=True).click()
+    page.locator("[data-kv=scenario-about]").get_by_text("Lesson.").wait_for()
+    page.locator("[data-kv=start-speed]").click()
+    page.get_by_role("option", name="unpaced").click()
+    page.locator("[data-kv=start-run]").click()
+    page.wait_for_url(re.compile(r"\?run="))
+    return re.search(r"run=([0-9a-f]+)", page.url).group(1)
+
+
+def check_the_moment(page, backend_url: str, run_id: str, kind: str, errors: list[str]) -> None:  # noqa: F811
+    """What a class must see at a moment: no page error, the views the step names outlined, the first
+    of them in the window, and the blocks it concerns ringed."""
+    assert not errors, f"page errors at {kind}: {errors[:3]}"
+    views = VIEWS[kind]
+    seen = {name: page.evaluate(IN_SIGHT, name) for name in views}
+    assert all(s is not None and s["focused"] for s in seen.values()), f"{kind}: not outlined: {seen}"
+    assert seen[views[0]]["in_sight"], f"{kind}: {views[0]} is out of the window"
+    if kind == "finished":
+        return
+    moments = {m.kind: m for m in find_moments(trace_events(backend_url, run_id))}
+    blocks = " ".join(str(b) for b in moments[kind].blocks)
+    canvas = page.locator("[data-kv=block-pool] canvas")
+    wait_until(lambda: (canvas.get_attribute("data-ringed") or "") == blocks, WAIT_S,
+               f"{kind}: blocks {blocks} not ringed")
+
+
+def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
+    with urllib.request.urlopen(f"{backend_url}/api/runs/{run_id}/trace", timeout=30) as r:
+        return [json.loads(line) for line in r.read().decode().splitlines() if line]
+
+
+def answer_the_moment(page) -> None:
+    """What the class does at a moment before it goes on: for now, continue. A predict-then-reveal
+    question adds its pick here, before the click that reveals the answer."""
+    page.locator("[data-kv=lesson-continue]").click()
+
+
+def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
+    """The whole page (lesson card and every view) for the walk; for the docs, the window a class sees
+    with the lesson card at its top, in 256 colours (a third of the bytes, no visible loss for flat UI)."""
+    page.mouse.move(VIEWPORT["width"] - 2, 2)  # no tooltip in the picture
+    if index == 1 and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
+        DOCS_DIR.mkdir(parents=True, exist_ok=True)
+        page.locator("[data-kv=lesson-text]").evaluate(
+            "(el) => el.closest('.kv-card').scrollIntoView({block: 'start'})")
+        time.sleep(0.3)
+        Image.open(io.BytesIO(page.screenshot())).quantize(256).save(DOCS_DIR / f"{name}.png", optimize=True)
+    page.evaluate("window.scrollTo(0, 0)")  # the fixed header at the top of the long picture
+    page.screenshot(path=str(walk_dir / f"{name}-{index}-{kind}.png"), full_page=True)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_walk_every_lesson_step_of(name, page, backend_url, dashboard_url, walk_dir):  # noqa: F811
+    scenario = load_scenario(name)
+    if missing_package(scenario.model):
+        pytest.skip(f"{scenario.model} is not installed ({missing_package(scenario.model)})")
+    errors: list[str] = []  # the fixture fails the test on any at the end; a moment must have none already
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
+    page.set_viewport_size(VIEWPORT)
+    run_id = start_from_the_landing_page(page, dashboard_url, name)
+    steps = [step.at for step in scenario.lesson]
+    if set(steps) <= {"start", "finished"}:  # a lesson that never pauses: it runs once its page drew step 0
+        walked = run_through(page, backend_url, run_id, steps, errors)
+        screenshot(page, walk_dir, name, 1, walked[-1] if walked else "end")
+    else:
+        walked = walk(page, backend_url, run_id, name, walk_dir, errors)
+    assert sorted(walked) == sorted(steps), f"{name}: walked {walked}, the lesson has {steps}"
+    events = trace_events(backend_url, run_id)
+    first = next(i for i, e in enumerate(events) if e["type"] in ("control", "iteration"))
+    assert (events[first]["type"], events[first]["action"], events[first]["step"]) == ("control", "resume", -1), \
+        "the run must wait at step 0 until its page (or the lesson's continue) starts it"
+
+
+def walk(page, backend_url: str, run_id: str, name: str, walk_dir: Path, errors: list[str]) -> list[str]:  # noqa: F811
+    """A lesson in lesson mode: held on its first step, then every moment with continue, to the end."""
+    page.locator("[data-kv=lesson-continue]").wait_for()
+    assert api(backend_url, f"/api/runs/{run_id}")["step"] == -1
+    assert moment_kind(progress(page)) == "start"
+    walked = ["start"]
+    while walked[-1] != "finished":
+        before = progress(page)
+        answer_the_moment(page)
+        wait_until(lambda: progress(page) != before and page.locator("[data-kv=lesson-continue]").is_visible(),
+                   WAIT_S * 3, f"{name}: no step after {walked[-1]} (at {before!r})")
+        kind = moment_kind(progress(page))
+        time.sleep(0.3)  # the outline and the scroll arrive in the same update as the text, the ring just after
+        check_the_moment(page, backend_url, run_id, kind, errors)
+        walked.append(kind)
+        screenshot(page, walk_dir, name, len(walked) - 1, kind)
+    return walked
+
+
+def run_through(page, backend_url: str, run_id: str, steps: list[str], errors: list[str]) -> list[str]:  # noqa: F811
+    """A lesson with nothing to pause at: its run goes by itself, and its finished step shows at the end."""
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S * 3, "the run did not finish")
+    if "finished" not in steps:
+        assert not errors, f"page errors: {errors[:3]}"
+        return steps
+    wait_until(lambda: "Finished" in progress(page), WAIT_S, "the finished step did not show")
+    time.sleep(0.3)
+    check_the_moment(page, backend_url, run_id, "finished", errors)
+    return ["start", "finished"]
