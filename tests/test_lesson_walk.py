@@ -97,10 +97,25 @@ def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
         return [json.loads(line) for line in r.read().decode().splitlines() if line]
 
 
-def answer_the_moment(page) -> None:
-    """What the class does at a moment before it goes on: for now, continue. A predict-then-reveal
-    question adds its pick here, before the click that reveals the answer."""
+CHOICES = "[data-kv=question-choice]:visible"
+
+
+def answer_the_moment(page) -> bool:
+    """What the class does at a moment before it goes on: a predict-then-reveal question open on the card
+    gets the room's pick (its first choice), then continue. Whether a question was answered."""
+    choices = page.locator(CHOICES)
+    asked = choices.count() > 0 and all(not c.get_attribute("data-mark") for c in choices.all())
+    if asked:
+        choices.first.click()
+        wait_until(lambda: page.locator(CHOICES).first.get_attribute("data-mark") == "picked", WAIT_S,
+                   "the pick was not marked")
     page.locator("[data-kv=lesson-continue]").click()
+    return asked
+
+
+def revealed(page) -> bool:
+    """The card marks a question's right answer (the moment that answers it has come)."""
+    return page.locator("[data-kv=question-choice][data-mark=right]:visible").count() > 0
 
 
 def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
@@ -145,17 +160,20 @@ def walk(page, backend_url: str, run_id: str, name: str, walk_dir: Path, errors:
     page.locator("[data-kv=lesson-continue]").wait_for()
     assert api(backend_url, f"/api/runs/{run_id}")["step"] == -1
     assert moment_kind(progress(page)) == "start"
-    walked = ["start"]
+    walked, questions = ["start"], 0
     while walked[-1] != "finished":
         before = progress(page)
-        answer_the_moment(page)
+        questions += answer_the_moment(page)
         wait_until(lambda: progress(page) != before and page.locator("[data-kv=lesson-continue]").is_visible(),
                    WAIT_S * 3, f"{name}: no step after {walked[-1]} (at {before!r})")
         kind = moment_kind(progress(page))
         time.sleep(0.3)  # the outline and the scroll arrive in the same update as the text, the ring just after
         check_the_moment(page, backend_url, run_id, kind, errors)
+        if questions and revealed(page):
+            questions -= 1
         walked.append(kind)
         screenshot(page, walk_dir, name, len(walked) - 1, kind)
+    assert questions == 0, f"{name}: a question asked was never revealed"
     return walked
 
 
