@@ -417,6 +417,7 @@ def test_exporting_a_gif_shows_a_progress_bar_that_fills_and_the_slide_downloads
                                          {"process": "uniform", "rate_per_step": 0.5}), speed=0, paused=False)
     wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
     page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")  # painted: its buttons answer clicks
     page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('finished')")
     bar = page.locator("[data-kv=export-progress]")
     assert not bar.is_visible()
