@@ -1,10 +1,16 @@
 """The export menu: PNG / SVG of a view, a GIF of the run and a Perfetto trace (rendered server-side by the
-`frontend.export` package from the run's trace), and the trace itself as JSONL."""
+`frontend.export` package from the run's trace), and the trace itself as JSONL.
+
+Rendering runs in a worker thread (NiceGUI's run.io_bound) so the page stays live; the renderer reports
+each frame, and a progress bar beside the button follows it (from the event loop: the worker only
+schedules the update), then names the file it handed to the browser."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from nicegui import run, ui
@@ -12,19 +18,21 @@ from nicegui import run, ui
 from kvscope.frontend.client import Backend, BackendError
 
 VIEWS = {"timeline": "Timeline", "blocks": "Block pool", "batch": "Batch composition"}
+KINDS = {".png": "PNG", ".svg": "SVG", ".json": "Perfetto JSON", ".gif": "GIF"}
 
 
 def parse_jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def render_bytes(events: list[dict], view: str, suffix: str) -> bytes:
+def render_bytes(events: list[dict], view: str, suffix: str,
+                 progress: Callable[[float], None] | None = None) -> bytes:
     """The picture (or Perfetto JSON) of one view as bytes, through a temporary file."""
     from kvscope.frontend.export import render  # matplotlib loads on the first export only
 
     with tempfile.TemporaryDirectory(prefix="kvscope-export-") as folder:
         out = Path(folder) / f"{view}{suffix}"
-        render(events, view, out)
+        render(events, view, out, progress=progress)
         return out.read_bytes()
 
 
@@ -33,6 +41,14 @@ class ExportMenu:
         self.backend = backend
         self.run_id = run_id
         self.last: tuple[str, int] | None = None  # (filename, size) of the last export, for tests
+        self.busy = False
+        with ui.row().classes("items-center gap-2 no-wrap").mark("export-status") as self.status:
+            self.status_label = ui.label().classes("text-white text-body2").props("data-kv=export-status-label") \
+                .mark("export-status-label")
+            self.progress = ui.linear_progress(value=0, show_value=False, size="10px", color="amber-5") \
+                .props("track-color=blue-grey-8 rounded data-kv=export-progress") \
+                .classes("w-40").mark("export-progress")
+        self.status.set_visibility(False)
         button = ui.button(icon="download").props("flat round color=white data-kv=export").tooltip("export")
         with button.mark("export"):
             with ui.menu().mark("export-menu"):
@@ -53,20 +69,40 @@ class ExportMenu:
             ui.notify(str(e), type="negative")
             return None
 
+    def _file_name(self, view: str, suffix: str) -> str:
+        return f"kvscope-{self.run_id}-{ {'.json': 'perfetto', '.gif': 'run'}.get(suffix, view)}{suffix}"
+
     async def export(self, view: str, suffix: str) -> bytes | None:
+        if self.busy:
+            ui.notify("an export is still rendering", type="warning")
+            return None
         text = await self._trace()
         if text is None:
             return None
-        ui.notify(f"rendering {VIEWS[view].lower()} {suffix[1:].upper()} ...")
+        what = "run GIF" if suffix == ".gif" else f"{VIEWS[view].lower()} {KINDS[suffix]}"
+        self.busy = True
+        self._show(f"rendering {what}", 0.0)
+        loop = asyncio.get_running_loop()
         try:
-            data = await run.io_bound(render_bytes, parse_jsonl(text), view, suffix)
+            data = await run.io_bound(render_bytes, parse_jsonl(text), view, suffix,
+                                      lambda f: loop.call_soon_threadsafe(self.progress.set_value, round(f, 3)))
         except (ValueError, ImportError) as e:  # ExportError is a ValueError
+            self.status.set_visibility(False)
             ui.notify(f"export failed: {e}", type="negative", multi_line=True)
             return None
-        name = f"kvscope-{self.run_id}-{ {'.json': 'perfetto', '.gif': 'run'}.get(suffix, view)}{suffix}"
+        finally:
+            self.busy = False
+        name = self._file_name(view, suffix)
+        self._show(f"✓ {name} ({len(data) / 1e6:.1f} MB)" if len(data) > 1e5 else f"✓ {name}", 1.0)
         self.last = (name, len(data))
         ui.download(data, name)
         return data
+
+    def _show(self, label: str, value: float) -> None:
+        """The status beside the button stays after an export: it names the file the browser got."""
+        self.status_label.set_text(label)
+        self.progress.set_value(value)
+        self.status.set_visibility(True)
 
     async def download_trace(self) -> None:
         text = await self._trace()

@@ -333,15 +333,17 @@ def cmd_export(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from kvscope.backend.events.trace import read_trace
-    from kvscope.frontend.export import ExportError, check_options, render
+    from kvscope.frontend.export import ExportError, check_options, parse_size, render
 
     out = Path(args.out)
     try:
         check_options(args.view, out, args.x, args.stride)  # before reading what may be a long trace
-        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step, stride=args.stride)
+        size = parse_size(args.size)
+        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step, stride=args.stride, size=size)
     except ExportError as e:
         where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
-                 "x": f"--x {args.x}", "step": f"--step {args.step}", "stride": f"--stride {args.stride}"}[e.field]
+                 "x": f"--x {args.x}", "step": f"--step {args.step}", "stride": f"--stride {args.stride}",
+                 "size": f"--size {args.size}"}[e.field]
         raise UserError(str(where), str(e.reason)) from None
     what = {".json": "Perfetto trace of the timeline", ".gif": "block pool and timeline, animated"}
     print(f"wrote {out} ({what.get(out.suffix.lower(), args.view)})")
@@ -490,7 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--x", default="steps", help="timeline x axis: steps or seconds")
     e.add_argument("--step", type=int, default=None,
                    help="the run as of this iteration (default: the end; blocks: the busiest iteration)")
-    e.add_argument("--stride", type=int, default=1, help="GIF: a frame every N iterations (default 1)")
+    e.add_argument("--stride", type=int, default=None,
+                   help="GIF: a frame every N iterations (default: every one, sampled down to 80 frames)")
+    e.add_argument("--size", default="1920x1080",
+                   help="pixels, WIDTHxHEIGHT, or a width alone for 16:9 (default 1920x1080, a slide)")
     e.set_defaults(func=cmd_export)
 
     w = sub.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")

@@ -507,3 +507,33 @@ def test_a_lesson_question_is_answered_then_revealed_and_marked_at_its_moment(pa
     assert victim != "g0" and pick.get_attribute("data-mark") == "wrong"
     assert page.locator("[data-kv=question-status]").inner_text().endswith("was wrong.")
     page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question-revealed.png")
+
+
+def test_exporting_a_gif_shows_a_progress_bar_that_fills_and_the_slide_downloads(page, backend_url, dashboard_url,
+                                                                                tiny_dir, tmp_path):
+    from PIL import Image
+
+    run_id = start(backend_url, scenario(tiny_dir, "gif", 256, 4, 6, (16, 40), (20, 30),
+                                         {"process": "uniform", "rate_per_step": 0.5}), speed=0, paused=False)
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")  # painted: its buttons answer clicks
+    page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('finished')")
+    bar = page.locator("[data-kv=export-progress]")
+    assert not bar.is_visible()
+    page.evaluate("""() => { window.kvProgress = [];  // every value the bar shows, as the server sends them
+        new MutationObserver(() => kvProgress.push(Number(
+            document.querySelector('[data-kv=export-progress]').getAttribute('aria-valuenow'))))
+          .observe(document.querySelector('[data-kv=export-progress]'), {attributes: true,
+                                                                          attributeFilter: ['aria-valuenow']}); }""")
+    page.locator("[data-kv=export]").click()
+    with page.expect_download(timeout=TIMEOUT_MS) as download:
+        page.get_by_text("Run as GIF").click()
+        bar.wait_for(state="visible")
+    gif = tmp_path / "run.gif"
+    download.value.save_as(gif)
+    with Image.open(gif) as image:
+        assert image.size == (1920, 1080) and image.n_frames > 1
+    seen = page.evaluate("kvProgress")
+    assert seen[-1] == 1 and any(0 < v < 1 for v in seen), seen  # it moved while rendering, then filled
+    assert page.locator("[data-kv=export-status-label]").inner_text().startswith(f"✓ kvscope-{run_id}-run.gif")

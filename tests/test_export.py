@@ -8,14 +8,17 @@ from collections import defaultdict
 import matplotlib.image
 import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 
 from kvscope.cli import main
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.trace import TraceWriter, read_trace
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import Scenario
-from kvscope.frontend.export import VIEWS, render
+from kvscope.frontend.export import SLIDE_SIZE, VIEWS, render
+from kvscope.frontend.export.blocks import draw_blocks, pool_layout, used_blocks
 from kvscope.frontend.export.replayed import replay, segments
+from kvscope.frontend.export.timeline import PRUNED_COLOR, draw_timeline
 
 BURST = {"count": 8, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 16, "max": 40},
          "max_tokens": {"min": 12, "max": 30}, "shared_prefix": {"tokens": 16, "fraction": 0.5},
@@ -49,12 +52,36 @@ def distinct_colors(pixels: np.ndarray) -> int:
 
 
 @pytest.mark.parametrize("view", VIEWS)
-def test_each_view_is_a_large_picture_with_many_colors(pressure, tmp_path, view):
+def test_each_view_is_a_full_hd_slide_with_many_colors(pressure, tmp_path, view):
     _, events = pressure
     pixels = read_png(render(events, view, tmp_path / f"{view}.png", step=20 if view == "blocks" else None))
     height, width, _ = pixels.shape
-    assert width >= 800 and height >= 400
+    assert (width, height) == SLIDE_SIZE == (1920, 1080)
     assert pixels.std() > 0.1 and distinct_colors(pixels) >= 8
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_no_text_on_a_slide_is_under_16_px_and_the_title_names_scenario_and_step(pressure, view):
+    from matplotlib.text import Text
+
+    from kvscope.frontend.export.figure import slide_style
+    from kvscope.frontend.export.write import DRAW
+
+    run = replay(pressure[1], 20)
+    with slide_style():  # as render() draws
+        fig = DRAW[view](run)
+        fig.canvas.draw()  # ticks and legends exist once drawn
+    texts = [t for t in fig.findobj(Text) if t.get_text().strip() and t.get_visible()]
+    assert texts and min(t.get_fontsize() * fig.dpi / 72 for t in texts) >= 16
+    assert "memory-pressure" in fig.get_suptitle() and f"step 20 of {replay(pressure[1]).last}" in fig.get_suptitle()
+
+
+@pytest.mark.parametrize("size,expected", [("1280", (1280, 720)), ("3840", (3840, 2160)), ("1000x1000", (1000, 1000))])
+def test_a_size_alone_keeps_16_9_and_width_x_height_asks_for_another_shape(pressure, tmp_path, size, expected):
+    out = tmp_path / "t.png"
+    assert main(["export", str(pressure[0]), "--out", str(out), "--size", size]) == 0
+    height, width, _ = read_png(out).shape
+    assert (width, height) == expected
 
 
 @pytest.mark.parametrize("view,title", [("timeline", "Timeline"), ("blocks", "KV block pool"),
@@ -83,7 +110,7 @@ def test_a_preempted_request_is_prefilled_again_after_its_gap(pressure):
 def test_seconds_on_the_x_axis(pressure, tmp_path):
     out = tmp_path / "t.png"
     assert main(["export", str(pressure[0]), "--out", str(out), "--x", "seconds"]) == 0
-    assert read_png(out).shape[1] >= 800
+    assert read_png(out).shape[:2] == (1080, 1920)
 
 
 def test_perfetto_json_has_one_track_per_request(pressure, tmp_path):
@@ -133,6 +160,8 @@ def write_bad_traces(tmp_path, pressure) -> dict[str, str]:
     (["TRACE", "--out", "x.png", "--step", "9999"], "--step 9999: 9999 is outside the trace's iterations"),
     (["TRACE", "--out", "x.png", "--x", "tokens"], "--x tokens: not an x unit"),
     (["TRACE", "--out", "no/such/dir/x.png"], "does not exist"),
+    (["TRACE", "--out", "x.png", "--size", "big"], "--size big: use WIDTHxHEIGHT (1920x1080) or a width alone"),
+    (["TRACE", "--out", "x.png", "--size", "99999"], "--size 99999: width 640..7680 px"),
 ])
 def test_bad_input_is_one_line_and_exit_2(pressure, tmp_path, capsys, monkeypatch, args, needle):
     monkeypatch.chdir(tmp_path)
@@ -142,21 +171,53 @@ def test_bad_input_is_one_line_and_exit_2(pressure, tmp_path, capsys, monkeypatc
     assert needle in err and err.startswith("kvscope export: ") and len(err.strip().splitlines()) == 1
 
 
-def test_a_2048_block_pool_renders_every_block(tmp_path, tiny_dir):
+def test_a_2048_block_pool_is_cropped_to_the_rows_its_blocks_were_used_in(tmp_path, tiny_dir):
     engine = {"block_size": 4, "num_blocks": 2048, "max_num_seqs": 4, "max_num_batched_tokens": 64,
               "batching": "static"}
     _, events = record(tmp_path, tiny_dir, "big-pool", engine, {**BURST, "count": 6})
     assert events[0]["cache"]["num_blocks"] == 2048
     pixels = read_png(render(events, "blocks", tmp_path / "blocks.png", step=3))  # bench/latency.py times it
     render(events, "blocks", tmp_path / "blocks.svg", step=3)
-    assert pixels.shape[1] >= 800 and distinct_colors(pixels) >= 4
+    assert (pixels.shape[1], pixels.shape[0]) == SLIDE_SIZE and distinct_colors(pixels) >= 4
+    run = replay(events, 3)
+    used = used_blocks(run.events)
+    layout = pool_layout(2048, used)
+    used_rows = {b // layout.cols for b in used}
+    assert used_rows <= set(layout.rows) <= {r + d for r in used_rows for d in (-1, 0, 1)}  # a row of margin
+    cells = draw_blocks(run).axes[0].collections[0]
+    assert len(cells.get_paths()) == len(layout.rows) * layout.cols < 2048 / 8  # not a mostly empty grid
     batch = read_png(render(events, "batch", tmp_path / "batch.png"))  # static: idle slots drawn
     assert batch.std() > 0.1
 
 
+def test_rows_nobody_used_between_used_ones_are_left_out_with_a_line_between():
+    layout = pool_layout(2048, {0, 1, 2, 3, 700})
+    assert layout.cols == 32 and layout.rows == [0, 1, 20, 21, 22]  # 700 = row 21, column 28
+    assert pool_layout(24, set(range(24))).rows == [0, 1, 2]  # a full small pool: all of it
+
+
+def test_the_beam_timeline_draws_the_beam_tree_forks_linked_and_pruned_beams_crossed(tmp_path, tiny_dir):
+    generate = {"count": 1, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 6, "max": 6},
+                "max_tokens": {"min": 8, "max": 8}, "sampling": {"temperature": 0.0, "beam_width": 2}}
+    engine = {"block_size": 4, "num_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    _, events = record(tmp_path, tiny_dir, "beams", engine, generate)
+    forks = [e for e in events if e["type"] == "seq_fork"]
+    pruned = [e for e in events if e["type"] == "seq_end" and e["reason"] == "pruned"]
+    assert forks and pruned
+    ax = draw_timeline(replay(events)).axes[0]
+    lanes = next(c for c in ax.collections if type(c).__name__ == "LineCollection")
+    sequences = len(forks) + 1  # the first one and every fork
+    assert len(lanes.get_segments()) == sequences + len(forks)  # a lane each, and a link from each fork to its parent
+    crosses = [c for c in ax.collections if len(c.get_offsets()) and len(c.get_facecolor()) and
+               np.allclose(c.get_facecolor()[0][:3], to_rgb(PRUNED_COLOR))]
+    assert len(crosses) == 1 and len(crosses[0].get_offsets()) == len(pruned)
+    assert "beam pruned" in [t.get_text() for t in ax.get_legend().get_texts()]
+    pixels = read_png(render(events, "timeline", tmp_path / "beams.png"))
+    assert (np.abs(pixels - np.array(to_rgb(PRUNED_COLOR))).max(axis=-1) < 0.02).sum() > 50
+
+
 def test_verify_phase_and_forked_sequences_export(tmp_path):
     """Speculative verifies get their own colour; n > 1 sequences share their request's row."""
-    from matplotlib.colors import to_rgb
 
     from kvscope.frontend.export.perfetto import perfetto_trace
     from kvscope.frontend.palette import PHASE_COLORS

@@ -7,15 +7,17 @@ from matplotlib.colors import to_rgb
 from PIL import Image
 
 from kvscope.cli import main
-from kvscope.frontend.export import render
-from kvscope.frontend.export.gif import frame_steps
+from kvscope.frontend.export import SLIDE_SIZE, render
+from kvscope.frontend.export.blocks import pool_cells
+from kvscope.frontend.export.figure import request_colors
+from kvscope.frontend.export.gif import AUTO_FRAMES, Slide, auto_stride, frame_steps, pool_moments
 from kvscope.frontend.export.replayed import busiest_step, replay
 from kvscope.frontend.palette import BLOCK_COLORS, PHASE_COLORS, request_color
 from tests.test_export import pressure, read_png  # noqa: F401 (the fixture: a real trace with preemptions)
 
 
 def colors_in(image: Image.Image) -> set[tuple[int, int, int]]:
-    return {tuple(int(v) for v in c) for c in np.unique(np.asarray(image.convert("RGB")).reshape(-1, 3), axis=0)}
+    return {color for _, color in image.convert("RGB").getcolors(maxcolors=1 << 24)}  # Pillow counts them in C
 
 
 def rgb(color: str) -> tuple[int, int, int]:
@@ -32,10 +34,34 @@ def test_a_gif_has_a_frame_per_stride_and_the_pages_colours(pressure, tmp_path):
         seen = set()
         for index in range(gif.n_frames):  # requests own blocks mid-run, phases fill the timeline by the end
             gif.seek(index)
+            assert gif.size == SLIDE_SIZE == (1920, 1080)
             seen |= colors_in(gif)
     for color in (PHASE_COLORS["prefill"], PHASE_COLORS["decode"], PHASE_COLORS["preempted"], BLOCK_COLORS["free"],
                   request_color(0), request_color(1)):
         assert rgb(color) in seen, color
+
+
+def test_without_a_stride_a_long_run_is_sampled_down_to_the_frame_cap():
+    assert auto_stride(0, 73) == 1 and len(frame_steps(0, 73, auto_stride(0, 73))) == 74
+    assert auto_stride(0, 199) == 3 and len(frame_steps(0, 199, 3)) == 68 <= AUTO_FRAMES
+    assert frame_steps(0, 199, auto_stride(0, 199))[-1] == 199  # the end is always shown
+
+
+def test_each_frame_shows_the_pool_and_timeline_as_of_its_iteration(pressure):
+    """Drawn once, updated per frame: what each frame shows is what a replay stopped there holds."""
+    _, events = pressure
+    run = replay(events)
+    slide, steps = Slide(run, SLIDE_SIZE), [0, 9, 23, run.last]
+    moments = pool_moments(events, steps, run)
+    for step in steps:
+        at = replay(events, step)
+        assert moments[step] == pool_cells(at.state, request_colors(run), run.order)
+        slide.show(step, moments[step])
+        bars = [path.vertices for c in slide.timeline.bars.values() for path in c.get_paths()]
+        assert max(v[:, 0].max() for v in bars) == step + 1  # cut at the frame's iteration
+        assert f"step {step} of {run.last}" in slide.step.get_text()
+        finished = [v for v in at.state.requests.values() if v.finish_step is not None]
+        assert len(slide.timeline.finish_marks.get_offsets()) == len(finished)
 
 
 def test_cli_writes_a_gif_with_a_stride(pressure, tmp_path, capsys):

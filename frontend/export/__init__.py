@@ -1,5 +1,6 @@
 """Pictures of a run from its events alone: the timeline, block pool and batch views as PNG or SVG
-(matplotlib's Agg and SVG renderers, no browser), and the timeline as a Chrome/Perfetto trace.
+(matplotlib's Agg and SVG renderers, no browser), the run as an animated GIF, all slide-sized (16:9,
+1920×1080 by default), and the timeline as a Chrome/Perfetto trace.
 
 Shared by `kvscope export` and the dashboard's export menu. The events are replayed into a
 RunRecord, as the live dashboard does: the state (block tables, requests) comes from RunState, the
@@ -10,7 +11,7 @@ One module per output (timeline, blocks, batch, perfetto), with what they share 
 (what can be asked), replayed (the events replayed) and figure (the frame of every picture).
 """
 
-from kvscope.frontend.export.options import FORMATS, VIEWS, X_UNITS, ExportError, check_options
+from kvscope.frontend.export.options import FORMATS, SLIDE_SIZE, VIEWS, X_UNITS, ExportError, check_options, parse_size
 from kvscope.frontend.export.write import render
 
-__all__ = ["FORMATS", "VIEWS", "X_UNITS", "ExportError", "check_options", "render"]
+__all__ = ["FORMATS", "SLIDE_SIZE", "VIEWS", "X_UNITS", "ExportError", "check_options", "parse_size", "render"]

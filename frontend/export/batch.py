@@ -8,7 +8,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from kvscope.frontend.export.figure import engine_facts, frame, legend_outside, request_colors, request_handles
+from kvscope.frontend.export.figure import Size, engine_facts, frame, legend_outside, request_colors, request_handles
+from kvscope.frontend.export.options import SLIDE_SIZE
 from kvscope.frontend.export.replayed import ExportedRun
 from kvscope.frontend.palette import BUDGET_COLOR, RECOMPUTE_COLOR, SLOT_COLORS
 
@@ -21,9 +22,9 @@ PHASE_STYLE = {"prefill": {"alpha": 0.55, "hatch": "////", "linewidth": 0},
 PLAIN_STYLE = {"edgecolor": "none", "linewidth": 0}
 
 
-def draw_batch(run: ExportedRun, seconds: bool = False) -> Figure:
+def draw_batch(run: ExportedRun, seconds: bool = False, size: Size = SLIDE_SIZE) -> Figure:
     subtitle = f"{len(run.batches)} iterations · {engine_facts(run)}"
-    fig, (tok_ax, seq_ax) = frame(run, "Batch composition", subtitle, (13, 7.5), rows=2, sharex=True,
+    fig, (tok_ax, seq_ax) = frame(run, "Batch composition", subtitle, size, rows=2, sharex=True,
                                   height_ratios=[3, 1.3])
     steps = sorted(run.batches)
     width = 0.8 if len(steps) <= 150 else 1.0
@@ -33,7 +34,7 @@ def draw_batch(run: ExportedRun, seconds: bool = False) -> Figure:
         tok_ax.bar(xs, hs, bottom=bs, width=width, color=colors[rid], **style)
     budgets = [it["token_budget"] for it in run.state.iterations]
     tok_ax.plot([it["step"] for it in run.state.iterations], budgets, drawstyle="steps-mid", color=BUDGET_COLOR,
-                linestyle="--", linewidth=1.2)
+                linestyle="--", linewidth=2)
     tok_ax.set_ylabel("tokens in the iteration")
     tok_ax.set_ylim(0, max(budgets) * 1.08)
     scheduled = [r for r in run.order if r in run.ran]
@@ -87,7 +88,7 @@ def _slots(ax: Axes, run: ExportedRun) -> None:
 def _waiting_line(ax: Axes, steps: list[int], waiting: list[int]) -> None:
     """The queue on its own (right) axis: it can be far longer than max_num_seqs."""
     twin = ax.twinx()
-    twin.plot(steps, waiting, drawstyle="steps-mid", color=QUEUE_COLOR, linewidth=1.5)
+    twin.plot(steps, waiting, drawstyle="steps-mid", color=QUEUE_COLOR, linewidth=2.5)
     twin.set_ylim(0, max(1, max(waiting)) * 1.1)
     twin.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
     twin.set_ylabel("waiting", color=QUEUE_COLOR)

@@ -1,20 +1,36 @@
-"""The block pool picture: every KV block as a cell, coloured by the request owning it."""
+"""The block pool picture: every KV block as a cell, coloured by the request owning it.
+
+Only the rows of the grid that held a block at some time of the shown range are drawn (plus a row
+of margin each side): a 2,048-block pool that a run used 40 blocks of is three rows, not 32 rows of
+empty cells. The row labels are the true block ids, and a dashed line marks rows left out between.
+PoolGrid draws the grid once and `show`s the pool at any moment: the still calls it once, the GIF
+once per frame.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from functools import lru_cache
 
+import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from kvscope.frontend.export.figure import frame, legend_outside, request_colors, request_handles
-from kvscope.frontend.export.replayed import ExportedRun
+from kvscope.backend.events.state import RunState
+from kvscope.frontend.export.figure import MIN_TEXT_PT, Size, frame, legend_outside, request_colors, request_handles
+from kvscope.frontend.export.options import SLIDE_SIZE
+from kvscope.frontend.export.replayed import Event, ExportedRun
 from kvscope.frontend.palette import BLOCK_COLORS
+
+MARGIN_ROWS = 1
+MIN_ID_CELL_PX = 44  # block ids are written in cells at least this wide (12 pt ids fit)
+SHARED_MARK_PX = 16
 
 
 def grid_columns(num_blocks: int) -> int:
@@ -24,76 +40,169 @@ def grid_columns(num_blocks: int) -> int:
     return 64 * math.ceil(math.sqrt(2 * num_blocks) / 64)
 
 
-def block_owners(run: ExportedRun) -> dict[int, str]:
+def used_blocks(events: list[Event]) -> set[int]:
+    """Every block a sequence held at some time in these events (allocated, shared or copied into)."""
+    used = {e["block_id"] for e in events if e["type"] in ("block_alloc", "block_share")}
+    return used | {e["dst_block_id"] for e in events if e["type"] == "block_copy"}
+
+
+@dataclass
+class PoolLayout:
+    cols: int
+    rows: list[int]  # the grid rows drawn, ascending (row r holds blocks r * cols .. r * cols + cols - 1)
+    num_blocks: int
+
+    @property
+    def total_rows(self) -> int:
+        return math.ceil(self.num_blocks / self.cols)
+
+
+def pool_layout(num_blocks: int, used: set[int]) -> PoolLayout:
+    """Columns fitted to the ids in use, and the rows holding one, with a margin row each side."""
+    cols = grid_columns(max(used) + 1 if used else num_blocks)
+    total = math.ceil(num_blocks / cols)
+    held = {b // cols for b in used} or {0}
+    rows = sorted({r + d for r in held for d in range(-MARGIN_ROWS, MARGIN_ROWS + 1) if 0 <= r + d < total})
+    return PoolLayout(cols, rows, num_blocks)
+
+
+@dataclass
+class PoolCells:
+    """The pool at one moment: each block's colour, the shared ones, and the counts a legend names."""
+
+    colors: list[str]  # block id -> colour
+    shared: list[int]
+    per_request: Counter  # request -> blocks in use (each block counted for its earliest-arrived owner)
+    free: int
+    cached: int
+
+    @property
+    def in_use(self) -> int:
+        return len(self.colors) - self.free - self.cached
+
+
+def block_owners(state: RunState, order: list[str]) -> dict[int, str]:
     """In-use block -> the earliest-arrived request among its owners."""
-    rank = {rid: i for i, rid in enumerate(run.order)}
+    rank = {rid: i for i, rid in enumerate(order)}
     owners = {}
-    for block, seqs in run.state.block_owner.items():
-        rids = [run.state.seq_request[s] for s in seqs if s in run.state.seq_request]
+    for block, seqs in state.block_owner.items():
+        rids = [state.seq_request[s] for s in seqs if s in state.seq_request]
         if rids:
             owners[block] = min(rids, key=lambda r: rank.get(r, len(rank)))
     return owners
 
 
-def draw_blocks(run: ExportedRun, seconds: bool = False) -> Figure:
-    state, n = run.state, run.state.num_blocks
-    cols = grid_columns(n)
-    rows = math.ceil(n / cols)
-    colors, owners = request_colors(run), block_owners(run)
-    free, cached = set(state.free_blocks) - state.cached_blocks, state.cached_blocks
+def pool_cells(state: RunState, colors: dict[str, str], order: list[str]) -> PoolCells:
+    owners = block_owners(state, order)
+    cached = state.cached_blocks
+    free = set(state.free_blocks) - cached
+    cell = [BLOCK_COLORS["free"] if b in free else BLOCK_COLORS["cached"] if b in cached else
+            colors.get(owners.get(b, ""), "black") for b in range(state.num_blocks)]
     shared = sorted(b for b, count in state.ref_counts.items() if count > 1)
-    subtitle = (f"at step {run.last}{' (end of trace)' if state.finished else ''} · {n} blocks × "
-                f"{state.cache.get('block_size', '?')} tokens · {n - len(free) - len(cached)} in use · "
-                f"{len(cached)} cached · {len(free)} free · {len(shared)} shared")
-    fig, (ax,) = frame(run, "KV block pool", subtitle, (13, min(14, max(4.5, 1.8 + rows * 9 / cols))))
-    cell_colors = {**{b: colors.get(r, "black") for b, r in owners.items()},
-                   **dict.fromkeys(free, BLOCK_COLORS["free"]),
-                   **dict.fromkeys(cached, BLOCK_COLORS["cached"])}
-    image = [[to_rgb("white")] * cols for _ in range(rows)]  # [rows, cols, rgb]; the tail of the last row stays white
-    for block in range(n):
-        image[block // cols][block % cols] = to_rgb(cell_colors.get(block, "black"))
-    ax.imshow(image, interpolation="nearest", aspect="equal")
-    _block_marks(ax, image, n, shared)
-    _block_axes(ax, cols, rows)
-    _block_legend(ax, colors, owners, run.order, len(free), len(cached))
-    return fig
+    return PoolCells(cell, shared, Counter(owners.values()), len(free), len(cached))
 
 
-def _block_legend(ax: Axes, colors: dict[str, Any], owners: dict[int, str], order: list[str], free: int,
-                  cached: int) -> None:
-    per_request = Counter(owners.values())
-    in_use = [r for r in order if r in per_request]
-    handles = [Patch(facecolor=BLOCK_COLORS["free"], edgecolor="#bbbbbb", label=f"free ({free})"),
-               Patch(color=BLOCK_COLORS["cached"], label=f"cached, evictable ({cached})"),
+@lru_cache(maxsize=256)
+def _rgb(color: str) -> tuple[float, float, float]:
+    return to_rgb(color)
+
+
+def _ink(color: str) -> str:
+    r, g, b = _rgb(color)
+    return "#222222" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
+
+
+class PoolGrid:
+    """The grid's artists on `ax`; `show(cells)` recolours them. `area_px` is the room the grid gets
+    (width, height), which decides whether block ids fit in the cells; `ids=False` leaves them out
+    (the GIF: each is a text to draw again in every frame, the costliest thing in it).
+
+    A cell is a square of one PolyCollection: recolouring it per frame is one array, and Agg draws
+    a few thousand squares faster than it resamples an image to the axes."""
+
+    def __init__(self, ax: Axes, layout: PoolLayout, area_px: tuple[float, float], ids: bool = True) -> None:
+        self.layout, cols, rows = layout, layout.cols, layout.rows
+        # (x, y) of each shown block's cell, in shown-row order: y counts shown rows from the top
+        self.blocks = [r * cols + c for r in rows for c in range(cols) if r * cols + c < layout.num_blocks]
+        self.where = {b: ((b % cols), rows.index(b // cols)) for b in self.blocks}
+        gap = 0.06 if cols <= 16 else 0.03  # white between cells
+        squares = [[(x - 0.5 + gap, y - 0.5 + gap), (x + 0.5 - gap, y - 0.5 + gap), (x + 0.5 - gap, y + 0.5 - gap),
+                    (x - 0.5 + gap, y + 0.5 - gap)] for x, y in self.where.values()]
+        self.cells = ax.add_collection(PolyCollection(squares, linewidths=0))
+        cell_px = min(area_px[0] / cols, area_px[1] / len(rows))
+        self.labels = [ax.text(x, y + 0.3, str(b), ha="center", va="center", fontsize=MIN_TEXT_PT)
+                       for b, (x, y) in self.where.items()] if ids and cell_px >= MIN_ID_CELL_PX else []
+        self.marks = ax.scatter([], [], s=(SHARED_MARK_PX * 0.72) ** 2, color=BLOCK_COLORS["shared"],
+                                edgecolor="white", linewidth=1.2, zorder=3)
+        self._axes(ax)
+
+    @property
+    def artists(self) -> list:
+        """What changes from one moment to the next."""
+        return [self.cells, self.marks, *self.labels]
+
+    def show(self, cells: PoolCells) -> None:
+        self.cells.set_facecolors([cells.colors[b] for b in self.blocks])
+        for label in self.labels:
+            label.set_color(_ink(cells.colors[int(label.get_text())]))
+        points = [self.where[b] for b in cells.shared if b in self.where]
+        self.marks.set_offsets(np.array(points, dtype=float).reshape(-1, 2))
+
+    def _axes(self, ax: Axes) -> None:
+        cols, rows = self.layout.cols, self.layout.rows
+        ax.set_xlim(-0.5, cols - 0.5)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_aspect("equal")
+        step_x, step_y = max(1, cols // 16), max(1, len(rows) // 12)
+        ax.set_xticks(range(0, cols, step_x), [str(c) for c in range(0, cols, step_x)])
+        ax.set_yticks(range(0, len(rows), step_y), [str(rows[i] * cols) for i in range(0, len(rows), step_y)])
+        ax.tick_params(length=0)
+        ax.set_xlabel("block id − row start (column)")
+        ax.set_ylabel("row start block id")
+        for i in range(1, len(rows)):
+            if rows[i] != rows[i - 1] + 1:  # rows nobody used are left out here
+                ax.axhline(i - 0.5, color="#6b7280", linestyle=(0, (4, 3)), linewidth=2, zorder=4)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+
+
+def shown_rows_note(layout: PoolLayout) -> str:
+    """What the crop left out, for the subtitle."""
+    shown = sum(min(layout.cols, layout.num_blocks - r * layout.cols) for r in layout.rows)
+    if shown == layout.num_blocks:
+        return f"{layout.num_blocks} blocks"
+    return f"{shown} of {layout.num_blocks} blocks shown (rows never used left out)"
+
+
+def pool_legend(ax: Axes, colors: dict[str, str], order: list[str], cells: PoolCells | None,
+                max_rows: int = 20) -> None:
+    """Block states, then the requests (with their blocks in use when `cells` is the one moment shown),
+    in as many columns as `max_rows` lines need."""
+    in_use = [r for r in order if r in cells.per_request] if cells else order
+    free = f" ({cells.free})" if cells else ""
+    cached = f" ({cells.cached})" if cells else ""
+    handles = [Patch(facecolor=BLOCK_COLORS["free"], edgecolor="#bbbbbb", label=f"free{free}"),
+               Patch(color=BLOCK_COLORS["cached"], label=f"cached, evictable{cached}"),
                Line2D([], [], marker="o", color=BLOCK_COLORS["shared"], markeredgecolor="white", ls="",
-                      label="shared (ref count > 1)")]
-    counts = {r: f" ({per_request[r]} in use)" for r in in_use}
-    legend_outside(ax, handles + request_handles(colors, in_use, counts), title="blocks")
+                      markersize=SHARED_MARK_PX * 0.72, label="shared (ref count > 1)")]
+    counts = {r: f" ({cells.per_request[r]} in use)" for r in in_use} if cells else {}
+    handles += request_handles(colors, in_use, counts)
+    legend_outside(ax, handles, title="blocks", ncols=-(-len(handles) // max_rows))
 
 
-def _block_marks(ax: Axes, image: list[list[tuple]], num_blocks: int, shared: list[int]) -> None:
-    """A dot on shared blocks; block ids written in the cells while there are few."""
-    cols = len(image[0])
-    size = max(4, 260 / cols)
-    if shared:
-        ax.scatter([b % cols for b in shared], [b // cols for b in shared], s=size, color=BLOCK_COLORS["shared"],
-                   edgecolor="white", linewidth=0.6, zorder=3)
-    if num_blocks <= 128:
-        for block in range(num_blocks):
-            r, g, b = image[block // cols][block % cols]
-            ink = "#222222" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
-            ax.text(block % cols, block // cols + 0.3, str(block), ha="center", va="center", fontsize=7, color=ink)
+def pool_facts(cells: PoolCells) -> str:
+    return f"{cells.in_use} in use · {cells.cached} cached · {cells.free} free · {len(cells.shared)} shared"
 
 
-def _block_axes(ax: Axes, cols: int, rows: int) -> None:
-    ax.set_xticks([c - 0.5 for c in range(cols + 1)], minor=True)
-    ax.set_yticks([r - 0.5 for r in range(rows + 1)], minor=True)
-    ax.grid(which="minor", color="white", linewidth=1.5 if cols <= 16 else 0.5)
-    ax.tick_params(which="minor", length=0)
-    step_x, step_y = max(1, cols // 16), max(1, rows // 16)
-    ax.set_xticks(range(0, cols, step_x), [str(c) for c in range(0, cols, step_x)])
-    ax.set_yticks(range(0, rows, step_y), [str(r * cols) for r in range(0, rows, step_y)])
-    ax.set_xlabel("block id − row start (column)")
-    ax.set_ylabel("row start block id")
-    for spine in ax.spines.values():
-        spine.set_visible(False)
+def draw_blocks(run: ExportedRun, seconds: bool = False, size: Size = SLIDE_SIZE) -> Figure:
+    state = run.state
+    layout = pool_layout(state.num_blocks, used_blocks(run.events))
+    colors = request_colors(run)
+    cells = pool_cells(state, colors, run.order)
+    subtitle = (f"{shown_rows_note(layout)} × {state.cache.get('block_size', '?')} tokens · {pool_facts(cells)}"
+                + (" · end of trace" if state.finished else ""))
+    fig, (ax,) = frame(run, "KV block pool", subtitle, size)
+    grid = PoolGrid(ax, layout, (0.72 * size[0], 0.72 * size[1]))
+    grid.show(cells)
+    pool_legend(ax, colors, run.order, cells)
+    return fig

@@ -1,14 +1,17 @@
-"""The run as an animated GIF for slides: the block pool above the timeline, one frame per iteration
-(or every `stride` iterations), drawn by the same functions as the still pictures.
+"""The run as an animated GIF for slides: the block pool above the timeline at 1920×1080, one frame
+per iteration (or every `stride`-th, sampled to at most AUTO_FRAMES when no stride is asked for).
 
-Each frame replays the events up to its iteration. The timeline keeps the whole run's x range in
-every frame, so it grows from left to right instead of rescaling. Frames are mapped onto a fixed
-palette (Pillow, no dithering) made of frontend/palette.py's colours plus greys for text, so
-every colour in the GIF is exactly the page's.
+Drawn once, shown many times: the figure, its axes, legends and text are laid out and drawn a single
+time; each frame restores that background and redraws only what moves (the pool's cells, the
+timeline's bars and marks, the step in the title), as matplotlib's blitting does. The pool of each
+frame comes from one pass over the events (RunState applied in order), not a replay per frame.
+Frames are mapped onto a fixed palette (Pillow, no dithering) made of frontend/palette.py's colours
+plus greys for text, so every colour in the GIF is exactly the page's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -16,15 +19,23 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from PIL import Image
 
+from kvscope.backend.events.state import RunState
 from kvscope.frontend import palette
-from kvscope.frontend.export.blocks import draw_blocks
-from kvscope.frontend.export.options import ExportError
-from kvscope.frontend.export.replayed import Event, replay
-from kvscope.frontend.export.timeline import draw_timeline
+from kvscope.frontend.export.blocks import PoolCells, PoolGrid, pool_cells, pool_facts, pool_layout, pool_legend, \
+    shown_rows_note, used_blocks
+from kvscope.frontend.export.figure import SUBTITLE_PT, TITLE_PT, Size, request_colors, slide_figure, slide_style, \
+    step_label
+from kvscope.frontend.export.options import SLIDE_SIZE, ExportError
+from kvscope.frontend.export.replayed import Event, ExportedRun, replay
+from kvscope.frontend.export.timeline import TimelineArtists
 
-MAX_FRAMES = 400  # a slide, not a film: longer runs take a stride
+MAX_FRAMES = 400  # an asked-for stride may go this far; a slide, not a film
+AUTO_FRAMES = 80  # without a stride: every iteration up to this many, then every n-th (4 frames/s: 20 s)
 FRAME_MS = 250  # 4 iterations a second, the page's default speed
-WIDTH_PX = 1200
+LAST_FRAME_MS = 2500  # the end holds before the loop starts again
+POOL_SHARE = 0.42  # of the height, for the block pool (the timeline takes the rest)
+
+Progress = Callable[[float], None]
 
 
 def palette_colors() -> list[str]:
@@ -43,6 +54,11 @@ def _palette_image() -> Image.Image:
     return image
 
 
+def auto_stride(first: int, last: int) -> int:
+    """The smallest stride that keeps a run within AUTO_FRAMES frames."""
+    return max(1, -(-(last - first + 1) // AUTO_FRAMES))
+
+
 def frame_steps(first: int, last: int, stride: int) -> list[int]:
     """The iterations shown: every stride-th from the first, and always the last; ExportError past
     MAX_FRAMES, counted before any list is made (a trace's steps may lie far apart)."""
@@ -53,39 +69,87 @@ def frame_steps(first: int, last: int, stride: int) -> list[int]:
     return list(shown) if shown[-1] == last else [*shown, last]
 
 
-def _pixels(fig: Figure, width: int) -> Image.Image:
-    canvas = FigureCanvasAgg(fig)
+def pool_moments(events: list[Event], steps: list[int], run: ExportedRun) -> dict[int, PoolCells]:
+    """The pool after each of `steps` (ascending), from one pass over the events."""
+    colors, state, out = request_colors(run), RunState(max_iterations=2), {}
+    pending = iter(steps)
+    target = next(pending, None)
+    for event in events:
+        while target is not None and event["step"] > target:
+            out[target] = pool_cells(state, colors, run.order)
+            target = next(pending, None)
+        state.apply(event)
+    while target is not None:
+        out[target] = pool_cells(state, colors, run.order)
+        target = next(pending, None)
+    return out
+
+
+class Slide:
+    """The GIF's one figure: title, block pool (top) and timeline (bottom), with what moves set apart."""
+
+    def __init__(self, run: ExportedRun, size: Size) -> None:
+        self.run, self.fig = run, slide_figure(size)
+        pool_ax, timeline_ax = self.fig.subplots(2, 1, height_ratios=[POOL_SHARE, 1 - POOL_SHARE])
+        self.fig.suptitle(f"{run.scenario} · model {run.model_name}", fontsize=TITLE_PT, fontweight="bold",
+                          x=0.01, ha="left")
+        # What changes per frame is short text of its own: a text costs per glyph, in every frame.
+        self.step = self.fig.text(0.99, 0.995, "", fontsize=TITLE_PT, fontweight="bold", ha="right", va="top")
+        layout = pool_layout(run.state.num_blocks, used_blocks(run.events))
+        # the title's second line is left blank for the counts, which change
+        pool_ax.set_title(f"KV block pool: {shown_rows_note(layout)} × {run.state.cache.get('block_size', '?')} "
+                          "tokens\n", fontsize=SUBTITLE_PT, loc="left", color="#444444")
+        self.facts = pool_ax.text(0.0, 1.0, "", transform=pool_ax.transAxes, fontsize=SUBTITLE_PT, ha="left",
+                                  va="bottom", color="#111111")
+        self.pool = PoolGrid(pool_ax, layout, (0.7 * size[0], 0.36 * size[1]), ids=False)
+        pool_legend(pool_ax, request_colors(run), run.order, None, max_rows=max(4, int(0.36 * size[1] / 27)))
+        timeline_ax.set_title("Timeline", fontsize=SUBTITLE_PT, loc="left", color="#444444")
+        self.timeline = TimelineArtists(timeline_ax, run, axis_px=0.45 * size[1])
+        self.now = timeline_ax.axvline(run.first, color=palette.FOCUS_COLOR, linewidth=1.5, linestyle=(0, (2, 2)))
+        self.moving = [self.step, self.facts, *self.pool.artists, *self.timeline.artists, self.now]
+
+    def show(self, step: int, cells: PoolCells) -> None:
+        self.step.set_text(step_label(step, self.run))
+        self.facts.set_text(pool_facts(cells))
+        self.pool.show(cells)
+        self.timeline.show(step)
+        self.now.set_xdata([step + 1, step + 1])
+
+
+def render_frames(events: list[Event], run: ExportedRun, steps: list[int], size: Size,
+                  progress: Progress | None) -> list[Image.Image]:
+    """Every frame, quantized onto the fixed palette: the static part drawn once, what moves per frame."""
+    slide, fixed = Slide(run, size), _palette_image()
+    canvas = FigureCanvasAgg(slide.fig)
+    for artist in slide.moving:
+        artist.set_animated(True)  # left out of the background
     canvas.draw()
-    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
-    return image.resize((width, round(image.height * width / image.width)), Image.Resampling.LANCZOS)
+    background = canvas.copy_from_bbox(slide.fig.bbox)
+    moments = pool_moments(events, steps, run)
+    frames = []
+    for index, step in enumerate(steps):
+        canvas.restore_region(background)
+        slide.show(step, moments[step])
+        for artist in slide.moving:
+            slide.fig.draw_artist(artist)
+        image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
+        frames.append(image.quantize(palette=fixed, dither=Image.Dither.NONE))
+        if progress is not None:
+            progress((index + 1) / (len(steps) + 1))  # writing the file is the last share
+    return frames
 
 
-def draw_frame(events: list[Event], step: int, first: int, last: int) -> Image.Image:
-    """One frame: the block pool and the timeline as of iteration `step`, stacked."""
-    run = replay(events, step)
-    timeline = draw_timeline(run)
-    timeline.axes[0].set_xlim(first, last + 1.5)  # the whole run's range in every frame
-    top, bottom = _pixels(draw_blocks(run), WIDTH_PX), _pixels(timeline, WIDTH_PX)
-    image = Image.new("RGB", (WIDTH_PX, top.height + bottom.height), "white")
-    image.paste(top, (0, 0))
-    image.paste(bottom, (0, top.height))
-    return image
-
-
-def write_gif(events: list[Event], out_path: Path, stride: int = 1) -> Path:
+def write_gif(events: list[Event], out_path: Path, stride: int | None = None, size: Size = SLIDE_SIZE,
+              progress: Progress | None = None) -> Path:
     """Write the animation; ExportError when it would have more than MAX_FRAMES frames."""
     run = replay(events)
-    fixed = _palette_image()
-    frames = [draw_frame(events, step, run.first, run.last).quantize(palette=fixed, dither=Image.Dither.NONE)
-              for step in frame_steps(run.first, run.last, stride)]
-    height = max(f.height for f in frames)  # the timeline's legend may grow as phases appear
-    frames = [f if f.height == height else _pad(f, height) for f in frames]
-    frames[0].save(out_path, save_all=True, append_images=frames[1:], duration=FRAME_MS, loop=0, optimize=False)
+    steps = frame_steps(run.first, run.last, stride or auto_stride(run.first, run.last))
+    if progress is not None:
+        progress(0.0)
+    with slide_style():
+        frames = render_frames(events, run, steps, size, progress)
+    durations = [FRAME_MS] * (len(frames) - 1) + [LAST_FRAME_MS]
+    frames[0].save(out_path, save_all=True, append_images=frames[1:], duration=durations, loop=0, optimize=False)
+    if progress is not None:
+        progress(1.0)
     return out_path
-
-
-def _pad(frame: Image.Image, height: int) -> Image.Image:
-    padded = Image.new("P", (frame.width, height), palette_colors().index("#ffffff"))
-    padded.putpalette(frame.getpalette())
-    padded.paste(frame, (0, 0))
-    return padded

@@ -1,7 +1,8 @@
-"""What an export may ask for: a view, an output format, an x unit; ExportError names what is wrong."""
+"""What an export may ask for: a view, an output format, an x unit, a size; ExportError names what is wrong."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvscope.backend.errors import KvscopeError
@@ -9,13 +10,27 @@ from kvscope.backend.errors import KvscopeError
 VIEWS = ("timeline", "blocks", "batch")
 FORMATS = (".png", ".svg", ".json", ".gif")
 X_UNITS = ("steps", "seconds")
+SLIDE_SIZE = (1920, 1080)  # a 16:9 slide at full HD: what a projector shows without scaling
+MIN_WIDTH, MAX_WIDTH = 640, 7680
 
 
 class ExportError(KvscopeError):
-    """Bad export input; `field` names what to fix: view, out, x, step, stride or trace."""
+    """Bad export input; `field` names what to fix: view, out, x, step, stride, size or trace."""
 
 
-def check_options(view: str, out_path: Path, x: str = "steps", stride: int = 1) -> None:
+def parse_size(text: str) -> tuple[int, int]:
+    """'1280' -> (1280, 720): a width alone keeps the slide's 16:9; 'WxH' asks for another shape."""
+    match = re.fullmatch(r"(\d+)(?:[x×](\d+))?", text.strip().lower())
+    if match is None:
+        raise ExportError("size", "use WIDTHxHEIGHT (1920x1080) or a width alone (16:9)")
+    width = int(match.group(1))
+    height = int(match.group(2)) if match.group(2) else round(width * 9 / 16)
+    if not MIN_WIDTH <= width <= MAX_WIDTH or not MIN_WIDTH * 9 // 32 <= height <= MAX_WIDTH:
+        raise ExportError("size", f"width {MIN_WIDTH}..{MAX_WIDTH} px, height at least {MIN_WIDTH * 9 // 32} px")
+    return width, height
+
+
+def check_options(view: str, out_path: Path, x: str = "steps", stride: int | None = None) -> None:
     """Raise ExportError for an unknown view, format, x unit or stride, or a missing output folder."""
     if view not in VIEWS:
         raise ExportError("view", f"not a view (use {', '.join(VIEWS)})")
@@ -23,7 +38,7 @@ def check_options(view: str, out_path: Path, x: str = "steps", stride: int = 1) 
         raise ExportError("out", f"unknown format {out_path.suffix or '(none)'!r} (use .png, .svg, .json or .gif)")
     if out_path.suffix.lower() == ".json" and view != "timeline":
         raise ExportError("view", "a .json export is the timeline as a Perfetto trace; use .png or .svg")
-    if stride < 1:
+    if stride is not None and stride < 1:
         raise ExportError("stride", "must be at least 1 (frames every N iterations)")
     if x not in X_UNITS:
         raise ExportError("x", f"not an x unit (use {' or '.join(X_UNITS)})")

@@ -30,11 +30,19 @@ class ExportedRun:
     end_t: float  # t when the last iteration ended
     last: int  # the last iteration
     first: int  # the first iteration (a trace that starts mid-run, the server's windowed /trace: not 0)
+    trace_last: int  # the trace's last iteration (past `last` when replayed up to a step)
+
+    @property
+    def scenario(self) -> str:
+        return (self.state.scenario or {}).get("name") or f"run {self.state.run_id}"
+
+    @property
+    def model_name(self) -> str:
+        return Path(str(self.state.model.get("name", "?"))).name
 
     @property
     def title(self) -> str:
-        scenario = (self.state.scenario or {}).get("name") or f"run {self.state.run_id}"
-        return f"{scenario} · model {Path(str(self.state.model.get('name', '?'))).name}"
+        return f"{self.scenario} · model {self.model_name}"
 
     def at(self, boundary: int, seconds: bool) -> float:
         """x of the boundary before iteration `boundary`: the step number, or when it started."""
@@ -59,6 +67,7 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     if not iterations:
         raise ExportError("trace", "no iteration events to draw (recorded with engine.events=off?)")
     first, last = iterations[0]["step"], iterations[-1]["step"]
+    trace_last = last
     if step is not None and not first <= step <= last:
         raise ExportError("step", f"{step} is outside the trace's iterations {first}..{last}")
     if step is not None:
@@ -74,7 +83,7 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     order = [rid for rid, view in state.requests.items() if view.status != "rejected"]
     return ExportedRun(events, state, history, order, batches, ran,
                        {it["step"]: it["t"] - it["duration_s"] for it in iterations}, iterations[-1]["t"],
-                       iterations[-1]["step"], first)
+                       iterations[-1]["step"], first, trace_last)
 
 
 def busiest_step(events: list[Event]) -> int | None:

@@ -1,41 +1,145 @@
-"""The timeline picture: a row per request, its waiting, prefill, decode, verify and preempted stretches."""
+"""The timeline picture: a row per request, its waiting, prefill, decode, verify and preempted stretches,
+and (n > 1, beam search) the request's sequences as a tree inside its row, as the page draws them.
+
+TimelineArtists draws the axes, legend and (empty) shapes once from the whole run and `show`s the run
+as of any iteration: the still shows its last, the GIF every frame's, without drawing the rest again.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from kvscope.frontend.export.figure import engine_facts, frame, legend_outside
+from kvscope.backend.events.state import SeqView
+from kvscope.frontend.export.figure import Size, engine_facts, every_nth_label, frame, legend_outside
+from kvscope.frontend.export.options import SLIDE_SIZE
 from kvscope.frontend.export.replayed import ExportedRun, segments
-from kvscope.frontend.palette import PHASE_COLORS, RECOMPUTE_COLOR
+from kvscope.frontend.palette import FLASH_COLORS, FOCUS_COLOR, PHASE_COLORS, RECOMPUTE_COLOR
 
 FIRST_TOKEN_COLOR, ABORT_COLOR = "#111111", "#d62728"
+# The page's beam tree (static/kvscope.js branchLine): dark lines, a red × where a beam was pruned.
+BRANCH_COLOR, PRUNED_COLOR = FOCUS_COLOR, FLASH_COLORS["evict"]
+BAR_HEIGHT = 0.7
+MARK_PT = 12  # markers of 16+ px at 1080p (1 pt = 1.39 px)
 PHASE_LABELS = {"waiting": "waiting (queued)", "prefill": "prefill chunk", "decode": "decode (1 token / step)",
                 "verify": "verify (speculative, k + 1 tokens)", "preempted": "preempted (recompute)",
                 "recompute": "recompute (no KV cache: whole context / step)"}
 
 
-def draw_timeline(run: ExportedRun, seconds: bool = False) -> Figure:
+@dataclass
+class Branch:
+    """One sequence of a multi-sequence request: its lane in the row, where it forked and how it ended."""
+
+    y: float  # its lane
+    parent_y: float | None  # its parent's lane (None: the request's first sequence)
+    start: int  # the iteration it forked at (the root: its request's arrival)
+    end: int  # one past its last iteration
+    end_step: int | None  # when it ended (None: still going at the end of the record)
+    pruned: bool
+
+
+def branches(run: ExportedRun, rows: dict[str, int]) -> list[Branch]:
+    """Every sequence of the requests with several, in lanes of their request's row (the page's order:
+    by fork step, then id), each linked to its parent's lane."""
+    by_request: dict[str, list[SeqView]] = {}
+    for view in run.state.sequences.values():
+        by_request.setdefault(view.request_id, []).append(view)
+    out = []
+    for rid, seqs in by_request.items():
+        if len(seqs) < 2 or rid not in rows:
+            continue
+        seqs.sort(key=lambda v: (v.start_step, v.seq_id))
+        lane = {v.seq_id: rows[rid] - BAR_HEIGHT / 2 + BAR_HEIGHT * (i + 0.5) / len(seqs) for i, v in enumerate(seqs)}
+        request = run.state.requests.get(rid)
+        done = request.finish_step if request is not None and request.finish_step is not None else run.last
+        for v in seqs:
+            end = v.end_step if v.end_step is not None else done
+            out.append(Branch(lane[v.seq_id], lane.get(v.parent_seq_id), max(v.start_step, run.first), end + 1,
+                              v.end_step, v.end_reason == "pruned"))
+    return out
+
+
+class TimelineArtists:
+    """The timeline on `ax` for the whole of `run`; `show(step)` draws it as it was after `step`.
+    `axis_px`: the axes' height in pixels, which decides how many row labels fit."""
+
+    def __init__(self, ax: Axes, run: ExportedRun, seconds: bool = False, axis_px: float = 800) -> None:
+        self.run, self.seconds, self.rows = run, seconds, run.order
+        rows = {rid: y for y, rid in enumerate(self.rows)}
+        self.segments = {kind: [] for kind in PHASE_COLORS}  # kind -> (start, end, row), iterations
+        for rid, y in rows.items():
+            for seg in segments(run, rid):
+                self.segments[seg.kind].append((seg.start, seg.end, y))
+        self.bars = {kind: ax.add_collection(PolyCollection([], facecolors=PHASE_COLORS[kind],
+                                                            **_bar_style(kind, len(run.batches))))
+                     for kind, items in self.segments.items() if items}
+        views = [run.state.requests[r] for r in self.rows]
+        self.ttft = [(v.first_token_step, y) for y, v in enumerate(views) if v.first_token_step is not None]
+        self.done = [(v.finish_step, y, v.finish_reason == "abort") for y, v in enumerate(views)
+                     if v.finish_step is not None]
+        self.branches = branches(run, rows)
+        self._marks(ax)
+        _timeline_axes(ax, run, self.rows, seconds, axis_px, bool(self.branches))
+
+    def _marks(self, ax: Axes) -> None:
+        size = MARK_PT**2
+        self.ttft_marks = ax.scatter([], [], marker="D", s=size * 0.6, color=FIRST_TOKEN_COLOR, edgecolor="white",
+                                     linewidth=1, zorder=5)
+        self.finish_marks = ax.scatter([], [], marker="|", s=size * 1.6, color="black", linewidth=3, zorder=5)
+        self.abort_marks = ax.scatter([], [], marker="x", s=size, color=ABORT_COLOR, linewidth=3, zorder=5)
+        self.lanes = ax.add_collection(LineCollection([], colors=BRANCH_COLOR, linewidths=2.2, zorder=4))
+        self.ends = ax.scatter([], [], marker="o", s=size * 0.45, color=BRANCH_COLOR, zorder=6)
+        self.prunes = ax.scatter([], [], marker="X", s=size * 1.3, color=PRUNED_COLOR, edgecolor="white",
+                                 linewidth=1, zorder=7)
+
+    @property
+    def artists(self) -> list:
+        """What changes from one iteration to the next."""
+        return [*self.bars.values(), self.lanes, self.ttft_marks, self.finish_marks, self.abort_marks, self.ends,
+                self.prunes]
+
+    def x(self, boundary: int) -> float:
+        return self.run.at(boundary, self.seconds)
+
+    def show(self, step: int) -> None:
+        """Everything up to the end of iteration `step`; later stretches are cut at that boundary."""
+        now = step + 1
+        for kind, bars in self.bars.items():
+            bars.set_verts([self._rect(start, min(end, now), y) for start, end, y in self.segments[kind] if start < now])
+        self._points(self.ttft_marks, [(self.x(s + 1), y) for s, y in self.ttft if s < now])
+        self._points(self.finish_marks, [(self.x(s + 1), y) for s, y, aborted in self.done if s < now and not aborted])
+        self._points(self.abort_marks, [(self.x(s + 1), y) for s, y, aborted in self.done if s < now and aborted])
+        shown = [b for b in self.branches if b.start < now]
+        lines = [[(self.x(b.start), b.y), (self.x(min(b.end, now)), b.y)] for b in shown]
+        lines += [[(self.x(b.start), b.parent_y), (self.x(b.start), b.y)] for b in shown if b.parent_y is not None]
+        self.lanes.set_segments(lines)
+        ended = [b for b in shown if b.end_step is not None and b.end_step < now]
+        self._points(self.prunes, [(self.x(b.end), b.y) for b in ended if b.pruned])
+        self._points(self.ends, [(self.x(b.end), b.y) for b in ended if not b.pruned])
+
+    def _rect(self, start: int, end: int, y: float) -> list[tuple[float, float]]:
+        x0, x1, h = self.x(start), self.x(end), BAR_HEIGHT / 2
+        return [(x0, y - h), (x1, y - h), (x1, y + h), (x0, y + h)]
+
+    @staticmethod
+    def _points(marks: Any, points: list[tuple[float, float]]) -> None:
+        marks.set_offsets(np.array(points, dtype=float).reshape(-1, 2))
+
+
+def draw_timeline(run: ExportedRun, seconds: bool = False, size: Size = SLIDE_SIZE) -> Figure:
     rows = run.order
     subtitle = (f"{len(rows)} requests · {len(run.batches)} iterations · "
                 f"{run.state.num_preemptions} preemptions · {engine_facts(run)}")
-    fig, (ax,) = frame(run, "Timeline", subtitle, (13, min(24, max(5.5, 2.2 + 0.32 * len(rows)))))
-    bars: dict[str, list[tuple[float, float, int]]] = {kind: [] for kind in PHASE_COLORS}
-    for y, rid in enumerate(rows):
-        for seg in segments(run, rid):
-            x0 = run.at(seg.start, seconds)
-            bars[seg.kind].append((x0, run.at(seg.end, seconds) - x0, y))
-    for kind, items in bars.items():
-        if items:
-            x0s, widths, ys = zip(*items)
-            ax.barh(ys, widths, left=x0s, height=0.7, color=PHASE_COLORS[kind], **_bar_style(kind, len(run.batches)))
-    _timeline_marks(ax, run, rows, seconds)
-    _timeline_axes(ax, run, rows, seconds)
+    fig, (ax,) = frame(run, "Timeline", subtitle, size)
+    TimelineArtists(ax, run, seconds, axis_px=0.78 * size[1]).show(run.last)
     return fig
 
 
@@ -44,43 +148,40 @@ def _bar_style(kind: str, num_iterations: int) -> dict[str, Any]:
     if kind == "preempted":
         return {"hatch": "xx", "edgecolor": RECOMPUTE_COLOR, "linewidth": 0}
     if kind == "prefill" and num_iterations <= 200:
-        return {"edgecolor": "white", "linewidth": 0.6}
+        return {"edgecolor": "white", "linewidth": 1}
     return {"linewidth": 0}
 
 
-def _timeline_marks(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool) -> None:
-    """First token (end of the iteration that sampled it) and finish markers."""
-    views = [run.state.requests[r] for r in rows]
-    ttft = [(run.at(v.first_token_step + 1, seconds), y) for y, v in enumerate(views) if v.first_token_step is not None]
-    done = [(run.at(v.finish_step + 1, seconds), y, v.finish_reason == "abort")
-            for y, v in enumerate(views) if v.finish_step is not None]
-    if ttft:
-        ax.scatter(*zip(*ttft), marker="D", s=22, color=FIRST_TOKEN_COLOR, edgecolor="white", linewidth=0.5,
-                   zorder=3)
-    for aborted, marker, color in ((False, "|", "black"), (True, "x", ABORT_COLOR)):
-        pts = [(x, y) for x, y, a in done if a == aborted]
-        if pts:
-            ax.scatter(*zip(*pts), marker=marker, s=120, color=color, linewidth=2, zorder=3)
-
-
-def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool) -> None:
+def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool, axis_px: float,
+                   tree: bool) -> None:
     ax.set_ylim(len(rows) - 0.4, -0.6)
-    if len(rows) <= 60:
-        ax.set_yticks(range(len(rows)), rows, fontsize=9 if len(rows) <= 30 else 7)
-    ax.set_ylabel("request (arrival order)")
+    every = every_nth_label(len(rows), axis_px)
+    ax.set_yticks(range(0, len(rows), every), rows[::every])
+    ax.set_ylabel("request (arrival order)" + (f", every {every}th named" if every > 1 else ""))
     left, right = run.at(run.first, seconds), run.at(run.last + 1, seconds)
     ax.set_xlim(left, right + 0.015 * (right - left))  # room for the last finish mark
     ax.set_xlabel("seconds since the run started" if seconds else "engine iteration (step)")
     if not seconds:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
+    ax.grid(axis="x", color="#e6e6e6", linewidth=0.8)
     ax.set_axisbelow(True)
     handles = phase_handles(run) + [
-        Line2D([], [], marker="D", color=FIRST_TOKEN_COLOR, markeredgecolor="white", ls="", label="first token (TTFT)"),
-        Line2D([], [], marker="|", color="black", markersize=12, mew=2, ls="", label="finished")]
+        Line2D([], [], marker="D", color=FIRST_TOKEN_COLOR, markeredgecolor="white", ls="", markersize=9,
+               label="first token (TTFT)"),
+        Line2D([], [], marker="|", color="black", markersize=16, mew=3, ls="", label="finished")]
     if any(run.state.requests[r].finish_reason == "abort" for r in rows):
-        handles.append(Line2D([], [], marker="x", color=ABORT_COLOR, mew=2, ls="", label="aborted"))
+        handles.append(Line2D([], [], marker="x", color=ABORT_COLOR, mew=3, ls="", markersize=12, label="aborted"))
+    if tree:
+        handles += tree_handles()
     legend_outside(ax, handles)
+
+
+def tree_handles() -> list[Line2D]:
+    """The beam tree's legend: a lane per sequence, forks linked to the parent, the two ends."""
+    return [Line2D([], [], color=BRANCH_COLOR, lw=2.2, label="a sequence (beam); a fork links to its parent"),
+            Line2D([], [], marker="o", color=BRANCH_COLOR, ls="", markersize=8, label="sequence finished"),
+            Line2D([], [], marker="X", color=PRUNED_COLOR, markeredgecolor="white", ls="", markersize=14,
+                   label="beam pruned")]
 
 
 def phase_handles(run: ExportedRun) -> list[Patch]:
