@@ -16,7 +16,6 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
-from matplotlib.figure import Figure
 from PIL import Image
 
 from kvscope.backend.events.state import RunState
