@@ -21,6 +21,7 @@ from typing import Any
 from nicegui import ui
 
 from kvscope.backend.events.moments import VIEWS, Moment, MomentFinder
+from kvscope.backend.events.state import RunState
 from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.lesson_question import LessonQuestion
 from kvscope.frontend.selection import Selection
@@ -35,7 +36,8 @@ MOMENT_TITLES = {
     "prefix_hit": "First prefix hit", "share": "First shared block",
     "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
-    "draft_rejected": "First draft rejection", "finished": "Finished",
+    "draft_rejected": "First draft rejection", "first_token": "First token sampled",
+    "request_finished": "First request finished", "bound_changed": "The bound changes", "finished": "Finished",
 }  # fmt: skip
 
 
@@ -135,11 +137,22 @@ class LessonGuide:
             if feed.state.step < 0 and feed.state.paused:
                 await self._control("resume")
 
+    def _finder_at_join(self, state: RunState) -> MomentFinder:
+        """A finder that has seen the run so far: fed the snapshot's past where it has one (a joining
+        finder knows no prompt lengths of requests that arrived before the page, so it took the first
+        prefill chunk of a long prompt for a prompt wholly cached), else one joining mid-way."""
+        if not self.feed.past:
+            return MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+        finder = MomentFinder()
+        for event in self.feed.past:
+            finder.feed(event)  # moments already past are not paused at again
+        return finder
+
     def _join(self) -> None:
         self._name_cards()
         state = self.feed.state
         self.epoch, self.version = self.feed.epoch, self.feed.version
-        self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+        self.finder = self._finder_at_join(state)
         self.mode.set_value(state.lesson)
         steps = lesson_steps(state.scenario)
         if steps != self.steps:
@@ -230,8 +243,7 @@ class LessonGuide:
                 card.classes(add=FOCUS_CLASS)
                 self.focused.append(card)
         if self.focused:  # the view the step talks about, scrolled into sight (it may be far below the fold)
-            self.card.client.run_javascript(f"document.getElementById('c{self.focused[0].id}')"
-                                            "?.scrollIntoView({block: 'nearest', behavior: 'smooth'})")
+            self.card.client.run_javascript(f"kvscope.bringIntoSight('c{self.focused[0].id}')")
 
     def _clear(self) -> None:
         blocks = self.views.get("blocks")

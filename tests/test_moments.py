@@ -168,3 +168,24 @@ def test_every_lesson_step_waits_for_a_moment_its_scenario_has(trace):
         steps = [s.at for s in load_scenario(name).lesson]
         assert steps[0] == "start" and steps[-1] == "finished" and len(steps) >= 3, name
         assert set(steps) - {"start"} <= set(by_kind(trace(name))), name
+
+
+def test_the_first_sampled_token_and_the_first_finished_request_name_their_requests(trace):
+    events = trace("memory-pressure")
+    moments = by_kind(events)
+    token = next(e for e in events if e["type"] == "token" and "dist" in e)
+    assert moments["first_token"].step == token["step"] and token["request_id"] in moments["first_token"].request_ids
+    assert moments["first_token"].views == ("sampling",)
+    done = next(e for e in events if e["type"] == "request_finished")
+    assert (moments["request_finished"].step, moments["request_finished"].request_ids[0]) == \
+        (done["step"], done["request_id"])
+
+
+def test_the_bound_changes_at_the_first_iteration_under_the_other_roof():
+    header = {"type": "header", "seq": 0, "cache": {"num_blocks": 8}}
+    def iteration(step: int, bound: str | None) -> dict:
+        return {"type": "iteration", "seq": step + 1, "step": step, "batch": [], "kv_blocks_used": 0, "bound": bound}
+    events = [header, iteration(0, "compute"), iteration(1, "compute"), iteration(2, "memory"), iteration(3, "compute")]
+    [moment] = find_moments(events)
+    assert (moment.kind, moment.step, moment.views) == ("bound_changed", 2, ("roofline", "batch"))
+    assert find_moments([header, iteration(0, None), iteration(1, None)]) == []  # only simulate mode prices a roof

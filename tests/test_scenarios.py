@@ -142,6 +142,7 @@ def test_every_lesson_step_has_its_moment_in_the_scenarios_own_run(name):
     """Lesson mode pauses at each step's moment: each must happen in the run the lesson is about."""
     found = {m.kind for m in find_moments(run(name).events)}
     wanted = {step.at for step in load_scenario(name).lesson} - {"start"}
+    assert wanted - {"finished"} and "finished" in wanted, f"{name}: a lesson pauses mid-run and concludes"
     assert wanted <= found, f"{name}: the lesson waits for {sorted(wanted - found)}, which its run never reaches"
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 Event = dict[str, Any]
 MomentKind = Literal["queued", "slot_refilled", "prefill_chunk", "prompt_cached", "first_decode", "block_added",
                      "prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
-                     "prune", "draft_rejected", "finished"]
+                     "prune", "draft_rejected", "first_token", "request_finished", "bound_changed", "finished"]
 MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
 # Where each moment is seen: the views lesson mode highlights.
 VIEWS: dict[str, tuple[str, ...]] = {
@@ -26,7 +26,8 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "prefix_hit": ("blocks", "block_table"), "share": ("blocks", "block_table"),
     "copy_on_write": ("blocks", "block_table"), "cache_full": ("blocks", "metrics"),
     "preempt": ("blocks", "timeline"), "recompute": ("timeline", "batch"), "fork": ("timeline", "blocks"),
-    "prune": ("timeline", "blocks"), "draft_rejected": ("speculative",), "finished": ("metrics",),
+    "prune": ("timeline", "blocks"), "draft_rejected": ("speculative",), "first_token": ("sampling",),
+    "request_finished": ("timeline", "metrics"), "bound_changed": ("roofline", "batch"), "finished": ("metrics",),
 }  # fmt: skip
 
 
@@ -72,6 +73,7 @@ class MomentFinder:
         self.unscheduled: list[str] = []  # arrived, never in a batch yet, in arrival order
         self.waited: set[str] = set()  # requests that sat in the queue through an iteration
         self.finished_step = -2  # the step of the newest request_finished
+        self.bound: str | None = None  # the roof the last priced iteration sat under (simulate mode)
 
     @classmethod
     def joining(cls, num_blocks: int | None, step: int, seq_request: dict[int, str]) -> MomentFinder:
@@ -118,6 +120,12 @@ class MomentFinder:
 
     def _on_request_finished(self, e: Event) -> None:
         self.finished_step = self.step
+        if moment := self._note("request_finished"):  # its finish reason is what a lesson reads out
+            moment.add(request_id=e["request_id"])
+
+    def _on_token(self, e: Event) -> None:
+        if "dist" in e and (moment := self._note("first_token")):  # a draw the sampling view can show
+            moment.add(request_id=e["request_id"])
 
     def _on_seq_fork(self, e: Event) -> None:
         self.seq_request[e["seq_id"]] = e["request_id"]
@@ -160,6 +168,10 @@ class MomentFinder:
     def _on_iteration(self, e: Event) -> None:
         if self.num_blocks is not None and e["kv_blocks_used"] >= self.num_blocks:
             self._note("cache_full")
+        bound = e.get("bound")  # simulate mode prices each iteration under a roof
+        if bound is not None and self.bound not in (None, bound):
+            self._note("bound_changed")
+        self.bound = bound or self.bound
         self._scheduling(e["batch"])
         for entry in e["batch"]:
             self._phase(entry)
