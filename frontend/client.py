@@ -147,6 +147,7 @@ class RunFeed:
         self.backend = backend
         self.run_id = run_id
         self.record: RunRecord | None = None  # None until the first snapshot
+        self.past: list[dict] = []  # the latest snapshot's `past` (the events before it), when it had one
         self.version = 0  # +1 per event applied
         self.epoch = 0  # +1 per snapshot: views redraw fully
         self.log: deque[LogEntry] = deque(maxlen=log_size)
@@ -179,6 +180,7 @@ class RunFeed:
 
     def _resync(self, snapshot: dict) -> None:
         self.record = resynced_record(snapshot)
+        self.past = snapshot.get("past") or []
         self.kind = snapshot.get("kind", "run")
         self.log.clear()
         self.epoch += 1
