@@ -212,6 +212,13 @@
     new ResizeObserver(() => root.style.setProperty("--kv-header-h", `${header.offsetHeight}px`)).observe(header);
   })();
   root.classList.toggle("kv-projector", sessionStorage.getItem(PROJECTOR_KEY) === "1");
+  // A lesson pause's view, scrolled into sight, and again while the page settles: the views above it
+  // still grow in the updates that come with the pause (a finished run's last rows), pushing it down.
+  kv.bringIntoSight = (id) => {
+    const go = (behavior) => document.getElementById(id)?.scrollIntoView({ block: "nearest", behavior });
+    go("smooth");
+    for (const ms of [600, 1500]) setTimeout(() => go("auto"), ms);
+  };
   window.kvscope = kv;
   // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
   // narrow fallback glyph (6 px at 16 px), so it lays labels out as if lines were 6 px tall: the
