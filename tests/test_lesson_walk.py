@@ -40,8 +40,10 @@ IN_SIGHT = """(selector) => {
     const card = document.querySelector(selector);
     if (!card) return null;
     const box = card.getBoundingClientRect();
-    return {focused: card.classList.contains('kv-focus'), top: box.top, bottom: box.bottom,
-            whole: box.top >= -1 && box.bottom <= window.innerHeight + 1 && box.left >= -1 && box.right <= window.innerWidth + 1};
+    const below = document.querySelector('.q-header').getBoundingClientRect().bottom;  // the fixed header
+    return {focused: card.classList.contains('kv-focus'), top: box.top, bottom: box.bottom, header: below,
+            whole: box.top >= below - 1 && box.bottom <= window.innerHeight + 1 && box.left >= -1
+                   && box.right <= window.innerWidth + 1};
 }"""
 
 

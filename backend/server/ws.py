@@ -50,7 +50,8 @@ async def run_socket(socket: WebSocket, run_id: FromPath[str]) -> None:
     loop = asyncio.get_running_loop()
     ready = asyncio.Event()
     try:
-        watcher = run.attach(lambda: loop.call_soon_threadsafe(ready.set))
+        watcher = run.attach(lambda: loop.call_soon_threadsafe(ready.set),
+                             wants_past=socket.query_params.get("past") == "1")
     except RunBusy as e:
         await socket.send_json({"type": "error", "error": str(e)})
         await socket.close(code=4429)
