@@ -187,6 +187,14 @@
                       tooltip: texts(o.tooltip, n.tooltip), dataZoom: texts(o.dataZoom, n.zoom) });
     chart.__kvProjector = on;
   }
+  // An axis a view replaced (the sampling view's linear <-> log) comes back at ECharts' 12 px: read
+  // from the chart's model, which costs nothing, where getOption() would copy every series.
+  function smallAxisText(chart) {
+    const model = chart.getModel && chart.getModel();
+    if (!model) return false;
+    return ["xAxis", "yAxis"].some((mainType) => model.findComponents({ mainType }).some((axis) =>
+      (axis.get(["axisLabel", "fontSize"]) || 12) < PROJECTOR_FONT));
+  }
   function charts() {
     const out = [];
     for (const el of document.querySelectorAll("[data-kv]")) {
@@ -241,7 +249,9 @@
       cardSizes.observe(card);
     }
     const on = kv.projector();
-    for (const chart of charts()) if (chart.__kvProjector !== on && (on || chart.__kvNormal)) chartFonts(chart, on);
+    for (const chart of charts()) {
+      if ((chart.__kvProjector !== on && (on || chart.__kvNormal)) || (on && smallAxisText(chart))) chartFonts(chart, on);
+    }
   }, 500);
   setInterval(() => {
     const el = document.getElementById("kvscope-lag");
