@@ -671,13 +671,15 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     assert len(feeds) == 2
     await until(lambda: all(f.state is not None for f in feeds))
     assert [f.state.config["batching"] for f in feeds] == ["static", "continuous"]
-    await compare.controls.step()
-    await until(lambda: all(f.state.step == 0 for f in feeds))
     for feed in feeds:  # its lesson pauses at moments (a request queued...): here the runs go to the end
         await dash.backend.control(feed.run_id, "lesson", 0)
+    await until(lambda: not any(f.state.lesson for f in feeds))
+    await compare.controls.step()
+    await until(lambda: all(f.state.step == 0 for f in feeds))
     compare.controls.speed_select.set_value(0.0)
     await until(lambda: compare.controls.speed == 0.0)
-    await compare.controls.toggle()
+    for feed in feeds:  # each, not the header's toggle: a run its page has drawn may have started by itself
+        await dash.backend.control(feed.run_id, "resume")
     for feed in feeds:
         await finished(feed)
     static, continuous = (f.state.step for f in feeds)
