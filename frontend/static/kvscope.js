@@ -225,7 +225,7 @@
   kv.bringIntoSight = (id) => {
     const go = (behavior) => document.getElementById(id)?.scrollIntoView({ block: "nearest", behavior });
     go("smooth");
-    for (const ms of [600, 1500]) setTimeout(() => go("auto"), ms);
+    setTimeout(() => go("smooth"), 1500);
   };
   window.kvscope = kv;
   // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
