@@ -220,13 +220,22 @@
     new ResizeObserver(() => root.style.setProperty("--kv-header-h", `${header.offsetHeight}px`)).observe(header);
   })();
   root.classList.toggle("kv-projector", sessionStorage.getItem(PROJECTOR_KEY) === "1");
-  // A lesson pause's view, scrolled into sight, and again while the page settles: the views above it
-  // still grow in the updates that come with the pause (a finished run's last rows), pushing it down.
-  kv.bringIntoSight = (id) => {
-    const go = (behavior) => document.getElementById(id)?.scrollIntoView({ block: "nearest", behavior });
-    go("smooth");
-    setTimeout(() => go("smooth"), 1500);
+  // A lesson pause's view, scrolled into sight, and held there while the page settles: the views above
+  // it still grow in the updates that come with the pause (a finished run's last rows), pushing it
+  // down. Every resize of the page or a card within SIGHT_MS scrolls it back, until the person at the
+  // keyboard scrolls for themselves.
+  const SIGHT_MS = 5000;
+  let sight = null; // {id, until}
+  const keepInSight = () => {
+    if (!sight || performance.now() > sight.until) return (sight = null);
+    document.getElementById(sight.id)?.scrollIntoView({ block: "nearest", behavior: "auto" });
   };
+  kv.bringIntoSight = (id) => {
+    sight = { id, until: performance.now() + SIGHT_MS };
+    document.getElementById(id)?.scrollIntoView({ block: "nearest", behavior: "smooth" });
+  };
+  for (const name of ["wheel", "touchstart", "keydown"]) addEventListener(name, () => (sight = null), { passive: true });
+  new ResizeObserver(keepInSight).observe(document.documentElement);
   window.kvscope = kv;
   // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
   // narrow fallback glyph (6 px at 16 px), so it lays labels out as if lines were 6 px tall: the
@@ -242,6 +251,7 @@
   // card it names whole just under the header, where a card that grows during the pause stays in sight.
   const cardSizes = new ResizeObserver((entries) => {
     for (const e of entries) e.target.style.setProperty("--kv-h", `${e.target.offsetHeight}px`);
+    keepInSight();
   });
   setInterval(() => { // charts and cards mounted after the switch (a page opened in projector mode) catch up
     for (const card of document.querySelectorAll(".kv-card:not([data-kv-sized])")) {
