@@ -96,10 +96,10 @@ class Probe:
 
     @staticmethod
     def _timed(execute: Callable, out: list, kind: Callable) -> Callable:
-        def wrapper(batch, copies):
+        def wrapper(inp):
             start = time.perf_counter()
-            logits = execute(batch, copies)
-            out.append((kind(batch), len(batch), time.perf_counter() - start))
+            logits = execute(inp)
+            out.append((kind(inp), inp.num_rows, time.perf_counter() - start))
             return logits
         return wrapper
 
@@ -126,16 +126,16 @@ class Probe:
         return wrapper
 
 
-def target_kind(batch) -> str:
+def target_kind(inp) -> str:
     """decode (every row one new token), verify (every row verifies drafts), else prefill."""
-    phases = {item.phase for item in batch}
+    phases = set(inp.phases)
     return phases.pop() if len(phases) == 1 and phases <= {"decode", "verify"} else "prefill"
 
 
-def draft_kind(batch) -> str:
+def draft_kind(inp) -> str:
     """step: one drafted token per row (the first round also catches up on one or two accepted
     tokens); catch_up: the draft reads a prompt it has not seen."""
-    return "step" if all(item.num_tokens <= 2 for item in batch) else "catch_up"
+    return "step" if all(inp.num_query(i) <= 2 for i in range(inp.num_rows)) else "catch_up"
 
 
 def median_at(runs: list["TimedRun"], records: Callable[["TimedRun"], list], kind: str, rows: int) -> float:

@@ -9,6 +9,7 @@ reads as a phase and a phase never reads as a request.
 from __future__ import annotations
 
 from kvscope.backend.events.history import KINDS
+from kvscope.backend.phase import SHOWN_PHASES
 
 RECOMPUTE_COLOR = "#8f2d2d"  # context computed again: the hatch over a preempted stretch, a step without KV cache
 # What a request is doing in an iteration (the timeline's cells, the batch chart's legend).
@@ -69,4 +70,4 @@ def for_js() -> dict:
     return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
             "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
             "focus": FOCUS_COLOR,
-            "mask": MASK_COLORS}
+            "mask": MASK_COLORS, "kindNames": list(KINDS), "phases": list(SHOWN_PHASES)}

@@ -133,7 +133,7 @@ def _limits(args: argparse.Namespace):
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
     names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
              "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "stall_timeout_s", "history",
-             "trace_window", "trace_dir")
+             "trace_window", "trace_dir", "api_events")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -453,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a run whose step takes longer fails; the api run restarts (default 300)")
         lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")
         lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
+        lim.add_argument("--api-events", choices=("full", "summary", "off"),
+                         help="what the api run records for the trace and the dashboard; its answers are the "
+                              "same at every level, off is the cheapest (default full)")
         lim.add_argument("--trace-dir", help="write every run's whole trace to DIR/<run_id>.jsonl (never over an "
                                              "earlier one: DIR/<run_id>-N.jsonl)")
         lib = v.add_argument_group("the run library: finished runs kept on disk (docs/dashboard.md#run-library)")

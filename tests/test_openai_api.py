@@ -15,6 +15,7 @@ from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_m
 from kvscope.backend.engine.reference import reference_generate
 from kvscope.backend.server.app import create_app
 from kvscope.backend.model.chat import ChatTemplateError, render_speeches, render_template, special_tokens
+from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 
@@ -297,6 +298,37 @@ def test_every_error_under_v1_has_openais_shape(url: str) -> None:
     assert error(httpx.post(f"{url}/v1/completions", content=deep, headers={"content-type": "application/json"})) \
         == (400, shape)
     assert error(httpx.get(f"{url}/v1/models/nope")) == (404, shape)
+
+
+# The answers, without what differs from one call to the next (ids, times).
+def answer(response) -> dict:
+    return response.model_dump(exclude={"id", "created", "system_fingerprint"})
+
+
+def chunks_of(stream) -> list[dict]:
+    return [answer(c) for c in stream]
+
+
+def test_every_events_level_serves_the_same_answers(client, model_name) -> None:
+    """The API answers from the engine's own output stream, not from the trace: a server whose API run
+    records no events (serve --api-events off) gives the same completions, streamed chunks and logprobs."""
+    calls = [
+        lambda c: answer(c.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              logprobs=3)),
+        lambda c: chunks_of(c.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                 logprobs=2, stop=["\n\n"], stream=True)),
+        lambda c: answer(c.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                              seed=7, n=2)),
+        lambda c: chunks_of(c.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, temperature=0,
+                                                      logprobs=True, top_logprobs=2, stream=True)),
+    ]
+    limits = ServiceLimits(api_events="off")
+    with serve_in_thread(create_app(RunManager(default_model=model_name, limits=limits))) as quiet_url:
+        quiet = openai.OpenAI(base_url=quiet_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for call in calls:
+            assert call(quiet) == call(client)
+        trace = httpx.get(f"{quiet_url}/api/runs/api/trace").text
+        assert '"type":"token"' not in trace and '"type":"request_finished"' in trace  # off kept no token events
 
 
 # ---- the chat template, without a server -----------------------------------------------------------------

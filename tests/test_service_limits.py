@@ -293,3 +293,8 @@ def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["serve", "--max-waiting", "0"])
     assert refused.value.code == 2 and "--max-waiting: '0' is not a number > 0" in capsys.readouterr().err
+    assert _limits(build_parser().parse_args(["serve", "--api-events", "off"])).api_events == "off"
+    assert ServiceLimits().api_events == "full"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-events", "loud"])
+    assert "--api-events: invalid choice: 'loud'" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The engine: one `step()` is one iteration, a pipeline of parts that each own one stage.
 
-scheduler.schedule() -> SpecDecoder.propose() -> ModelRunner.execute() -> OutputProcessor.process()
+scheduler.schedule() -> SpecDecoder.propose() -> step_input() -> ModelRunner.execute(StepInput)
+-> OutputProcessor.process()
 -> metrics; requests, forks and ends are the RequestTracker's, event dicts the StepEvents'. It knows
 nothing of HTTP or dashboards: everything it decides goes out as events on its bus.
 """
@@ -22,6 +23,7 @@ from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_formula, nu
 from kvscope.backend.engine.metrics import MetricsTracker
 from kvscope.backend.engine.output_processor import OutputProcessor
 from kvscope.backend.engine.request import Request, RequestError
+from kvscope.backend.engine.request_output import Sink
 from kvscope.backend.engine.request_tracker import RequestTracker
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.sampling_params import SamplingParams
@@ -30,6 +32,7 @@ from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.engine.spec_decode import SpecDecoder, StepBatch, make_proposer
 from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
 from kvscope.backend.engine.step_events import StepEvents
+from kvscope.backend.engine.step_input import step_input
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import SCHEMA_VERSION
 from kvscope.backend.model.loader import LoadedModel, load_model
@@ -76,7 +79,7 @@ class Runtime:
     """
 
     cache: KVCache  # or anything with its sizes: num_blocks, block_size, dtype, storage_dtype, bytes_per_*
-    runner: ModelRunner  # execute(batch, block_copies) -> logits [rows, V]
+    runner: ModelRunner  # execute(StepInput) -> logits [rows, V]
     device: str
     attention_backend: str
     weights: dict | None = None  # the header's `weights`
@@ -152,7 +155,8 @@ class Engine:
         self.tracker.abort_impossible(self.cache.num_blocks)
         plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens
         batch = self.spec.propose(plan.scheduled) if self.spec else StepBatch(plan.scheduled, [])
-        logits = self.runner.execute(batch.items, plan.block_copies) if batch.items else None
+        inp = step_input(batch.items, plan.block_copies, self.config.block_size)  # plain data: all the runner reads
+        logits = self.runner.execute(inp) if batch.items else None
         now = self.clock()
         self.events.iteration(batch.items, now - started, self.scheduler, self.blocks, self.runtime.iteration_fields())
         generated = self.outputs.process(batch, logits, now)  # tokens appended, sequences ended, requests finished
@@ -183,6 +187,10 @@ class Engine:
     def forget(self, request_id: str) -> None:
         """Drop a finished request from `requests` (its events are out; the open-ended API run calls this)."""
         self.tracker.forget(request_id)
+
+    def stream_outputs(self, sink: Sink) -> None:
+        """Hand every request's arrival, forks, tokens and finish to `sink`, on the stepping thread."""
+        self.tracker.on_output = sink
 
     def has_unfinished(self) -> bool:
         return bool(self.tracker.unfinished)

@@ -13,6 +13,7 @@ import torch
 from kvscope.backend.engine.beam_search import Choice, Hypothesis, select
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.request import Request
+from kvscope.backend.engine.request_output import top_logprobs
 from kvscope.backend.engine.request_tracker import RequestTracker
 from kvscope.backend.engine.sampler import constrain, sample
 from kvscope.backend.engine.sequence import Sequence
@@ -61,9 +62,10 @@ class OutputProcessor:
         tops = self.events.top_tokens(result.raw_probs, result.final_probs, result.token_ids) \
             if self.events.wants_dist else None
         for row, (req, seq) in enumerate(zip(reqs, seqs, strict=True)):
-            token = result.token_ids[row]
-            self.events.token(req, seq, token, result.logprobs[row], result.raw_probs[row], tops[row] if tops else None)
-            self.tracker.append(req, seq, token, result.logprobs[row], now)
+            token, logprob, raw = result.token_ids[row], result.logprobs[row], result.raw_probs[row]
+            alternatives = top_logprobs(raw, req.params.logprobs) if req.params.logprobs else None
+            self.events.token(req, seq, token, logprob, raw, tops[row] if tops else None, alternatives=alternatives)
+            self.tracker.append(req, seq, token, logprob, now, alternatives)
 
     # ---- beam search ------------------------------------------------------------------------------
 

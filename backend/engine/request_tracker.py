@@ -18,6 +18,7 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.beam_search import BeamState, Hypothesis
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.metrics import RequestTimes
+from kvscope.backend.engine.request_output import Arrived, Finished, Forked, Sink, Token, ignore
 from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_prompt_ids, check_supported,
                                     check_token_ids, finish_reason_after)
 from kvscope.backend.engine.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ class RequestTracker:
         self.clock = clock  # the engine's: wall time, or simulate mode's modelled seconds
         self.tokenizer, self.eos_ids, self.vocab_size = tokenizer, events.eos_ids, vocab_size
         self.on_seq_end = on_seq_end  # the speculative decoder lets go of the sequence's draft
+        self.on_output: Sink = ignore  # the caller's answers (Engine.stream_outputs)
         self.requests: dict[str, Request] = {}
         self.unfinished: dict[int, Request] = {}  # seq_id -> request
         self._next_seq_id = 0
@@ -86,6 +88,7 @@ class RequestTracker:
         self.unfinished[seq.seq_id] = req
         self.scheduler.add(seq)
         self.events.request_arrived(req)
+        self.on_output(Arrived(request_id, seq.seq_id, len(ids)))
         return req
 
     # ---- forks ------------------------------------------------------------------------------------
@@ -107,21 +110,27 @@ class RequestTracker:
         req.add_stream(child)
         req.cumulative_logprob[child.seq_id] = req.cumulative_logprob[parent.seq_id]
         self.unfinished[child.seq_id] = req
+        self.on_output(Forked(req.request_id, child.seq_id))
         return child
 
     # ---- tokens -----------------------------------------------------------------------------------
 
-    def extend(self, req: Request, seq: Sequence, token: int, logprob: float, now: float) -> None:
-        """Append one token, with no stop check (beam search decides its ends itself)."""
+    def extend(self, req: Request, seq: Sequence, token: int, logprob: float, now: float,
+               alternatives: tuple[tuple[int, float], ...] | None = None) -> None:
+        """Append one token, with no stop check (beam search decides its ends itself).
+
+        alternatives: its top_logprobs, when the request asks for them."""
         seq.token_ids.append(token)
+        self.on_output(Token(req.request_id, seq.seq_id, token, logprob, alternatives))
         req.cumulative_logprob[seq.seq_id] += logprob
         req.times.num_output_tokens += 1
         if req.times.first_token is None:
             req.times.first_token = now
 
-    def append(self, req: Request, seq: Sequence, token: int, logprob: float, now: float) -> bool:
+    def append(self, req: Request, seq: Sequence, token: int, logprob: float, now: float,
+               alternatives: tuple[tuple[int, float], ...] | None = None) -> bool:
         """Append one generated token; end the sequence if it ends here. True if it did."""
-        self.extend(req, seq, token, logprob, now)
+        self.extend(req, seq, token, logprob, now, alternatives)
         reason = finish_reason_after(req, seq, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
         if reason:
             self.end_seq(req, seq, reason)
@@ -168,6 +177,7 @@ class RequestTracker:
         req.output_text = best["output_text"]
         req.times.finish = self.clock()
         self.events.request_finished(req)
+        self.on_output(Finished(req.request_id, req.finish_reason, tuple(req.outputs)))
 
     def _outputs(self, req: Request) -> list[dict]:
         """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""

@@ -1,9 +1,9 @@
-"""The model runner: flattens a scheduled batch into one forward pass over the paged cache.
+"""The model runner: one forward pass over the paged cache for a StepInput (step_input.py).
 
-Every scheduled sequence contributes its query tokens to one flat list (prefill chunks and decode
-tokens side by side). The attention metadata says, per sequence, where its queries start in that
-list, how long its context is, and which blocks hold it; the slot mapping says where each new
-token's K/V is written.
+Every row contributes its query tokens to one flat list (prefill chunks and decode tokens side by
+side). The attention metadata says, per row, where its queries start in that list, how long its
+context is, and which blocks hold it; the slot mapping says where each new token's K/V is written.
+The runner reads nothing but the StepInput: no sequence, so it could run in another process.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.backend.engine.kv_cache import KVCache
-from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.model.attention import causal_attention
 from kvscope.backend.model.transformer import CausalLM
 
@@ -27,8 +27,10 @@ class AttentionMetadata:
     query_starts: list[int]  # [num_seqs + 1] offsets of each sequence's queries in the flat batch
     context_lens: list[int]  # [num_seqs] keys each sequence attends to (cached + new)
     block_tables: list[list[int]]  # [num_seqs][blocks]
-    decode_seqs: list[int]  # sequences with exactly one query token: attended in one padded batch
-    prefill_seqs: list[int]  # the others: attended one by one, causal within the chunk
+    # By query length, which is what the kernels care about (not the scheduler's phase): rows with
+    # one query token go to the Triton decode kernel, the others to its variable-length prefill.
+    decode_seqs: list[int]
+    prefill_seqs: list[int]
 
 
 SHORT_QUERY = 16  # sequences with at most this many query tokens (decodes, verifies) attend in one batch
@@ -171,40 +173,24 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.backend = BACKENDS[attention]
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat token ids and positions [num_tokens], and the attention metadata."""
-        bs = self.cache.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        for item in batch:
-            seq, begin = item.seq, item.context_len - item.num_tokens
-            ids += seq.token_ids[begin : item.context_len]
-            positions += range(begin, item.context_len)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(begin, item.context_len)]
-            starts.append(len(ids))
+    def prepare(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids and positions [num_tokens] on the device, and the attention metadata."""
         dev = self.cache.data.device
+        rows = range(inp.num_rows)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_starts=starts,
-            context_lens=[item.context_len for item in batch],
-            block_tables=[item.seq.block_table for item in batch],
-            decode_seqs=[i for i, item in enumerate(batch) if item.num_tokens == 1],
-            prefill_seqs=[i for i, item in enumerate(batch) if item.num_tokens > 1],
+            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.long, device=dev),
+            query_starts=inp.query_starts,
+            context_lens=inp.context_lens,
+            block_tables=inp.block_tables,
+            decode_seqs=[i for i in rows if inp.num_query(i) == 1],
+            prefill_seqs=[i for i in rows if inp.num_query(i) > 1],
         )
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
+        return torch.tensor(inp.input_ids, device=dev), torch.tensor(inp.positions, device=dev), meta
 
     @torch.no_grad()
-    def execute(self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Run one iteration: logits [rows, vocab], one row per sampling sequence, k + 1 per verify."""
-        self.cache.copy_blocks(block_copies)
-        ids, positions, meta = self.prepare(batch)
+    def execute(self, inp: StepInput) -> torch.Tensor:
+        """Run one iteration: logits [len(inp.logit_rows), vocab], a row per sampling sequence, k + 1 per verify."""
+        self.cache.copy_blocks(inp.block_copies)
+        ids, positions, meta = self.prepare(inp)
         hidden = self.model(ids, positions, self.backend(self.cache, meta))  # [num_tokens, hidden]
-        rows: list[int] = []
-        for i, item in enumerate(batch):
-            if item.phase == "verify":  # every position: each checks the draft that follows it
-                rows += range(meta.query_starts[i], meta.query_starts[i + 1])
-            elif item.samples:
-                rows.append(meta.query_starts[i + 1] - 1)
-        return self.model.logits(hidden[rows])
+        return self.model.logits(hidden[inp.logit_rows])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.phase import Phase
 from kvscope.backend.engine.sequence import Sequence, SeqStatus
 
 
@@ -24,7 +25,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # query tokens computed this iteration
     context_len: int  # tokens in the cache after this iteration (keys attended to)
-    phase: str  # prefill | decode | verify (the last token plus drafted ones, speculative decoding)
+    phase: Phase  # phase.py: prefill | decode | verify (the last token plus drafted ones)
     num_draft: int = 0  # verify: drafted tokens among the query tokens
 
     @property

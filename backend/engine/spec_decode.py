@@ -18,6 +18,7 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.kv_cache import KVCache
 from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.request_output import top_logprobs
 from kvscope.backend.engine.request_tracker import RequestTracker
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.sampler import distributions, penalised
@@ -94,12 +95,14 @@ class SpecDecoder:
         new = drafts[:verdict.num_accepted] + [verdict.token_id]
         sources = ["draft_accepted"] * verdict.num_accepted + [verdict.source]
         logprobs = raw_log[range(len(new)), new].tolist()
-        raw = raw_log[:len(new)].exp() if self.events.wants("token") else None  # only events read it
+        asks = req.params.logprobs  # top_logprobs, for the request's answer
+        raw = raw_log[:len(new)].exp() if self.events.wants("token") or asks else None
         tops = self.events.top_tokens(raw, p[:len(new)], new) if self.events.wants_dist else None
         for j, (token, source, logprob) in enumerate(zip(new, sources, logprobs, strict=True)):
+            alternatives = top_logprobs(raw[j], asks) if asks else None
             if raw is not None:
-                self.events.token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source)
-            if self.tracker.append(req, seq, token, logprob, now):
+                self.events.token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source, alternatives)
+            if self.tracker.append(req, seq, token, logprob, now, alternatives):
                 return j + 1
         self._trim(seq, len(seq))
         self.blocks.commit_computed(seq)

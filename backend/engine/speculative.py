@@ -25,6 +25,7 @@ from kvscope.backend.engine.sampler import draw, sample
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.scheduler import ScheduledSeq
 from kvscope.backend.engine.sequence import Sequence
+from kvscope.backend.engine.step_input import step_input
 
 DRAFT_NAMESPACE = 1
 
@@ -178,7 +179,7 @@ class DraftModelProposer:
             if not pairs:
                 break
             batch = [item for _, item in pairs]
-            logits = self.runner.execute(batch, [])  # [len(batch), V]
+            logits = self.runner.execute(step_input(batch, [], self.blocks.block_size))  # [len(batch), V]
             for item in batch:
                 item.seq.num_computed_tokens = item.context_len
                 self.blocks.commit_computed(item.seq)

@@ -6,7 +6,6 @@ report through these methods instead of building dicts, so an event's fields are
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -103,8 +102,10 @@ class StepEvents:
     # ---- tokens -----------------------------------------------------------------------------------
 
     def token(self, req: Request, seq: Sequence, token: int, logprob: float, raw_probs: torch.Tensor | None,
-              top: list | None, source: str = "target") -> None:
-        """One token event; raw_probs [V] is the T=1 distribution it came from (for top_logprobs)."""
+              top: list | None, source: str = "target",
+              alternatives: tuple[tuple[int, float], ...] | None = None) -> None:
+        """One token event; raw_probs [V] is the T=1 distribution it came from (kept for the what-if),
+        alternatives its top_logprobs (request_output.top_logprobs) when the request asks."""
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
@@ -115,10 +116,8 @@ class StepEvents:
                               "min_p": p.min_p}
             if self.rows is not None and raw_probs is not None:
                 self.rows.put(req.request_id, seq.seq_id, fields["position"], raw_probs)
-        if p.logprobs and raw_probs is not None:
-            best = raw_probs.topk(p.logprobs)
-            fields["top_logprobs"] = [[t, self.token_text(t), math.log(max(pr, 1e-45))]
-                                      for t, pr in zip(best.indices.tolist(), best.values.tolist())]
+        if alternatives is not None:
+            fields["top_logprobs"] = [[t, self.token_text(t), lp] for t, lp in alternatives]
         self.bus.emit("token", **fields)
 
     def top_tokens(self, raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[int]) -> list[list[list]]:

@@ -12,13 +12,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvscope.backend.phase import SHOWN_PHASES, shown_phase
 from kvscope.backend.events.state import RunState
 
 Event = dict[str, Any]
-# "recompute" is a display phase: a decode step of a run without a KV cache (engine.kv_cache false),
-# which computes the whole context again; the engine's events still say "decode".
-KINDS = ("waiting", "prefill", "decode", "preempted", "verify", "recompute")
-COMPUTED = ("prefill", "decode", "verify", "recompute")  # the kinds that ran in the batch
+# A timeline cell's kind: what its request did in the iteration. The computed ones are the phases a
+# view shows (phase.py: recompute is a decode step without a KV cache); the others did not run.
+COMPUTED = SHOWN_PHASES
+KINDS = ("waiting", "preempted", *COMPUTED)
 MAX_COLUMNS = 20_000  # iterations kept for the timeline (a long lecture demo is a few thousand)
 MAX_MASK_STEPS = 128  # iterations whose attention masks are kept
 MAX_TOKENS_PER_REQUEST = 128  # token events (with their distributions) kept per request
@@ -293,5 +294,5 @@ class RunHistory:
 
 def batch_cells(e: Event, state: RunState) -> list[Cell]:
     """An iteration's batch as cells; without a KV cache a decode step is shown as what it is, a recompute."""
-    return [Cell(b["request_id"], "recompute" if not state.kv_cache and b["phase"] == "decode" else b["phase"],
+    return [Cell(b["request_id"], shown_phase(b["phase"], state.kv_cache),
                  b["num_query_tokens"], b["context_len"]) for b in e["batch"]]

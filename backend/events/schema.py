@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from kvscope.backend.phase import Phase
+
 SCHEMA_VERSION = 1
 
 
@@ -68,7 +70,7 @@ class SimulationInfo(_Exact):
 class BatchEntry(_Exact):
     request_id: str
     seq_id: int
-    phase: Literal["prefill", "decode", "verify"]
+    phase: Phase  # backend/phase.py
     num_query_tokens: int
     context_len: int
     num_draft_tokens: int | None = None  # verify only: drafted tokens checked in this pass

@@ -35,10 +35,10 @@ from kvscope.backend.config import DTYPE_BYTES
 from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.model.quant import QuantError, check_group_size
 from kvscope.backend.perf.errors import PerfError
+from kvscope.backend.phase import PHASES
 from kvscope.backend.perf.hardware import HardwareProfile
 from kvscope.backend.perf.shapes import Linear, ModelShape
 
-PHASES = ("prefill", "decode", "verify")
 TP_DEGREES = (1, 2, 4, 8)
 KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTS = ("none", "int8", "int4")

@@ -26,6 +26,7 @@ from kvscope.backend.perf.cost_model import BatchItem, Deployment, iteration_cos
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HardwareProfile, get_hardware
 from kvscope.backend.perf.shapes import SHAPES, ModelShape, shape_from_config
+from kvscope.backend.phase import RECOMPUTE, shown_phase
 
 ALIASES = {SMOLLM2: "smollm2-135m"}  # model names whose shape is a named one
 
@@ -151,9 +152,9 @@ def run_deployment(header: dict, hardware: str | HardwareProfile, tp: int = 1) -
 
 def batch_item(phase: str, num_query_tokens: int, context_len: int) -> BatchItem:
     """One batch row; a decode row of more than one token is a recompute (no KV cache): a prefill that samples once."""
-    if phase in ("decode", "recompute") and num_query_tokens > 1:
+    if phase in ("decode", RECOMPUTE) and num_query_tokens > 1:
         return BatchItem("prefill", num_query_tokens, context_len)
-    return BatchItem("decode" if phase == "recompute" else phase, num_query_tokens, context_len)
+    return BatchItem("decode" if phase == RECOMPUTE else phase, num_query_tokens, context_len)
 
 
 def model_step(dep: Deployment, step: int, rows: Sequence[tuple[str, int, int]]) -> ModelledStep:
@@ -167,8 +168,7 @@ def model_step(dep: Deployment, step: int, rows: Sequence[tuple[str, int, int]])
 
 def event_rows(event: dict, kv_cache: bool = True) -> list[tuple[str, int, int]]:
     """An `iteration` event's batch as rows; without a KV cache a decode row recomputes its context."""
-    return [("recompute" if not kv_cache and b["phase"] == "decode" else b["phase"], b["num_query_tokens"],
-             b["context_len"]) for b in event["batch"]]
+    return [(shown_phase(b["phase"], kv_cache), b["num_query_tokens"], b["context_len"]) for b in event["batch"]]
 
 
 def modelled_times(header: dict, iterations: Iterable[dict], hardware: str | HardwareProfile,

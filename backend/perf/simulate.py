@@ -24,7 +24,7 @@ from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.engine import Runtime
 from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
 from kvscope.backend.model.tokenizer import Tokenizer
 from kvscope.backend.perf.cost_model import BatchItem, Deployment, IterationCost, iteration_cost, resident_bytes
@@ -75,7 +75,7 @@ class ShapeOnlyModel:
 
 
 class SimulatedRunner:
-    """ModelRunner's interface: execute(batch, block_copies) -> logits [rows, V], priced instead of computed."""
+    """ModelRunner's interface: execute(StepInput) -> logits [rows, V], priced instead of computed."""
 
     def __init__(self, dep: Deployment, clock: ModelledClock, vocab_size: int, seed: int) -> None:
         self.dep, self.clock = dep, clock
@@ -83,13 +83,15 @@ class SimulatedRunner:
         self.table = torch.randn(vocab_size, vocab_size, generator=gen) * LOGIT_SCALE  # [V, V]: last -> next
         self.last: IterationCost | None = None
 
-    def execute(self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> torch.Tensor:
+    def execute(self, inp: StepInput) -> torch.Tensor:
         """Advance the clock by the batch's modelled time; one row of stand-in logits per sampling sequence."""
-        self.last = iteration_cost(self.dep, [BatchItem(i.phase, i.num_tokens, i.context_len, i.samples)
-                                              for i in batch])
+        ends = set(inp.logit_rows)
+        self.last = iteration_cost(self.dep, [BatchItem(inp.phases[i], inp.num_query(i), inp.context_lens[i],
+                                                        inp.query_starts[i + 1] - 1 in ends)
+                                              for i in range(inp.num_rows)])
         self.clock.advance(self.last.time_s)
         vocab = self.table.shape[0]
-        return self.table[[i.seq.token_ids[i.context_len - 1] % vocab for i in batch if i.samples]]
+        return self.table[[inp.input_ids[r] % vocab for r in inp.logit_rows]]
 
     def iteration_fields(self) -> dict:
         """The last priced iteration's intensity and bound, once (an empty iteration gets none)."""

@@ -1,7 +1,8 @@
 """The bridge between an API call and the engine's worker thread: the engine requests behind one
 OpenAI call (one per prompt; its n choices are the request's n sequences, sharing the prompt's
-blocks), their events as they arrive, text deltas that add up to the final text, and the logprobs
-of an echoed prompt."""
+blocks), their outputs as they arrive (the engine's own stream, request_output.py: never the
+trace, so every `events` level serves the same answers), text deltas that add up to the final
+text, and the logprobs of an echoed prompt."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ from typing import Any
 
 import torch
 
+from kvscope.backend.engine.request_output import Arrived, Finished, Forked, RequestOutput, Token
 from kvscope.backend.model.attention import DenseCausalBackend
 from kvscope.backend.model.loader import LoadedModel
 from kvscope.backend.server.runs import EngineRun, RunFailed
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
-# "error": only a fatal one reaches a request's listener (the run failed under it: ServedRun.fail)
-WANTED_EVENTS = frozenset({"request_arrived", "seq_fork", "token", "request_finished", "error"})
 
 
 class TextStream:
@@ -59,7 +59,7 @@ class TextStream:
 class Choice:
     index: int
     stream: TextStream
-    tokens: list[dict] = field(default_factory=list)  # token events, EOS left out
+    tokens: list[dict] = field(default_factory=list)  # token entries (text, logprob, top_logprobs), EOS left out
     chars: int = 0  # length of the echo and token texts so far: the next token's text_offset
     echo: str = ""  # the prompt, when the client asked for it back (echo)
     echo_tokens: list[dict] = field(default_factory=list)  # its token entries, with logprobs
@@ -75,6 +75,7 @@ class Generation:
     def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str, num_prompts: int = 1) -> None:
         self.run = run
         loaded = run.sim.loaded  # read-only: the tokenizer for text deltas, the folder for chat templates
+        self.tokenizer = loaded.tokenizer
         self.eos_ids = set(loaded.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
@@ -86,7 +87,7 @@ class Generation:
         self.choices = [Choice(i, TextStream(loaded.tokenizer, stops)) for i in range(num_prompts * n)]
         self.choice_of_seq: dict[int, Choice] = {}  # a request's first sequence is its first choice, forks follow
         self.seqs_seen: dict[str, int] = {}
-        self.queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | RunFailed] = asyncio.Queue()
         self.timed_out = False
         self._timer: asyncio.TimerHandle | None = None
 
@@ -107,45 +108,42 @@ class Generation:
             raise
 
     def _listener(self, loop: asyncio.AbstractEventLoop, rid: str):
-        run, queue = self.run, self.queue
+        queue = self.queue
 
-        def deliver(event: dict) -> None:  # on the worker thread
-            if event["type"] not in WANTED_EVENTS:
-                return
-            if event["type"] == "request_finished":
-                run.forget_listener(rid)  # here, on the worker thread, no other thread races the dict
+        def deliver(output: RequestOutput | RunFailed) -> None:  # on the worker thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                loop.call_soon_threadsafe(queue.put_nowait, output)
             except RuntimeError:
                 pass  # the event loop has closed: nobody is waiting for this request any more
 
         return deliver
 
     async def updates(self) -> AsyncIterator[tuple[Choice, str, dict | None]]:
-        """(choice, new text, its token event) until every choice has finished; None: it finished.
+        """(choice, new text, its token entry) until every choice has finished; None: it finished.
 
-        RunFailed if the run fails first (its fatal error event)."""
+        RunFailed if the run fails first."""
         while any(c.finish_reason is None for c in self.choices):
-            event = await self.queue.get()
-            if event["type"] == "error":
-                raise RunFailed(self.run.run_id, self.run.failure or event["message"])
-            rid = event["request_id"]
+            output = await self.queue.get()
+            if isinstance(output, RunFailed):
+                raise output
+            rid = output.request_id
             mine = self.choices_of(rid)
-            if event["type"] == "request_arrived":
-                self.choice_of_seq[event["seq_id"]] = mine[0]
+            if isinstance(output, Arrived):
+                self.choice_of_seq[output.seq_id] = mine[0]
                 self.seqs_seen[rid] = 1
                 for choice in mine:
-                    choice.prompt_tokens = len(event["prompt_token_ids"])
-            elif event["type"] == "seq_fork":
-                self.choice_of_seq[event["seq_id"]] = mine[self.seqs_seen[rid]]
+                    choice.prompt_tokens = output.num_prompt_tokens
+            elif isinstance(output, Forked):
+                self.choice_of_seq[output.seq_id] = mine[self.seqs_seen[rid]]
                 self.seqs_seen[rid] += 1
-            elif event["type"] == "token" and event["token_id"] not in self.eos_ids:
-                choice = self.choice_of_seq[event["seq_id"]]
-                choice.tokens.append(event)
-                choice.chars += len(event["text"])
-                yield choice, choice.stream.push(event["token_id"]), event
-            elif event["type"] == "request_finished":
-                for out in event.get("outputs") or [event]:
+            elif isinstance(output, Token) and output.token_id not in self.eos_ids:
+                choice = self.choice_of_seq[output.seq_id]
+                entry = self._entry(output)
+                choice.tokens.append(entry)
+                choice.chars += len(entry["text"])
+                yield choice, choice.stream.push(output.token_id), entry
+            elif isinstance(output, Finished):
+                for out in output.outputs:
                     choice = self.choice_of_seq.get(out["seq_id"], mine[0])  # aborted before a fork
                     choice.text = out["output_text"]
                     choice.completion_tokens = len(out["output_token_ids"])
@@ -153,8 +151,16 @@ class Generation:
                     yield choice, choice.stream.finish(choice.text), None
                 for choice in mine:  # aborted before it forked: the siblings never started
                     if choice.finish_reason is None:
-                        choice.finish_reason = FINISH_REASONS.get(event["finish_reason"], event["finish_reason"])
+                        choice.finish_reason = FINISH_REASONS.get(output.finish_reason, output.finish_reason)
                         yield choice, "", None
+
+    def _entry(self, token: Token) -> dict:
+        """A token as the response shapes list it (openai_api.completion_logprobs, chat_logprobs)."""
+        text = self.tokenizer.token_text
+        entry = {"text": text(token.token_id), "logprob": token.logprob}
+        if token.top_logprobs is not None:
+            entry["top_logprobs"] = [[t, text(t), lp] for t, lp in token.top_logprobs]
+        return entry
 
     def skip_generation(self, prompt_lengths: list[int]) -> None:
         """Echo with max_tokens 0: the choices end before any engine request is made."""
@@ -211,6 +217,6 @@ def prompt_logprobs(loaded: LoadedModel, ids: list[int], top: int) -> list[dict]
 
 def _abort(run: EngineRun, request_id: str) -> None:
     try:
-        run.abort_request(request_id)  # its request_finished event then drops the listener
+        run.abort_request(request_id)  # its Finished output then drops the listener
     except Exception:  # noqa: BLE001 - a stopped run: nothing left to abort
         pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.engine.kv_cache import kv_bytes_per_token, num_blocks_for_budget
@@ -45,6 +46,10 @@ class ServiceLimits:
     stall_timeout_s: float | None = 300.0  # a run's step (or command) taking longer fails the run; None: never
     history: int = 256  # finished requests a run keeps in memory (and in its snapshot)
     trace_window: int = 20_000  # events a run keeps in memory for /trace (the whole trace: trace_dir)
+    # What the API's run records (the trace, the dashboard's views): full, summary or off. Its answers
+    # are the same at every level (request_output.py); off spares each served token a top-k, a JSON
+    # encoding and a reducer apply.
+    api_events: Literal["full", "summary", "off"] = "full"
     trace_dir: str | None = None  # each engine run's whole trace to <trace_dir>/<run_id>.jsonl (or -N, never over one)
     allow_paths: bool = False  # scenario files and model folders named by clients
     served_models: tuple[str, ...] = ()  # models given on the command line, by name

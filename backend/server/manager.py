@@ -47,12 +47,12 @@ API_RUN_ID = "api"  # the server's own model; another model named by an API requ
 API_KV_CACHE_MB = 256.0
 
 
-def api_engine(model: str) -> EngineConfig:
+def api_engine(model: str, events: str = "full") -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
     if model in SHIPPED_MODELS:
-        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512)
+        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512, events=events)
     return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
-                        max_num_batched_tokens=512)
+                        max_num_batched_tokens=512, events=events)
 
 
 def describe_config(config: ModelConfig) -> str:
@@ -203,8 +203,8 @@ class RunManager:
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
         # No requests of its own, which a scenario file may not have: built, not validated.
         scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.", lesson=[],
-                                            model=model, seed=0, engine=api_engine(model), requests=[],
-                                            generate=None)
+                                            model=model, seed=0, engine=api_engine(model, self.limits.api_events),
+                                            requests=[], generate=None)
         run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
                                             retention=self.retention(open_ended=True), weights=self.weights),
                         self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id,

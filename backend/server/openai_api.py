@@ -3,8 +3,10 @@
 Close enough to OpenAI's wire format that the official `openai` client works unchanged. A request's
 `model` picks a model by name: the server's own (the default), a shipped one, or `smollm2` when its
 package is installed. Every request joins its model's open-ended run ("api" for the server's model,
-"api-NAME" for another), so the dashboard can watch it being scheduled, paged and sampled. The engine lives on that run's worker thread and reports through events; a
-request's listener (called on the worker thread) hands them to the request's asyncio queue.
+"api-NAME" for another), so the dashboard can watch it being scheduled, paged and sampled. The
+engine lives on that run's worker thread and hands each request's outputs (tokens, finish) to the
+request's listener there, which puts them on the request's asyncio queue; the trace's events are
+the dashboard's, never the answer.
 
 A service left running: a full waiting queue is a 429 with Retry-After; a request still running after
 --request-timeout-s is aborted (a stream ends with finish_reason "abort", a plain answer is a 504);

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvscope.backend.engine.dist_rows import DistRows
+from kvscope.backend.engine.request_output import Finished, RequestOutput
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus, encode_event
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
@@ -178,7 +179,8 @@ class ServedRun:
         # A resync message (JSON) and the events published since: resyncing watchers share it, so that
         # many viewers falling behind cost one snapshot, not one each. None: build a fresh one.
         self._resync_caches: dict[bool, ResyncCache] = {}  # with `past` or without -> the resync message
-        self.listeners: dict[str, Callable[[dict], None]] = {}  # request_id -> callback (API streaming)
+        # request_id -> its API call's callback: the engine's outputs for it, or RunFailed (worker thread)
+        self.listeners: dict[str, Callable[[RequestOutput | RunFailed], None]] = {}
         self.speed = speed
         self.paused = paused
         self.lesson = lesson  # pause after each iteration where a moment of `pause_at` happened
@@ -221,9 +223,6 @@ class ServedRun:
                 w.offer(line)
             for cache in self._resync_caches.values():
                 cache.add(line, self.queue_limit // 2)
-        rid = event.get("request_id")
-        if rid is not None and rid in self.listeners:
-            self.listeners[rid](event)
         if fault is not None:  # after the lock: the error event is published like any other
             self._emit_error(f"the trace file stopped ({fault}); the run goes on without it", fatal=False)
 
@@ -404,23 +403,21 @@ class ServedRun:
             frame = sys._current_frames().get(self.thread.ident)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(the worker has ended)\n"
             log.error("run %s failed: %s; its worker is at:\n%s", self.run_id, cause, where.rstrip())
-        event = self._emit_error(f"the run failed ({cause})", fatal=True)
+        self._emit_error(f"the run failed ({cause})", fatal=True)
         with self.lock:  # after the event: a snapshot that says finished says failed and why
             self.finished = True
             self._resync_caches.clear()
-        for listener in list(self.listeners.values()):  # waiting API requests: an answer now, not a timeout
-            listener(event)
         failed = RunFailed(self.run_id, cause)
+        for listener in list(self.listeners.values()):  # waiting API requests: an answer now, not a timeout
+            listener(failed)
         for _, future in commands:
             future.set_exception(failed)
         self.stop()
 
-    def _emit_error(self, message: str, fatal: bool) -> dict:
+    def _emit_error(self, message: str, fatal: bool) -> None:
         """Publish an `error` event; a replay has no bus, so the run numbers it after the newest event."""
-        event = {"type": "error", "seq": self.state.last_seq + 1, "step": self.state.step, "t": self.last_t,
-                 "message": message, "fatal": fatal}
-        self.publish(event)
-        return event
+        self.publish({"type": "error", "seq": self.state.last_seq + 1, "step": self.state.step, "t": self.last_t,
+                      "message": message, "fatal": fatal})
 
     # ---- the worker ---------------------------------------------------------------------------------
 
@@ -541,6 +538,7 @@ class EngineRun(ServedRun):
         self.sim = ScenarioRun(scenario, self.bus, weights=weights)  # the server's shared weight copies
         self.dist_rows = DistRows()  # whole raw rows of recent tokens, for the what-if (GET .../dist)
         self.sim.engine.events.rows = self.dist_rows
+        self.sim.engine.stream_outputs(self._deliver)
         self._live_counter = 0
         self.adds_pending = 0  # add_request calls on their way to the worker thread
         self.finished_ids: list[str] = []  # requests finished this step: the open-ended run forgets them after it
@@ -550,10 +548,15 @@ class EngineRun(ServedRun):
     def has_work(self) -> bool:
         return not self.sim.done
 
-    def publish(self, event: dict) -> None:
-        super().publish(event)
-        if self.open_ended and event["type"] == "request_finished":
-            self.finished_ids.append(event["request_id"])
+    def _deliver(self, output: RequestOutput) -> None:
+        """The engine's answer for one request (worker thread), to the API call waiting for it."""
+        listener = self.listeners.get(output.request_id)
+        if listener is not None:
+            listener(output)
+        if isinstance(output, Finished):
+            self.listeners.pop(output.request_id, None)
+            if self.open_ended:
+                self.finished_ids.append(output.request_id)
 
     def _advance(self) -> None:
         self.sim.step()
@@ -570,8 +573,8 @@ class EngineRun(ServedRun):
     def _record_control(self, action: str, value: Any) -> None:
         self.bus.emit("control", action=action, value=value)
 
-    def _emit_error(self, message: str, fatal: bool) -> dict:
-        return self.bus.emit("error", message=message, fatal=fatal)
+    def _emit_error(self, message: str, fatal: bool) -> None:
+        self.bus.emit("error", message=message, fatal=fatal)
 
     def _expire(self) -> None:
         if not self.open_ended:
@@ -607,7 +610,8 @@ class EngineRun(ServedRun):
                           "(--max-waiting); try again shortly")
 
     def add_request(self, prompt: str, max_tokens: int, sampling: dict | None,
-                    listener: Callable[[dict], None] | None = None, request_id: str | None = None) -> str:
+                    listener: Callable[[RequestOutput | RunFailed], None] | None = None,
+                    request_id: str | None = None) -> str:
         """Add a request live (validated on the worker thread; RequestError if refused, RunBusy if the
         waiting queue is full)."""
         with self.lock:
@@ -639,9 +643,6 @@ class EngineRun(ServedRun):
         """The summary, plus the run's model and whether it has a chat template (the dashboard's chat switch)."""
         return {**super().describe(), "model": self.scenario.model,
                 "chat_template": self.sim.loaded.tokenizer.chat_template is not None}
-
-    def forget_listener(self, request_id: str) -> None:
-        self.listeners.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> None:
         self.call(lambda: self.sim.engine.abort(request_id, "the client went away"))

@@ -8,6 +8,7 @@ from nicegui.events import EChartPointClickEventArguments
 
 from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.backend.events.history import Column, RunHistory
+from kvscope.backend.phase import SHOWN_PHASES
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import BUDGET_COLOR, MANY_REQUESTS_COLOR, RECOMPUTE_COLOR, SLOT_COLORS, request_color
 from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
@@ -33,7 +34,7 @@ SEG_SERIES = {"type": "custom", "renderItem": Js("kvscope.batchSeg"), "encode": 
               "xAxisIndex": 0, "yAxisIndex": 0, "clip": True}
 SLOT_SERIES = {"type": "custom", "renderItem": Js("kvscope.slotBar"), "encode": {"x": [0, 1], "y": [2, 3]},
                "xAxisIndex": 1, "yAxisIndex": 1, "clip": True}
-PHASE = {"decode": 0, "prefill": 1, "verify": 2, "recompute": 3}
+PHASE = {phase: i for i, phase in enumerate(SHOWN_PHASES)}  # the index kvscope.js reads back (palette.for_js)
 FOCUS_NONE, FOCUS_SELECTED, FOCUS_OTHER = 0, 1, 2  # no request picked; the picked one; the rest (dimmed)
 
 

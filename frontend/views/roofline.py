@@ -12,6 +12,7 @@ from kvscope.frontend.views.charts import make_chart
 from kvscope.frontend.views.chunks import Chunks
 from kvscope.frontend.views.live_text import LiveText
 from kvscope.backend.perf.model_run import ModelledStep
+from kvscope.backend.phase import SHOWN_PHASES
 
 EXPLANATION = """
 A **roofline** says how fast a piece of work can run on a machine from one number: its
@@ -32,8 +33,7 @@ measured instead: its linear layers stream weights below the bandwidth roof (the
 fast), so its decode points sit further below the slanted roof.
 """
 
-PHASES = ("prefill", "decode", "verify", "recompute")
-LEGEND = [(PHASE_COLORS[p], p) for p in PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s")]
+LEGEND = [(PHASE_COLORS[p], p) for p in SHOWN_PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s")]
 ROOF_COLOR = "#111827"
 
 
@@ -66,7 +66,7 @@ class RooflineView(FeedView):
 
     def __init__(self, feed: RunFeed, hardware: HardwareChoice, height: str = "300px") -> None:
         self.hardware = hardware
-        self.chunks = {phase: Chunks(f"rl-{phase}-") for phase in PHASES}
+        self.chunks = {phase: Chunks(f"rl-{phase}-") for phase in SHOWN_PHASES}
         self.last_step = -(10**9)
         self.roof_sent: list[list[float]] = []
         self.span = (1.0, 1.0)  # the intensities drawn so far (the roofs span them)
