@@ -329,7 +329,7 @@ async def test_views_follow_the_selected_request(dash: Dash, tiny_dir: str) -> N
     assert column.picker.value == rid
     await until(lambda: {"value": rid} in [{"value": x["value"]} for x in views["timeline"].labels_sent
                                            if isinstance(x, dict)])
-    assert f"{rid}: " in views["blocks"].caption.text
+    await until(lambda: f"{rid}: " in views["blocks"].caption.text)  # the pool's caption follows on its next paint
     # the timeline redraws in seconds
     timeline = views["timeline"]
     drawn = timeline.updates
