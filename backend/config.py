@@ -14,6 +14,16 @@ HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
 KVSCOPE_ARCHITECTURE = "KvscopeForCausalLM"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+KV_SCALE_BYTES = 4  # an int8 cache keeps one float32 scale per row it stores (kernels/cache_write.py)
+
+
+def kv_bytes_per_token(n_layers: int, rows_per_layer: int, row_values: int, bytes_per_value: int,
+                       scales: bool = False) -> int:
+    """The KV formula, its one definition: per layer a token stores `rows_per_layer` rows of
+    `row_values` numbers (a key and a value per KV head, 2·N_kv rows of D_h; MLA one row, the latent
+    and the RoPE key), each number `bytes_per_value` bytes, plus an int8 cache's scale per row.
+    So 2·L·N_kv·D_h·bytes, MLA L·(kv_lora_rank + qk_rope_head_dim)·bytes."""
+    return n_layers * rows_per_layer * (row_values * bytes_per_value + (KV_SCALE_BYTES if scales else 0))
 
 
 class RopeScaling(BaseModel):
@@ -127,15 +137,17 @@ class ModelConfig(BaseModel):
             return []
         return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
 
-    def kv_values_per_token_per_layer(self) -> int:
-        """Numbers the cache stores for one token in one layer (K and V, or MLA's latent + rope key)."""
+    def kv_rows_per_layer(self) -> tuple[int, int]:
+        """The rows the cache stores for one token in one layer, and the numbers in a row: a key and a
+        value per KV head, or MLA's one row of latent and RoPE key."""
         if self.mla is not None:
-            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
-        return 2 * self.num_key_value_heads * self.head_dim
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2 * self.num_key_value_heads, self.head_dim
 
     def kv_bytes_per_token(self, dtype: str = "float16") -> int:
-        """The KV formula: 2·L·N_kv·D_h·bytes (MLA: L·(kv_lora_rank + qk_rope_head_dim)·bytes)."""
-        return self.num_hidden_layers * self.kv_values_per_token_per_layer() * DTYPE_BYTES[dtype]
+        """Cache bytes per token in `dtype`, an int8 cache's scales included (the module's KV formula)."""
+        rows, values = self.kv_rows_per_layer()
+        return kv_bytes_per_token(self.num_hidden_layers, rows, values, DTYPE_BYTES[dtype], scales=dtype == "int8")
 
     # ---- Hugging Face config.json <-> ModelConfig -------------------------------------------------
 

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -32,6 +33,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call 
 LOG_SIZE = 8192  # recent events kept for deltas; a view further behind redraws fully
 RELEASE_GRACE_S = 20.0  # keep a feed this long after its last tab closed (a page reload reuses it)
 RECONNECT_DELAYS_S = (0.2, 0.5, 1.0, 2.0, 2.0, 5.0, 5.0, 5.0, 10.0, 10.0)  # then the feed gives up
+HEALTHY_S = 30.0  # a connection up this long (and delivering) was healthy: its drop gets every retry again
 
 
 class BackendError(Exception):
@@ -143,6 +145,9 @@ class LogEntry:
 class RunFeed:
     """One run as this process knows it: reducer, history, and a log of recent events."""
 
+    # Monotonic: a connection's lifetime must not jump with the wall clock. Tests put a fake here.
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, backend: Backend | None, run_id: str, log_size: int = LOG_SIZE) -> None:
         self.backend = backend
         self.run_id = run_id
@@ -207,22 +212,35 @@ class RunFeed:
     # -- the websocket -------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read the run's websocket until cancelled; reconnect a bounded number of times."""
+        """Read the run's websocket until cancelled. Retries are bounded, so a backend that is gone
+        ends the feed within a minute; a healthy connection earns the whole budget back, so drops
+        hours apart never add up to the end of a feed."""
         assert self.backend is not None
         url = f"{self.backend.ws_base}/ws/runs/{self.run_id}?past=1"  # the whole past: every view from step 0
-        for delay in (0.0, *RECONNECT_DELAYS_S):
-            await asyncio.sleep(delay)
-            try:
-                # No per-message deflate: on loopback it only costs CPU, on both ends of the socket.
-                auth = {"Authorization": f"Bearer {self.backend.token}"} if self.backend.token else None
-                async with connect(url, max_size=None, open_timeout=10, compression=None, additional_headers=auth) as ws:
-                    await self._read(ws)
-            except (OSError, WebSocketException, asyncio.TimeoutError) as e:
-                if not self.missing:  # the server closes with code 4404 after "no run": not worth a retry
-                    self.status = f"reconnecting ({e.__class__.__name__})"
+        delays = (0.0, *RECONNECT_DELAYS_S)
+        attempt = 0
+        while attempt < len(delays):
+            await asyncio.sleep(delays[attempt])
+            healthy = await self._read_one_connection(url)
             if self.missing:
                 return
+            attempt = 1 if healthy else attempt + 1
         self.status = "disconnected: the backend stopped answering"
+
+    async def _read_one_connection(self, url: str) -> bool:
+        """Connect and read until the socket ends; whether it was healthy (it delivered messages and
+        stayed up HEALTHY_S), so that its drop starts the reconnect budget afresh."""
+        version, opened = self.version, None
+        # No per-message deflate: on loopback it only costs CPU, on both ends of the socket.
+        auth = {"Authorization": f"Bearer {self.backend.token}"} if self.backend.token else None
+        try:
+            async with connect(url, max_size=None, open_timeout=10, compression=None, additional_headers=auth) as ws:
+                opened = self.clock()
+                await self._read(ws)
+        except (OSError, WebSocketException, asyncio.TimeoutError) as e:
+            if not self.missing:  # the server closes with code 4404 after "no run": not worth a retry
+                self.status = f"reconnecting ({e.__class__.__name__})"
+        return opened is not None and self.version > version and self.clock() - opened >= HEALTHY_S
 
     async def _read(self, ws) -> None:
         count = 0

@@ -6,6 +6,7 @@ import numpy as np
 from matplotlib.colors import to_rgb
 from PIL import Image
 
+from kvscope.backend.events.state import RunState
 from kvscope.cli import main
 from kvscope.frontend.export import SLIDE_SIZE, render
 from kvscope.frontend.export.blocks import pool_cells
@@ -87,3 +88,19 @@ def test_the_block_pool_still_defaults_to_the_busiest_iteration(pressure, tmp_pa
     default = read_png(render(events, "blocks", tmp_path / "default.png"))
     chosen = read_png(render(events, "blocks", tmp_path / "chosen.png", step=busiest))
     assert np.array_equal(default, chosen)
+
+
+def test_the_gif_replays_the_events_a_fixed_number_of_times_whatever_its_frames(pressure, tmp_path, monkeypatch):
+    """Linear in the frames: the replay for the timeline, then one pass that takes each frame's pool as
+    it reaches that frame's iteration; never a replay from event 0 per frame."""
+    _, events = pressure
+    applied = []
+    apply = RunState.apply
+    monkeypatch.setattr(RunState, "apply", lambda state, event: applied.append(event) or apply(state, event))
+    counts = {}
+    for stride in (1, 10):
+        applied.clear()
+        render(events, "blocks", tmp_path / f"every-{stride}.gif", stride=stride, size=(480, 270))
+        counts[stride] = len(applied)
+    assert len(frame_steps(0, replay(events).last, 1)) > 20
+    assert counts[1] == counts[10] <= 2 * len(events)

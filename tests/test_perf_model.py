@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.perf import calibrate
 from kvscope.backend.perf.cost_model import (BatchItem, Deployment, experts_touched, iteration_cost, resident_bytes,
                                      stored_bytes)
@@ -130,9 +129,9 @@ def test_a_group_size_that_does_not_tile_a_layer_is_refused():
 
 def test_kv_bytes_come_from_the_engines_kv_formula_and_split_across_ranks():
     llama = get_shape("llama-3-8b")
-    assert Deployment(llama, DATASHEET["h100"]).kv_bytes_per_token == kv_bytes_per_token(llama.config, "bfloat16")
+    assert Deployment(llama, DATASHEET["h100"]).kv_bytes_per_token == llama.config.kv_bytes_per_token("bfloat16")
     int8 = Deployment(llama, DATASHEET["h100"], kv_cache_dtype="int8").kv_bytes_per_token
-    assert int8 == kv_bytes_per_token(llama.config, "int8") == 2 * 32 * 8 * (128 + 4)
+    assert int8 == llama.config.kv_bytes_per_token("int8") == 2 * 32 * 8 * (128 + 4)
     assert Deployment(llama, DATASHEET["h100"], tp=2).kv_bytes_per_token == 131072 / 2
     mla = get_shape("deepseek-v2-lite")  # the latent is not split by heads: every rank keeps it whole
     assert Deployment(mla, DATASHEET["h100"], tp=4).kv_bytes_per_token == 27 * (512 + 64) * 2
@@ -240,8 +239,8 @@ def test_shapes_have_their_published_parameter_counts(name, billions):
 
 
 def test_kv_bytes_per_token_of_the_small_and_the_latent_models():
-    assert kv_bytes_per_token(get_shape("smollm2-135m").config, "bfloat16") == 2 * 30 * 3 * 64 * 2
-    assert kv_bytes_per_token(get_shape("deepseek-v2-lite").config, "bfloat16") == 27 * (512 + 64) * 2
+    assert get_shape("smollm2-135m").config.kv_bytes_per_token("bfloat16") == 2 * 30 * 3 * 64 * 2
+    assert get_shape("deepseek-v2-lite").config.kv_bytes_per_token("bfloat16") == 27 * (512 + 64) * 2
 
 
 def test_deepseek_v2_lite_models_its_active_parameters_per_token():

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.engine.engine import Engine
-from kvscope.backend.engine.kv_cache import KVCache, kv_bytes_per_token, quantize_rows_int8
+from kvscope.backend.engine.kv_cache import KVCache, quantize_rows_int8
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.attention import DenseCausalBackend
@@ -119,7 +119,7 @@ def test_int8_cache_bytes_include_one_float32_scale_per_token_and_kv_head():
     cfg = tiny_config()
     cache = KVCache(cfg, num_blocks=3, block_size=4, dtype=torch.float32, device=torch.device("cpu"), kv_dtype="int8")
     assert cache.data.dtype == torch.int8 and cache.scales.shape == (2, 2, 3, 4, 2)
-    assert cache.bytes_per_token == kv_bytes_per_token(cfg, "int8") == 2 * 2 * 2 * (8 + 4)
+    assert cache.bytes_per_token == cfg.kv_bytes_per_token("int8") == 2 * 2 * 2 * (8 + 4)
     assert cache.bytes_per_block == 4 * cache.bytes_per_token
     assert cache.bytes_per_block * 3 == cache.data.nbytes + cache.scales.nbytes  # what the pool really holds
 

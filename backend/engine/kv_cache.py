@@ -15,20 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from kvscope.backend.config import ModelConfig
+from kvscope.backend.config import DTYPE_BYTES, ModelConfig, kv_bytes_per_token
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 INT8_MAX = 127.0
-SCALE_BYTES = 4  # one float32 scale per (token, KV head) row
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    """The KV formula, plus the int8 scales: L x planes x N_kv x 4 bytes more per token."""
-    data = config.kv_bytes_per_token(kv_dtype)
-    if kv_dtype != "int8":
-        return data
-    heads, planes = (1, 1) if config.mla else (config.num_key_value_heads, 2)
-    return data + config.num_hidden_layers * planes * heads * SCALE_BYTES
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +52,7 @@ class KVCache:
         # [layers, K/V planes, num_blocks, block_size, n_kv_heads] float32, int8 only
         self.scales = (torch.zeros(self.data.shape[:-1], dtype=torch.float32, device=device)
                        if self.quantized else None)
-        self.bytes_per_token = kv_bytes_per_token(config, DTYPE_NAMES[self.storage_dtype])
+        self.bytes_per_token = config.kv_bytes_per_token(DTYPE_NAMES[self.storage_dtype])
         self.bytes_per_block = self.bytes_per_token * block_size
 
     # ---- raw storage (the Triton kernels read it as it is) ----------------------------------------
@@ -123,19 +113,20 @@ class KVCache:
 
 def num_blocks_for_budget(config: ModelConfig, block_size: int, memory_mb: float, dtype: str) -> int:
     """How many blocks fit a memory budget, by the KV formula (int8: scales included)."""
-    return max(1, int(memory_mb * 1024**2 // (kv_bytes_per_token(config, dtype) * block_size)))
+    return max(1, int(memory_mb * 1024**2 // (config.kv_bytes_per_token(dtype) * block_size)))
 
 
 def kv_formula(config: ModelConfig, kv_dtype: str) -> dict:
     """How kv_bytes_per_token is computed, for the header (and the dashboard's KV calculator)."""
-    values = config.kv_values_per_token_per_layer()
-    data = config.kv_bytes_per_token(kv_dtype)
-    scale_bytes = kv_bytes_per_token(config, kv_dtype) - data
+    rows, row_values = config.kv_rows_per_layer()
+    bytes_per_value = DTYPE_BYTES[kv_dtype]
+    scale_bytes = config.kv_bytes_per_token(kv_dtype) - kv_bytes_per_token(config.num_hidden_layers, rows, row_values,
+                                                                            bytes_per_value)
     if config.mla is None:
         text = "2 x L x N_kv x (D_h x 1 + 4 scale) bytes" if scale_bytes else "2 x L x N_kv x D_h x bytes"
     else:
         text = ("L x ((kv_lora_rank + qk_rope_head_dim) x 1 + 4 scale) bytes" if scale_bytes
                 else "L x (kv_lora_rank + qk_rope_head_dim) x bytes")
-    return {"n_layers": config.num_hidden_layers, "values_per_token_per_layer": values,
-            "bytes_per_value": data // (config.num_hidden_layers * values), "scale_bytes_per_token": scale_bytes,
+    return {"n_layers": config.num_hidden_layers, "values_per_token_per_layer": rows * row_values,
+            "bytes_per_value": bytes_per_value, "scale_bytes_per_token": scale_bytes,
             "text": text}

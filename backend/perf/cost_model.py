@@ -17,7 +17,7 @@ What is counted (docs/perf_model.md has the formulas):
 - attention: QK^T and PV over each row's real context, causal within the row's new tokens; MLA
   in its absorbed form (attention over the latent as one wide KV head); each row reads its whole
   context from the cache once and writes its new tokens, at the cache dtype (the KV formula of
-  backend/engine/kv_cache.py, int8 scales included);
+  backend/config.py, int8 scales included);
 - MoE: the shared and routed experts a token uses for FLOPs; for bytes, the experts the batch
   touches, expected under uniform routing.
 Left out: norms, rotary, activations' traffic, the embedding lookup, sampling (a measured profile
@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.backend.config import DTYPE_BYTES
-from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.model.quant import QuantError, check_group_size
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.phase import PHASES
@@ -112,7 +111,7 @@ class Deployment:
     def kv_bytes_per_token(self) -> float:
         """Cache bytes one token takes on one rank: KV heads split across ranks, MLA's latent replicated."""
         c = self.shape.config
-        total = kv_bytes_per_token(c, self.dtype if self.kv_cache_dtype == "auto" else "int8")
+        total = c.kv_bytes_per_token(self.dtype if self.kv_cache_dtype == "auto" else "int8")
         if c.mla is not None:
             return total
         return total * math.ceil(c.num_key_value_heads / self.tp) / c.num_key_value_heads

@@ -22,7 +22,6 @@ import torch
 
 from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.engine import Runtime
-from kvscope.backend.engine.kv_cache import kv_bytes_per_token
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
@@ -146,7 +145,7 @@ def simulation(model_shape: str, hardware: str, tp: int, link: str | None, utili
     dtype = getattr(torch, dep.dtype)
     kv_dtype = "int8" if config.kv_cache_dtype == "int8" else dep.dtype
     cache = PoolShape(num_blocks, config.block_size, dtype, torch.int8 if kv_dtype == "int8" else dtype,
-                      kv_bytes_per_token(shape_config, kv_dtype))
+                      shape_config.kv_bytes_per_token(kv_dtype))
     tokenizer = stand_in_tokenizer()
     clock = ModelledClock()
     hw = dep.hardware

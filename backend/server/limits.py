@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.engine.kv_cache import kv_bytes_per_token, num_blocks_for_budget
+from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, model_facts
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
 from kvscope.backend.perf.cost_model import model_bytes
@@ -114,7 +114,7 @@ def kv_cache_bytes(scenario: Scenario, config: ModelConfig, draft: ModelConfig |
     engine = scenario.engine
     kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else LOAD_DTYPE  # the cache is in the weights' dtype
     blocks = engine.num_blocks or num_blocks_for_budget(config, engine.block_size, engine.kv_cache_memory_mb, kv_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_token = config.kv_bytes_per_token(kv_dtype)
     if draft is not None:  # the draft's cache has the target's blocks (spec_decode.make_proposer)
-        per_token += kv_bytes_per_token(draft, kv_dtype)
+        per_token += draft.kv_bytes_per_token(kv_dtype)
     return blocks * engine.block_size * per_token

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nicegui import ui
 
+from kvscope.backend.config import DTYPE_BYTES, KV_SCALE_BYTES, kv_bytes_per_token
 from kvscope.backend.events.state import RunState
 from kvscope.frontend.client import RunFeed
 from kvscope.frontend.views.base import FeedView, view_card
@@ -29,10 +30,6 @@ Multiply by the context length and the number of sequences for the memory a batc
 what limits batch size and context length on a real GPU.
 """
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-SCALE_BYTES = 4  # an int8 cache keeps one float32 scale per token and KV head (kernels/cache_write.py)
-
-
 @dataclass
 class KvInputs:
     variant: str = "gqa"  # mha | gqa | mqa | mla
@@ -52,18 +49,16 @@ def _kv_heads(x: KvInputs) -> int:
 
 
 def bytes_per_token(x: KvInputs) -> int:
-    scale = SCALE_BYTES if x.scales else 0
-    if x.variant == "mla":
-        return x.n_layers * (x.latent * x.bytes_per_value + scale)
-    return 2 * x.n_layers * _kv_heads(x) * (x.head_dim * x.bytes_per_value + scale)
+    rows, row_values = (1, x.latent) if x.variant == "mla" else (2 * _kv_heads(x), x.head_dim)
+    return kv_bytes_per_token(x.n_layers, rows, row_values, x.bytes_per_value, x.scales)
 
 
 def formula_text(x: KvInputs) -> str:
     if x.variant == "mla":
-        row = f"({x.latent} · {x.bytes_per_value} B + {SCALE_BYTES} B scale)" if x.scales \
+        row = f"({x.latent} · {x.bytes_per_value} B + {KV_SCALE_BYTES} B scale)" if x.scales \
             else f"{x.latent} · {x.bytes_per_value} B"
         return f"{x.n_layers} · {row}"
-    row = f"({x.head_dim} · {x.bytes_per_value} B + {SCALE_BYTES} B scale)" if x.scales \
+    row = f"({x.head_dim} · {x.bytes_per_value} B + {KV_SCALE_BYTES} B scale)" if x.scales \
         else f"{x.head_dim} · {x.bytes_per_value} B"
     return f"2 · {x.n_layers} · {_kv_heads(x)} · {row}"
 
