@@ -550,6 +550,8 @@ class EngineRun(ServedRun):
 
     def _deliver(self, output: RequestOutput) -> None:
         """The engine's answer for one request (worker thread), to the API call waiting for it."""
+        if self.failure is not None:
+            return  # a stalled worker that comes back: its callers were told RunFailed already
         listener = self.listeners.get(output.request_id)
         if listener is not None:
             listener(output)
