@@ -263,13 +263,16 @@ def test_timeline_merges_runs_of_one_phase():
 
 def test_batch_segments_stack_and_many_decodes_share_one():
     from kvscope.backend.events.history import RunHistory
+    from kvscope.frontend.views.batch import PHASE
 
+    decode, prefill = PHASE["decode"], PHASE["prefill"]
     history = RunHistory(rows={"a": 0, "b": 1})
     col = Column(7, 1.0, 0.1, [Cell("a", "prefill", 16), Cell("b", "decode", 1), Cell("c", "waiting")], 17, 64, 4)
     # top-down: [step, y0, y1, colour, phase, request, tokens, focus]
-    assert column_segments(col, history) == [[7, 16, 17, 1, 0, "b", 1, 0], [7, 0, 16, 0, 1, "a", 16, 0]]
+    assert column_segments(col, history) == [[7, 16, 17, 1, decode, "b", 1, 0], [7, 0, 16, 0, prefill, "a", 16, 0]]
     many = Column(8, 1.0, 0.1, [Cell(f"r{i}", "decode", 1) for i in range(20)] + [Cell("a", "prefill", 8)], 28, 64, 32)
-    assert column_segments(many, history) == [[8, 20, 28, 0, 1, "a", 8, 0], [8, 0, 20, MERGED, 0, "20 requests", 20, 0]]
+    assert column_segments(many, history) == \
+        [[8, 20, 28, 0, prefill, "a", 8, 0], [8, 0, 20, MERGED, decode, "20 requests", 20, 0]]
 
 
 def test_overrides_are_only_what_differs_from_the_scenario():

@@ -54,7 +54,8 @@ def column_segments(col: Column, history: RunHistory, selected: str | None = Non
     if len(decodes) > MAX_DECODE_SEGMENTS:
         cells = [c for c in cells if c not in decodes]
         tokens = sum(c.tokens for c in decodes)
-        items.append([col.step, 0, tokens, MERGED, 0, f"{len(decodes)} requests", tokens, _focus(None, selected)])
+        items.append([col.step, 0, tokens, MERGED, PHASE["decode"], f"{len(decodes)} requests", tokens,
+                      _focus(None, selected)])
         y = tokens
     for cell in cells:
         row = history.rows.get(cell.request_id, 0)
