@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvscope.backend.engine.sampler import apply_penalties, final_distribution, sample, truncation_mask
+from kvscope.backend.engine.sampler import apply_penalties, final_distribution, sample, truncation_mask, uniform
 from kvscope.backend.engine.sampling_params import SamplingParams
 
 EOS = 0
@@ -67,15 +67,15 @@ def test_repetition_presence_and_frequency_penalties():
 def test_each_row_draws_from_its_own_generator():
     logits = torch.randn(1, 50)
     params = SamplingParams(temperature=1.0)
-    alone = [sample(logits, [params], [torch.Generator().manual_seed(s)], [EOS]).token_ids[0] for s in range(20)]
-    batch = sample(logits.expand(20, 50), [params] * 20, [torch.Generator().manual_seed(s) for s in range(20)], [EOS])
+    alone = [sample(logits, [params], [uniform(torch.Generator().manual_seed(s))], [EOS]).token_ids[0] for s in range(20)]
+    batch = sample(logits.expand(20, 50), [params] * 20, [uniform(torch.Generator().manual_seed(s)) for s in range(20)], [EOS])
     assert batch.token_ids == alone and len(set(alone)) > 1
 
 
 def test_sampling_follows_the_final_distribution():
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, top_k=3)
-    draws = [sample(LOGITS, [params], [gen], [EOS]).token_ids[0] for _ in range(4000)]
+    draws = [sample(LOGITS, [params], [uniform(gen)], [EOS]).token_ids[0] for _ in range(4000)]
     freq = torch.bincount(torch.tensor(draws), minlength=6).float() / len(draws)
     expected = torch.tensor(final(top_k=3))
     assert freq[4] == 0 and freq[5] == 0
@@ -83,7 +83,7 @@ def test_sampling_follows_the_final_distribution():
 
 
 def test_logprob_is_of_the_raw_distribution():
-    out = sample(LOGITS, [SamplingParams(temperature=0.0)], [torch.Generator()], [EOS])
+    out = sample(LOGITS, [SamplingParams(temperature=0.0)], [0.0], [EOS])
     assert out.token_ids == [1] and out.logprobs[0] == pytest.approx(float(PROBS[1].log()), abs=1e-5)
 
 
@@ -133,7 +133,7 @@ def test_filters_match_transformers_logits_warpers_on_random_distributions():
 # ---- logit_bias and allowed_token_ids ------------------------------------------------------------------
 
 def test_logit_bias_shifts_the_raw_distribution_before_the_filters():
-    out = sample(LOGITS, [SamplingParams(temperature=0.0, logit_bias={3: 2.0})], [torch.Generator()], [EOS])
+    out = sample(LOGITS, [SamplingParams(temperature=0.0, logit_bias={3: 2.0})], [0.0], [EOS])
     assert out.token_ids == [3]  # log 0.15 + 2 > log 0.40
     biased = PROBS.log().clone()
     biased[3] += 2.0
@@ -143,12 +143,12 @@ def test_logit_bias_shifts_the_raw_distribution_before_the_filters():
 
 def test_allowed_token_ids_leave_only_those_tokens():
     params = SamplingParams(allowed_token_ids=[3, 4], truncate_eos=True)
-    out = sample(LOGITS.expand(50, -1), [params] * 50, [torch.Generator().manual_seed(s) for s in range(50)], [EOS])
+    out = sample(LOGITS.expand(50, -1), [params] * 50, [uniform(torch.Generator().manual_seed(s)) for s in range(50)], [EOS])
     assert set(out.token_ids) == {3, 4}
     assert out.raw_probs[0, [3, 4]].sum() == pytest.approx(1.0)
 
 
 def test_constraints_touch_only_their_own_row():
     params = [SamplingParams(logit_bias={5: -100.0}), SamplingParams()]
-    out = sample(LOGITS.expand(2, -1), params, [torch.Generator(), torch.Generator()], [EOS])
+    out = sample(LOGITS.expand(2, -1), params, [0.0, 0.0], [EOS])
     assert out.raw_probs[0, 5] < 1e-30 and out.raw_probs[1, 5] == pytest.approx(0.05)

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 import kvscope.backend.engine.engine as engine_module
-import kvscope.backend.engine.spec_decode as spec_decode
+import kvscope.backend.engine.sample_step as sample_step
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.speculative import Verdict, lookup, verify
+from kvscope.backend.engine.rejection import Verdict, verify
+from kvscope.backend.engine.sampler import draw
+from kvscope.backend.engine.speculative import lookup
 from kvscope.backend.events.schema import parse_event
 from kvscope.backend.events.state import RunState
 from kvscope.backend.engine.reference import reference_generate
@@ -112,10 +114,9 @@ def test_ngram_lookup_copies_what_followed_the_latest_match():
 def test_verify_rule_on_known_distributions():
     p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 0.0]])
     q = torch.tensor([[0.0, 0.0, 1.0]])
-    g = torch.Generator().manual_seed(0)
-    v = verify(p, q, [2], g, greedy=False)  # p(2) = 0: always rejected, resampled from max(0, p - q) = p
+    v = verify(p, q, [2], [0.3, 0.6], greedy=False)  # p(2) = 0: always rejected, resampled from max(0, p - q) = p
     assert v.num_accepted == 0 and v.source == "resampled" and v.token_id in (0, 1)
-    always = verify(torch.tensor([[0, 1.0, 0], [1.0, 0, 0]]), torch.tensor([[0, 1.0, 0]]), [1], g, greedy=True)
+    always = verify(torch.tensor([[0, 1.0, 0], [1.0, 0, 0]]), torch.tensor([[0, 1.0, 0]]), [1], [], greedy=True)
     assert always == Verdict(1, 0, "bonus", [True])
 
 
@@ -180,11 +181,10 @@ def test_speculative_sampling_has_the_target_distribution(setting, demo, draft, 
 
 
 def test_the_distribution_test_catches_a_wrong_rule(demo, draft, direct_samples, monkeypatch):
-    def always_accept(p, q, drafts, generator, greedy):
-        return Verdict(len(drafts), int(torch.multinomial(p[-1], 1, generator=generator)), "bonus",
-                       [True] * len(drafts))
+    def always_accept(p, q, drafts, uniforms, greedy):
+        return Verdict(len(drafts), int(draw(p[-1][None], uniforms[-1:])[0]), "bonus", [True] * len(drafts))
 
-    monkeypatch.setattr(spec_decode, "verify", always_accept)
+    monkeypatch.setattr(sample_step, "verify", always_accept)
     spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS["T1"])
     assert chi_square_pvalue(spec[0], direct_samples["T1"][0]) < 0.01
 

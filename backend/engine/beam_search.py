@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 
 @dataclass
@@ -39,7 +38,8 @@ class Choice:
 class BeamState:
     width: int
     length_penalty: float
-    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # live seq_id -> next-token log-probs [V]
+    # live seq_id -> its best next tokens (token, logprob), best first: enough for `select`
+    pending: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
 
     def ranked(self) -> list[Hypothesis]:
@@ -51,17 +51,15 @@ class BeamState:
         return len(self.finished) >= self.width
 
 
-def select(cumulative: list[float], logprobs: torch.Tensor, width: int, eos_ids: list[int],
+def select(cumulative: list[float], best: list[list[tuple[int, float]]], width: int, eos_ids: list[int],
            allow_eos: bool) -> tuple[list[Choice], list[Choice]]:
-    """(next beams, EOS candidates that finish) from log-probs [num_beams, V], best first.
+    """(next beams, EOS candidates that finish), best first, from each beam's best next tokens.
 
-    Ties rank the lower beam index, then the lower token id, first, so the search is deterministic.
+    best[b]: beam b's top `width + len(eos_ids)` (token, logprob) pairs (the executor's `candidates`):
+    enough to find `width` non-EOS candidates even when every EOS ranks among them. Ties rank the
+    lower beam index, then the lower token id, first, so the search is deterministic.
     """
-    per_beam = min(logprobs.shape[1], width + len(eos_ids))  # enough to find `width` non-EOS candidates
-    top = logprobs.topk(per_beam, dim=-1)
-    candidates = [Choice(b, t, lp, cumulative[b] + lp)
-                  for b, (tokens, lps) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                  for t, lp in zip(tokens, lps, strict=True)]
+    candidates = [Choice(b, t, lp, cumulative[b] + lp) for b, pairs in enumerate(best) for t, lp in pairs]
     candidates.sort(key=lambda c: (-c.cumulative_logprob, c.parent, c.token_id))
     beams: list[Choice] = []
     finishing: list[Choice] = []

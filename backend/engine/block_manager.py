@@ -139,7 +139,8 @@ class BlockManager:
         return self._blocks_for(total) - len(hits) <= len(self._free) - reviving
 
     def match_prefix(self, seq: Sequence, hits: list[int] | None = None, count: bool = True) -> int:
-        """Share the longest cached prefix of a newly admitted sequence; returns the matched tokens.
+        """Share the longest cached prefix of a newly admitted sequence; returns the matched tokens
+        (the scheduler, the one writer of sequence state, records them as computed).
 
         `count=False` leaves the prefix hit rate alone (a draft model's lookups are not requests')."""
         if not self.enable_prefix_caching:
@@ -148,7 +149,6 @@ class BlockManager:
         for block in self.lookup_prefix(seq) if hits is None else hits:
             self._share(seq, block, "prefix_cache")
         matched = len(seq.block_table) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = matched
         if count:
             self._lookup_tokens += len(seq.token_ids)
             self._hit_tokens += matched
@@ -274,22 +274,23 @@ class BlockManager:
     # ---- release --------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
-        """Drop all of the sequence's blocks, tail first (so its tail is evicted before its prefix)."""
+        """Drop all of the sequence's blocks, tail first (so its tail is evicted before its prefix).
+
+        Nothing of it is computed any more: the scheduler sets num_computed_tokens to 0."""
         while seq.block_table:
             self._release(seq, seq.block_table.pop())
-        seq.num_computed_tokens = 0
         self._write_end.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes after this copy first.
 
         The parent's reserved slots are dropped too: both sequences must call `allocate_slots`
-        before writing, which makes the copies.
+        before writing, which makes the copies. The child has the parent's computed tokens (the
+        scheduler records them).
         """
         assert not child.block_table, "fork expects a child without blocks"
         for block in parent.block_table:
             self._share(child, block, "fork")
-        child.num_computed_tokens = parent.num_computed_tokens
         self._write_end.pop(parent.seq_id, None)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -298,12 +299,12 @@ class BlockManager:
         Blocks past the end are dropped tail first. Every block keeps its hash: its content is
         still valid until rewritten, and the next `allocate_slots` either forgets the hash of the
         kept partial block (before this sequence overwrites it) or copies the block if another
-        sequence holds it by then. The caller trims `seq.token_ids`.
+        sequence holds it by then. The caller (the scheduler) trims `seq.token_ids` and lowers
+        `num_computed_tokens` to at most num_tokens.
         """
         keep = self._blocks_for(num_tokens)
         while len(seq.block_table) > keep:
             self._release(seq, seq.block_table.pop())
-        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         if seq.seq_id in self._write_end:
             self._write_end[seq.seq_id] = min(self._write_end[seq.seq_id], num_tokens)
 

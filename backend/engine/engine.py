@@ -1,9 +1,10 @@
 """The engine: one `step()` is one iteration, a pipeline of parts that each own one stage.
 
-scheduler.schedule() -> SpecDecoder.propose() -> step_input() -> ModelRunner.execute(StepInput)
--> OutputProcessor.process()
--> metrics; requests, forks and ends are the RequestTracker's, event dicts the StepEvents'. It knows
-nothing of HTTP or dashboards: everything it decides goes out as events on its bus.
+scheduler.schedule() -> step_input() -> ModelRunner.execute(StepInput) -> StepOutput
+-> OutputProcessor.process() (the update; SpecDecoder.propose() drafts for the next step) -> metrics.
+Requests, forks and ends are the RequestTracker's, event dicts the StepEvents'; only the scheduler
+writes a sequence's state. It knows nothing of HTTP or dashboards: everything it decides goes out
+as events on its bus, and each request's tokens through `stream_outputs`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from kvscope.backend.engine.request_output import Sink
 from kvscope.backend.engine.request_tracker import RequestTracker
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import Scheduler
+from kvscope.backend.engine.scheduler import SchedulerOutput, Scheduler
 from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.spec_decode import SpecDecoder, StepBatch, make_proposer
+from kvscope.backend.engine.spec_decode import SpecDecoder, make_proposer
 from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
 from kvscope.backend.engine.step_events import StepEvents
-from kvscope.backend.engine.step_input import step_input
+from kvscope.backend.engine.step_input import StepInput, row_sampling, step_input
+from kvscope.backend.engine.step_output import StepOutput
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import SCHEMA_VERSION
 from kvscope.backend.model.loader import LoadedModel, load_model
@@ -79,7 +81,7 @@ class Runtime:
     """
 
     cache: KVCache  # or anything with its sizes: num_blocks, block_size, dtype, storage_dtype, bytes_per_*
-    runner: ModelRunner  # execute(StepInput) -> logits [rows, V]
+    runner: ModelRunner  # execute(StepInput) -> StepOutput
     device: str
     attention_backend: str
     weights: dict | None = None  # the header's `weights`
@@ -134,38 +136,46 @@ class Engine:
         self.blocks = BlockManager(self.cache.num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
                                    self.bus.emit)
         self.events = StepEvents(self.bus, config, loaded.tokenizer, loaded.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(config, self.blocks, self._on_preempt,
-                                   self._num_draft if config.speculative else None)
+        self.scheduler = Scheduler(config, self.blocks, self._on_preempt)
         self.tracker = RequestTracker(config, self.blocks, self.scheduler, self.events, loaded.tokenizer,
                                       loaded.config.vocab_size, self._on_seq_end, self.clock)
         self.spec = SpecDecoder(make_proposer(config, loaded.config.vocab_size, draft, self.cache,
-                                              self.attention_backend, self.blocks, self.events.eos_ids,
+                                              self.attention_backend, self.scheduler, self.events.eos_ids,
                                               self.tracker.new_seq_id, shared.model if shared else load_model),
-                                config, self.blocks, self.tracker, self.events) if config.speculative else None
-        self.outputs = OutputProcessor(self.tracker, self.events, self.blocks, config.max_model_len, self.spec)
+                                config, self.scheduler, self.tracker, self.events) if config.speculative else None
+        self.outputs = OutputProcessor(self.tracker, self.events, self.scheduler, config.max_model_len, self.spec)
         self.metrics = MetricsTracker()
         self.step_no = 0
 
     # ---- one iteration ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One iteration: schedule -> draft -> run the model -> logits to tokens -> metrics."""
+        """One iteration: schedule -> execute and sample -> update (tokens, ends, next drafts) -> metrics."""
         self.bus.step = self.step_no
         started = self.clock()
         self.tracker.abort_impossible(self.cache.num_blocks)
-        plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens
-        batch = self.spec.propose(plan.scheduled) if self.spec else StepBatch(plan.scheduled, [])
-        inp = step_input(batch.items, plan.block_copies, self.config.block_size)  # plain data: all the runner reads
-        logits = self.runner.execute(inp) if batch.items else None
+        plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens (and drafts)
+        out = self.runner.execute(self.step_input(plan)) if plan.scheduled else StepOutput([])
         now = self.clock()
-        self.events.iteration(batch.items, now - started, self.scheduler, self.blocks, self.runtime.iteration_fields())
-        generated = self.outputs.process(batch, logits, now)  # tokens appended, sequences ended, requests finished
-        self.metrics.on_iteration(now, batch.num_prefill_tokens, generated)
+        self.events.iteration(plan.scheduled, now - started, self.scheduler, self.blocks,
+                              self.runtime.iteration_fields())
+        generated = self.outputs.process(plan.scheduled, out, now)  # tokens appended, sequences ended, requests finished
+        if self.spec:
+            self.spec.propose()  # drafts for the next step, held by the scheduler
+        self.metrics.on_iteration(now, plan.num_prefill_tokens, generated)
         kv = self.metrics.observe_kv(self.live_sequences(), self.blocks.num_used_blocks, self.cache.num_blocks,
                                      self.config.block_size)
         self.events.metrics(self.metrics.tokens_per_s(), kv, self.blocks, self.scheduler,
                             self.spec.stats.summary() if self.spec else {})
         self.step_no += 1
+
+    def step_input(self, plan: SchedulerOutput) -> StepInput:
+        """The scheduler's decision as plain data, with each row's sampling: all the executor reads."""
+        eos = self.events.eos_ids
+        dist = self.events.wants_dist
+        return step_input(plan.scheduled, plan.block_copies, self.config.block_size,
+                          [row_sampling(item, self.tracker.request_of(item.seq), eos) for item in plan.scheduled],
+                          eos, self.config.dist_top_n if dist else 0, dist and self.events.rows is not None)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -228,9 +238,6 @@ class Engine:
     def _on_seq_end(self, seq: Sequence) -> None:
         if self.spec:
             self.spec.release(seq)
-
-    def _num_draft(self, seq: Sequence) -> int:
-        return self.spec.num_draft(seq)
 
     # ---- the header: what a trace needs to make sense of everything after it ----------------------
 

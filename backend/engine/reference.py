@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvscope.backend.engine.sampler import sample
+from kvscope.backend.engine.sampler import sample, uniform
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.attention import DenseCausalBackend
 from kvscope.backend.model.transformer import CausalLM
@@ -30,7 +30,7 @@ def reference_generate(model: CausalLM, prompt_ids: list[int], max_tokens: int,
     out: list[int] = []
     for _ in range(max_tokens):
         logits = next_token_logits(model, prompt_ids + out)[None]
-        token = sample(logits, [params], [gen], eos_ids or [], [prompt_ids + out], [len(prompt_ids)]).token_ids[0]
+        token = sample(logits, [params], [uniform(gen)], eos_ids or [], [prompt_ids + out], [len(prompt_ids)]).token_ids[0]
         out.append(token)
         if token in stops:
             break

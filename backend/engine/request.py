@@ -32,7 +32,8 @@ class Request:
     times: RequestTimes
     seq: Sequence  # the first sequence: the only one unless n > 1 or beam search forks more
     seqs: list[Sequence] = field(default_factory=list)  # every sequence of the request, in fork order
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seq_id -> its own random stream
+    streams: dict[int, int] = field(default_factory=dict)  # seq_id -> its random stream (fork order)
+    generators: list[torch.Generator] = field(default_factory=list)  # by stream, made when first drawn from
     cumulative_logprob: dict[int, float] = field(default_factory=dict)  # seq_id -> sum of its tokens' logprobs
     seq_finish: dict[int, str] = field(default_factory=dict)  # seq_id -> why it ended
     stop_texts: dict[int, str] = field(default_factory=dict)  # seq_id -> output cut before a stop string
@@ -48,10 +49,16 @@ class Request:
         self.add_stream(self.seq)
 
     def add_stream(self, seq: Sequence) -> None:
-        """Give a new sequence its own generator and a zero cumulative log-prob."""
-        index = len(self.generators)  # seq 0 keeps the plain seed: n = 1 draws what it always drew
-        self.generators[seq.seq_id] = torch.Generator().manual_seed((self.seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        """Give a new sequence its own random stream (the next in fork order) and a zero cumulative log-prob."""
+        self.streams[seq.seq_id] = len(self.streams)
         self.cumulative_logprob[seq.seq_id] = 0.0
+
+    def generator(self, stream: int) -> torch.Generator:
+        """Stream i's generator: n > 1 draws a first token from streams 0..n-1 before the siblings exist."""
+        while len(self.generators) <= stream:  # stream 0 keeps the plain seed: n = 1 draws what it always drew
+            self.generators.append(torch.Generator().manual_seed(
+                (self.seed + len(self.generators) * 0x9E3779B97F4A7C15) % 2**63))
+        return self.generators[stream]
 
     @property
     def multi(self) -> bool:

@@ -8,11 +8,8 @@ change of the API.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -53,9 +50,3 @@ Sink = Callable[[RequestOutput], None]
 
 def ignore(_: RequestOutput) -> None:
     """The sink of an engine nobody reads from (a scenario run: its events are its answer)."""
-
-
-def top_logprobs(raw_probs: torch.Tensor, n: int) -> tuple[tuple[int, float], ...]:
-    """The n likeliest tokens of one raw distribution [V], as OpenAI's `top_logprobs` lists them."""
-    best = raw_probs.topk(n)
-    return tuple((t, math.log(max(p, 1e-45))) for t, p in zip(best.indices.tolist(), best.values.tolist(), strict=True))

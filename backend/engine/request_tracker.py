@@ -23,7 +23,7 @@ from kvscope.backend.engine.request import (Request, RequestError, check_fits, c
                                     check_token_ids, finish_reason_after)
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.scheduler import Scheduler
-from kvscope.backend.engine.sequence import Sequence, SeqStatus
+from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.engine.step_events import StepEvents
 from kvscope.backend.errors import validation_error
 from kvscope.backend.model.tokenizer import Tokenizer
@@ -104,7 +104,6 @@ class RequestTracker:
         """A new sequence of the request sharing every block of the parent (copy-on-write on divergence)."""
         child = Sequence(self.new_seq_id(), req.request_id, list(parent.token_ids), parent.num_prompt_tokens)
         self.events.seq_fork(parent, child)
-        self.blocks.fork(parent, child)
         self.scheduler.add_forked(child, parent)
         req.seqs.append(child)
         req.add_stream(child)
@@ -120,7 +119,7 @@ class RequestTracker:
         """Append one token, with no stop check (beam search decides its ends itself).
 
         alternatives: its top_logprobs, when the request asks for them."""
-        seq.token_ids.append(token)
+        self.scheduler.append(seq, token)
         self.on_output(Token(req.request_id, seq.seq_id, token, logprob, alternatives))
         req.cumulative_logprob[seq.seq_id] += logprob
         req.times.num_output_tokens += 1
@@ -140,7 +139,6 @@ class RequestTracker:
 
     def end_seq(self, req: Request, seq: Sequence, reason: str) -> None:
         """One sequence ends: its blocks go back; the request ends with its last sequence."""
-        seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
         self.on_seq_end(seq)
         self.unfinished.pop(seq.seq_id, None)

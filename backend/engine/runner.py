@@ -1,9 +1,11 @@
-"""The model runner: one forward pass over the paged cache for a StepInput (step_input.py).
+"""The model runner, the step's executor: one forward pass over the paged cache for a StepInput
+(step_input.py), and its logits sampled into a StepOutput (sample_step.py).
 
 Every row contributes its query tokens to one flat list (prefill chunks and decode tokens side by
 side). The attention metadata says, per row, where its queries start in that list, how long its
 context is, and which blocks hold it; the slot mapping says where each new token's K/V is written.
-The runner reads nothing but the StepInput: no sequence, so it could run in another process.
+The runner reads nothing but the StepInput and returns nothing but token ids and numbers: no
+sequence, so it could run in another process (a rank-0 worker hands back ids, not [B, V] logits).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.backend.engine.kv_cache import KVCache
+from kvscope.backend.engine.sample_step import sample_step
 from kvscope.backend.engine.step_input import StepInput
+from kvscope.backend.engine.step_output import StepOutput
 from kvscope.backend.model.attention import causal_attention
 from kvscope.backend.model.transformer import CausalLM
 
@@ -188,8 +192,13 @@ class ModelRunner:
         return torch.tensor(inp.input_ids, device=dev), torch.tensor(inp.positions, device=dev), meta
 
     @torch.no_grad()
-    def execute(self, inp: StepInput) -> torch.Tensor:
-        """Run one iteration: logits [len(inp.logit_rows), vocab], a row per sampling sequence, k + 1 per verify."""
+    def execute(self, inp: StepInput) -> StepOutput:
+        """Run one iteration and sample it: the tokens each row drew, verified or ranked."""
+        return sample_step(self.logits(inp), inp)
+
+    @torch.no_grad()
+    def logits(self, inp: StepInput) -> torch.Tensor:
+        """The forward alone: logits [len(inp.logit_rows), vocab], a row per sampling sequence, k + 1 per verify."""
         self.cache.copy_blocks(inp.block_copies)
         ids, positions, meta = self.prepare(inp)
         hidden = self.model(ids, positions, self.backend(self.cache, meta))  # [num_tokens, hidden]

@@ -117,11 +117,19 @@ def penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """Inverse-CDF sampling with one uniform per row from that row's generator: [B] token ids."""
-    u = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
+def uniform(generator: torch.Generator) -> float:
+    """One uniform draw in [0, 1) from a sequence's own random stream (the scheduler's side draws them)."""
+    return torch.rand((), generator=generator).item()
+
+
+def draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Inverse-CDF sampling with one uniform per row: [B] token ids.
+
+    The uniforms come in as numbers, drawn on the scheduler's side from each sequence's generator:
+    the executor that samples holds no random state, so a StepInput alone decides the step."""
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)
     cdf = probs.double().cumsum(dim=-1)  # [B, V]
-    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return idx.squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -142,13 +150,15 @@ def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: l
     return raw_log, adjusted, final_distribution(adjusted, params, eos_ids)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float],
            eos_ids: list[int], histories: list[list[int]] | None = None,
            prompt_lens: list[int] | None = None) -> SamplerOutput:
-    """Pick one token per row of logits [B, V] (histories and prompt_lens as in `distributions`)."""
+    """Pick one token per row of logits [B, V] (histories and prompt_lens as in `distributions`).
+
+    uniforms: one per row, read by the rows that sample (a greedy row ignores its own)."""
     raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, prompt_lens)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
-                                                                      draw(final, generators))
+                                                                      draw(final, uniforms))
     chosen = raw_log.gather(-1, tokens[:, None]).squeeze(-1)
     return SamplerOutput(tokens.tolist(), chosen.tolist(), raw_log.exp(), final)

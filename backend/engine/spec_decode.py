@@ -1,52 +1,37 @@
-"""Speculative decoding in the engine's step: drafts before the target's forward, verdicts after it.
+"""Speculative decoding in the engine's step: drafts proposed in the update, verdicts applied in the next.
 
-The proposers and the acceptance rule live in speculative.py; the `SpecDecoder` owns a proposer,
-the verification of its drafts against the target's logits and the running statistics. Drafts
-become a new batch for the runner (the scheduler's output is never edited); after the verdict the
-rejected drafts' slots roll back in both caches.
+The proposers live in speculative.py, the acceptance rule runs in the executor (sample_step.py).
+The `SpecDecoder` owns a proposer, and the update's two speculative duties: after a step's tokens
+are appended it drafts for every sequence that decodes next (the scheduler holds the drafts, so
+its next `schedule` reserves and budgets exactly the verify it will run), and it applies each
+verify row's verdict: the accepted tokens are appended, the rejected drafts' slots roll back in
+both caches, and the running statistics move.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.kv_cache import KVCache
 from kvscope.backend.engine.request import RequestError
-from kvscope.backend.engine.request_output import top_logprobs
 from kvscope.backend.engine.request_tracker import RequestTracker
 from kvscope.backend.engine.runner import ModelRunner
-from kvscope.backend.engine.sampler import distributions, penalised
-from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.scheduler import Drafts, ScheduledSeq, Scheduler
 from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, Proposal, SpecRequest, SpecStats, verify
+from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, SpecRequest, SpecStats
 from kvscope.backend.engine.step_events import StepEvents
+from kvscope.backend.engine.step_output import RowOutput
 from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model
 
 Proposer = NgramProposer | DraftModelProposer
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """What the runner computes this step: the scheduled sequences, verify entries sized to their drafts."""
-
-    items: list[ScheduledSeq]
-    proposals: list[Proposal]  # one per verify entry, in batch order
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items if i.phase == "prefill")
-
-
 class SpecDecoder:
-    def __init__(self, proposer: Proposer, config: EngineConfig, blocks: BlockManager, tracker: RequestTracker,
+    def __init__(self, proposer: Proposer, config: EngineConfig, scheduler: Scheduler, tracker: RequestTracker,
                  events: StepEvents) -> None:
-        self.proposer, self.config, self.blocks, self.tracker, self.events = proposer, config, blocks, tracker, events
+        self.proposer, self.config, self.scheduler = proposer, config, scheduler
+        self.tracker, self.events = tracker, events
         self.stats = SpecStats()
 
     def num_draft(self, seq: Sequence) -> int:
@@ -55,59 +40,42 @@ class SpecDecoder:
         left = min(req.max_tokens - len(seq.output_token_ids), self.config.max_model_len - len(seq)) - 1
         return max(0, min(self.config.speculative.num_tokens, left))
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> StepBatch:
-        """Draft for each verifying sequence; the drafts go into its tokens for the target to check."""
-        verifying = [item for item in scheduled if item.phase == "verify"]
-        if not verifying:
-            return StepBatch(scheduled, [])
-        reqs = [self.tracker.request_of(item.seq) for item in verifying]
-        proposals = self.proposer.propose([SpecRequest(item.seq, item.num_draft, r.params, r.draft_generator)
-                                           for item, r in zip(verifying, reqs, strict=True)])
-        sized = {id(item): self._drafted(item, p) for item, p in zip(verifying, proposals, strict=True)}
-        return StepBatch([sized.get(id(item), item) for item in scheduled], proposals)
+    def propose(self) -> None:
+        """Draft for every running sequence whose next step is a decode; the scheduler holds the drafts."""
+        decoding = [seq for seq in self.scheduler.running
+                    if seq.num_uncomputed_tokens == 1 and seq.output_token_ids and self.num_draft(seq)]
+        if not decoding:
+            return
+        reqs = [self.tracker.request_of(seq) for seq in decoding]
+        proposals = self.proposer.propose([SpecRequest(seq, self.num_draft(seq), r.params, r.draft_generator)
+                                           for seq, r in zip(decoding, reqs, strict=True)])
+        for seq, proposal in zip(decoding, proposals, strict=True):
+            draft_seq = self.proposer.shadows[seq.seq_id].seq_id if isinstance(self.proposer, DraftModelProposer) \
+                else None
+            q_probs = [1.0] * len(proposal.token_ids) if proposal.q is None else \
+                proposal.q[range(len(proposal.token_ids)), proposal.token_ids].tolist()
+            self.events.spec_propose(seq, proposal.token_ids, q_probs, self.proposer.method, draft_seq)
+            self.scheduler.hold_drafts(seq, Drafts(tuple(proposal.token_ids), proposal.q))
 
-    def _drafted(self, item: ScheduledSeq, proposal: Proposal) -> ScheduledSeq:
-        """The verify entry for the drafts the proposer really made (it may come up short)."""
-        seq, drafts = item.seq, proposal.token_ids
-        if len(drafts) < item.num_draft:  # give back the spare slots
-            self._trim(seq, seq.num_computed_tokens + 1 + len(drafts))
-        draft_seq = self.proposer.shadows[seq.seq_id].seq_id if isinstance(self.proposer, DraftModelProposer) else None
-        self.events.spec_propose(seq, drafts, proposal.q, self.proposer.method, draft_seq)
-        seq.token_ids += drafts
-        return dataclasses.replace(item, num_tokens=1 + len(drafts), num_draft=len(drafts),
-                                   context_len=seq.num_computed_tokens + 1 + len(drafts))
-
-    def verify(self, item: ScheduledSeq, proposal: Proposal, logits: torch.Tensor, now: float) -> int:
-        """Judge the drafts against the target's k + 1 rows of logits; returns the tokens appended."""
+    def apply(self, item: ScheduledSeq, row: RowOutput, now: float) -> int:
+        """A verify row's verdict: append the accepted drafts and the token after them; returns how many."""
         req, seq, k = self.tracker.request_of(item.seq), item.seq, item.num_draft
-        start = len(seq) - k  # position of the first draft
-        drafts = seq.token_ids[start:]
-        # What each row's penalties see: the tokens before it, accepted drafts included.
-        prefixes = [seq.token_ids[:start + j] for j in range(k + 1)] if penalised(req.params) else None
-        raw_log, _, p = distributions(logits, [req.params] * (k + 1), self.events.eos_ids, prefixes,
-                                      [seq.num_prompt_tokens] * (k + 1))
-        verdict = verify(p, proposal.q, drafts, req.generators[seq.seq_id], req.params.greedy)
-        del seq.token_ids[start:]
-        seq.num_computed_tokens = start + verdict.num_accepted  # the last token and the accepted drafts
-        expected = torch.minimum(p[:k], proposal.q).sum(-1).tolist() if k else []
-        self.stats.record(k, verdict.num_accepted, expected)
-        self.events.spec_verify(seq, drafts, verdict, p, proposal.q, expected)
-        new = drafts[:verdict.num_accepted] + [verdict.token_id]
-        sources = ["draft_accepted"] * verdict.num_accepted + [verdict.source]
-        logprobs = raw_log[range(len(new)), new].tolist()
-        asks = req.params.logprobs  # top_logprobs, for the request's answer
-        raw = raw_log[:len(new)].exp() if self.events.wants("token") or asks else None
-        tops = self.events.top_tokens(raw, p[:len(new)], new) if self.events.wants_dist else None
-        for j, (token, source, logprob) in enumerate(zip(new, sources, logprobs, strict=True)):
-            alternatives = top_logprobs(raw[j], asks) if asks else None
-            if raw is not None:
-                self.events.token(req, seq, token, logprob, raw[j], tops[j] if tops else None, source, alternatives)
+        start = len(seq)  # position of the first draft
+        drafts = list(item.drafts.token_ids)
+        self.stats.record(k, row.num_accepted, row.expected_accept)
+        self.events.spec_verify(seq, drafts, row)
+        sources = ["draft_accepted"] * row.num_accepted + [row.source]
+        for j, (token, source, logprob) in enumerate(zip(row.token_ids, sources, row.logprobs, strict=True)):
+            alternatives = row.top_logprobs[j] if row.top_logprobs else None
+            self.events.token(req, seq, token, logprob, row.raw_probs[j] if row.raw_probs is not None else None,
+                              row.tops[j] if row.tops else None, source, alternatives)
             if self.tracker.append(req, seq, token, logprob, now, alternatives):
-                return j + 1
-        self._trim(seq, len(seq))
-        self.blocks.commit_computed(seq)
+                return j + 1  # the sequence ended here: its blocks (and its draft's) are gone already
+        self.scheduler.computed(seq, start + row.num_accepted)  # the last token and the accepted drafts
+        if self.config.kv_layout == "paged":  # give back the rejected drafts' slots (contiguous keeps them)
+            self.scheduler.truncate(seq, len(seq))
         self.proposer.rollback(seq, seq.num_computed_tokens)
-        return len(new)
+        return len(row.token_ids)
 
     def release(self, seq: Sequence) -> None:
         """The target sequence ended or was preempted: its draft state goes (it recomputes from the target's tokens)."""
@@ -124,14 +92,9 @@ class SpecDecoder:
         return {"draft_model": {"name": self.config.speculative.draft_model, "n_layers": c.num_hidden_layers,
                                 "kv_bytes_per_token": cache.bytes_per_token, "bytes_per_block": cache.bytes_per_block}}
 
-    def _trim(self, seq: Sequence, num_slots: int) -> None:
-        """Give back blocks reserved past num_slots (paged only: contiguous keeps its reservation)."""
-        if self.config.kv_layout == "paged":
-            self.blocks.truncate(seq, num_slots)
-
 
 def make_proposer(config: EngineConfig, vocab_size: int, draft: LoadedModel | None, target_cache: KVCache,
-                  attention_backend: str, blocks: BlockManager, eos_ids: list[int],
+                  attention_backend: str, scheduler: Scheduler, eos_ids: list[int],
                   new_seq_id: Callable[[], int], load: Callable[[str], LoadedModel] = load_model) -> Proposer:
     """The proposer `engine.speculative` asks for; a draft model gets its own KV tensors over the shared blocks.
 
@@ -152,4 +115,4 @@ def make_proposer(config: EngineConfig, vocab_size: int, draft: LoadedModel | No
     cache = KVCache(draft.config, target_cache.num_blocks, target_cache.block_size,
                     next(draft.model.parameters()).dtype, device, config.kv_cache_dtype)
     runner = ModelRunner(draft.model.to(device), cache, attention_backend)
-    return DraftModelProposer(runner, blocks, eos_ids, new_seq_id)
+    return DraftModelProposer(runner, scheduler, eos_ids, new_seq_id)

@@ -1,9 +1,7 @@
 """Speculative decoding: a cheap proposer drafts k tokens, the target checks them all in one forward.
 
-Exactness comes from the acceptance rule (modified rejection sampling, Leviathan et al. 2023):
-accept draft x with probability min(1, p(x) / q(x)); at the first rejection draw from
-norm(max(0, p - q)); if all k are accepted, draw a bonus token from the target's next p. Whatever
-q is, every appended token is distributed exactly as the target would have sampled it.
+Exactness comes from the acceptance rule (rejection.py, run by the executor): whatever the
+proposer's q is, every appended token is distributed exactly as the target would have sampled it.
 
 Two proposers:
 - `DraftModelProposer`: a small model with its own KV cache tensors whose blocks come from the
@@ -18,12 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.kv_cache import KVCache
 from kvscope.backend.engine.runner import ModelRunner
-from kvscope.backend.engine.sampler import draw, sample
+from kvscope.backend.engine.sampler import sample, uniform
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import ScheduledSeq
+from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.engine.step_input import step_input
 
@@ -33,7 +30,7 @@ DRAFT_NAMESPACE = 1
 @dataclass
 class Proposal:
     token_ids: list[int]  # the drafted tokens, possibly fewer than asked (none: plain decode)
-    q: torch.Tensor  # [len(token_ids), V] the distribution each was drawn from
+    q: torch.Tensor | None  # [len(token_ids), V] the distribution each was drawn from; None: one-hot (n-gram)
 
 
 @dataclass
@@ -44,34 +41,6 @@ class SpecRequest:
     num_tokens: int  # drafts wanted
     params: SamplingParams
     generator: torch.Generator  # the proposer's own, so drafting never shifts the target's draws
-
-
-@dataclass
-class Verdict:
-    num_accepted: int
-    token_id: int  # the resampled token (a rejection) or the bonus token (all accepted)
-    source: str  # resampled | bonus
-    accepted: list[bool]  # per drafted token (False after the first rejection: never looked at)
-
-
-def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: torch.Generator,
-           greedy: bool) -> Verdict:
-    """Modified rejection sampling. p [k+1, V] target, q [k, V] proposer, k = len(drafts)."""
-    k = len(drafts)
-    p_x, q_x = p[range(k), drafts].tolist(), q[range(k), drafts].tolist()
-    for j, x in enumerate(drafts):
-        # Greedy: p and q are one-hot, so the ratio is 0 or 1 and no random number is needed.
-        ratio = p_x[j] / q_x[j] if q_x[j] > 0 else 0.0
-        accept = ratio >= 1.0 if greedy else torch.rand((), generator=generator).item() < ratio
-        if accept:
-            continue
-        residual = (p[j] - q[j]).clamp(min=0)
-        if residual.sum() <= 0:  # p <= q everywhere means p == q: x could not have been rejected
-            residual = p[j]
-        token = int(residual.argmax()) if greedy else int(draw(residual[None], [generator])[0])
-        return Verdict(j, token, "resampled", [True] * j + [False] * (k - j))
-    token = int(p[k].argmax()) if greedy else int(draw(p[k][None], [generator])[0])
-    return Verdict(k, token, "bonus", [True] * k)
 
 
 @dataclass
@@ -115,10 +84,7 @@ class NgramProposer:
         return [self._one(r.seq.token_ids, r.num_tokens) for r in requests]
 
     def _one(self, tokens: list[int], k: int) -> Proposal:
-        drafted = lookup(tokens, k, self.max_n, self.min_n)
-        q = torch.zeros(len(drafted), self.vocab_size)
-        q[range(len(drafted)), drafted] = 1.0
-        return Proposal(drafted, q)
+        return Proposal(lookup(tokens, k, self.max_n, self.min_n), None)  # a copy is certain: q is one-hot
 
     def release(self, seq: Sequence) -> None:
         """Nothing is held per sequence."""
@@ -144,16 +110,19 @@ class DraftModelProposer:
     """A small draft model drafting autoregressively over its own paged cache.
 
     Each target sequence gets a shadow draft sequence (namespace 1) whose blocks come from the
-    shared block manager and index the draft's KV tensors. Before drafting, the shadow catches up
-    on the tokens it has not computed yet (the whole prompt the first time, afterwards the last
-    accepted tokens) in one forward; then it drafts one token per forward.
+    engine's block manager through the scheduler (which keeps the running sequences' next blocks
+    for them, and copies shared blocks before the draft model writes them) and index the draft's KV
+    tensors. Before drafting, the shadow catches up on the tokens it has not computed yet (the whole
+    prompt the first time, afterwards the last accepted tokens) in one forward; then it drafts one
+    token per forward. The shadow changes only through the scheduler's methods.
     """
 
     method = "draft"
 
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, eos_ids: list[int],
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, eos_ids: list[int],
                  new_seq_id: Callable[[], int]) -> None:
-        self.runner, self.blocks, self.eos_ids = runner, blocks, eos_ids
+        self.runner, self.scheduler, self.eos_ids = runner, scheduler, eos_ids
+        self.block_size = scheduler.blocks.block_size
         self.new_seq_id = new_seq_id
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> draft sequence
 
@@ -172,54 +141,51 @@ class DraftModelProposer:
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         drafted: list[list[int]] = [[] for _ in requests]
         qs: list[list[torch.Tensor]] = [[] for _ in requests]  # each [V]
+        keep_free = self.scheduler.blocks_for_next_decodes()  # drafting changes no target sequence's need
         for round_ in range(max((r.num_tokens for r in requests), default=0)):
             # Rows still drafting: they want more, and no earlier round ran out of blocks for them.
             wanted = [i for i, r in enumerate(requests) if r.num_tokens > round_ and len(drafted[i]) == round_]
-            pairs = [(i, item) for i in wanted if (item := self._schedule(requests[i], round_ == 0))]
-            if not pairs:
+            planned = [(i, plan) for i in wanted if (plan := self._schedule(requests[i], round_ == 0, keep_free))]
+            if not planned:
                 break
-            batch = [item for _, item in pairs]
-            logits = self.runner.execute(step_input(batch, [], self.blocks.block_size))  # [len(batch), V]
+            batch = [item for _, (item, _) in planned]
+            copies = [pair for _, (_, pairs) in planned for pair in pairs]
+            logits = self.runner.logits(step_input(batch, copies, self.block_size))  # [len(batch), V]
             for item in batch:
-                item.seq.num_computed_tokens = item.context_len
-                self.blocks.commit_computed(item.seq)
-            reqs = [requests[i] for i, _ in pairs]
-            out = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.eos_ids,
+                self.scheduler.computed(item.seq, item.context_len)
+            reqs = [requests[i] for i, _ in planned]
+            out = sample(logits, [r.params for r in reqs], [0.0 if r.params.greedy else uniform(r.generator)
+                                                            for r in reqs], self.eos_ids,
                          [item.seq.token_ids for item in batch], [item.seq.num_prompt_tokens for item in batch])
-            for row, (i, item) in enumerate(pairs):
-                item.seq.token_ids.append(out.token_ids[row])
+            for row, (i, (item, _)) in enumerate(planned):
+                self.scheduler.append(item.seq, out.token_ids[row])
                 drafted[i].append(out.token_ids[row])
                 qs[i].append(out.final_probs[row])
-        vocab = self.runner.model.config.vocab_size
-        return [Proposal(d, torch.stack(q) if q else torch.zeros(0, vocab)) for d, q in zip(drafted, qs, strict=True)]
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs, strict=True)]
 
-    def _schedule(self, request: SpecRequest, first: bool) -> ScheduledSeq | None:
-        """The draft forward for one sequence, with its slots reserved; None when blocks ran out."""
+    def _schedule(self, request: SpecRequest, first: bool,
+                  keep_free: int) -> tuple[ScheduledSeq, list[tuple[int, int]]] | None:
+        """The draft forward for one sequence and the block copies it needs first; None when blocks ran out."""
         draft = self.shadow(request.seq)
-        if first:
-            # Catch up on the target's tokens, reusing the draft's own cached prefix when it has none.
-            draft.token_ids = list(request.seq.token_ids)
-            if not draft.block_table:
-                self.blocks.match_prefix(draft, count=False)
+        if first:  # catch up on the target's tokens, keeping what the draft computed of them
+            self.scheduler.sync_draft(draft, request.seq.token_ids)
         num = len(draft) - draft.num_computed_tokens
-        if self.blocks.allocate_slots(draft, num) is None:
+        copies = self.scheduler.reserve_draft(draft, num, keep_free)
+        if copies is None:
             return None
-        return ScheduledSeq(draft, num, len(draft), "decode" if num == 1 else "prefill")
+        return ScheduledSeq(draft, num, len(draft), "decode" if num == 1 else "prefill"), copies
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep the draft's K/V for the target's first num_valid tokens, drop the rest (and emptied blocks)."""
         draft = self.shadows.get(seq.seq_id)
-        if draft is None:
-            return
-        keep = min(draft.num_computed_tokens, num_valid)
-        self.blocks.truncate(draft, keep)
-        draft.token_ids = list(seq.token_ids[:keep])
+        if draft is not None:
+            self.scheduler.truncate(draft, min(draft.num_computed_tokens, num_valid))
 
     def release(self, seq: Sequence) -> None:
         """The target sequence finished or was preempted: its draft gives back every block."""
         draft = self.shadows.pop(seq.seq_id, None)
         if draft is not None:
-            self.blocks.free(draft)
+            self.scheduler.release_draft(draft)
 
     def sequences(self) -> list[Sequence]:
         return list(self.shadows.values())

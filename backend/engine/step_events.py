@@ -16,7 +16,7 @@ from kvscope.backend.engine.metrics import KVSnapshot
 from kvscope.backend.engine.request import Request
 from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.speculative import Verdict
+from kvscope.backend.engine.step_output import RowOutput
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.tokenizer import Tokenizer
 
@@ -105,14 +105,16 @@ class StepEvents:
               top: list | None, source: str = "target",
               alternatives: tuple[tuple[int, float], ...] | None = None) -> None:
         """One token event; raw_probs [V] is the T=1 distribution it came from (kept for the what-if),
-        alternatives its top_logprobs (request_output.top_logprobs) when the request asks."""
+        top its distribution's rows [token, raw p, final p] (step_output.RowOutput.tops), alternatives its
+        top_logprobs when the request asks."""
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
                   "token_id": token, "text": self.token_text(token), "logprob": logprob, "source": source}
         p = req.params
         if top is not None:
-            fields["dist"] = {"top": top, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            fields["dist"] = {"top": [[t, self.token_text(t), raw, final] for t, raw, final in top],
+                              "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                               "min_p": p.min_p}
             if self.rows is not None and raw_probs is not None:
                 self.rows.put(req.request_id, seq.seq_id, fields["position"], raw_probs)
@@ -120,51 +122,28 @@ class StepEvents:
             fields["top_logprobs"] = [[t, self.token_text(t), lp] for t, lp in alternatives]
         self.bus.emit("token", **fields)
 
-    def top_tokens(self, raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[int]) -> list[list[list]]:
-        """Per row of [B, V]: the top N by raw probability, plus the chosen token and EOS when not among them.
-
-        One topk and one gather for the whole batch: this runs every step when events are full."""
-        chosen_ids = torch.tensor(chosen, device=raw_probs.device)[:, None]  # [B, 1]
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=raw_probs.device).expand(len(chosen), -1)
-        ids = torch.cat((raw_probs.topk(self.config.dist_top_n).indices, chosen_ids, eos), dim=1)  # [B, N+1+E]
-        raw = raw_probs.gather(1, ids).tolist()
-        final = final_probs.gather(1, ids).tolist()
-        texts, rows = self._token_text, []
-        for r, row_ids in enumerate(ids.tolist()):
-            first: dict[int, int] = {}  # token -> its first column (the chosen token or EOS may repeat a top one)
-            for i, t in enumerate(row_ids):
-                first.setdefault(t, i)
-            rows.append([[t, texts.get(t) or self.token_text(t), raw[r][i], final[r][i]] for t, i in first.items()])
-        return rows
-
     # ---- speculative decoding ---------------------------------------------------------------------
 
-    def spec_propose(self, seq: Sequence, drafts: list[int], q: torch.Tensor, method: str,
+    def spec_propose(self, seq: Sequence, drafts: list[int], q_probs: list[float], method: str,
                      draft_seq_id: int | None) -> None:
         if drafts and self.bus.wants("spec_propose"):
             self.bus.emit("spec_propose", request_id=seq.request_id, seq_id=seq.seq_id, token_ids=drafts,
-                          q_probs=q[range(len(drafts)), drafts].tolist(), method=method, position=len(seq),
+                          q_probs=q_probs, method=method, position=len(seq),
                           draft_seq_id=draft_seq_id, token_texts=[self.token_text(t) for t in drafts])
 
-    def spec_verify(self, seq: Sequence, drafts: list[int], verdict: Verdict, p: torch.Tensor, q: torch.Tensor,
-                    expected: list[float]) -> None:
+    def spec_verify(self, seq: Sequence, drafts: list[int], row: RowOutput) -> None:
+        """row: the verify row's output (step_output.py): the verdict, p and q of each draft, the top-N dists."""
         if not self.bus.wants("spec_verify"):
             return
-        k = len(drafts)
-        p_x, q_x = p[range(k), drafts].tolist(), q[range(k), drafts].tolist()
-        results = [{"token_id": t, "text": self.token_text(t), "p": p_x[j], "q": q_x[j],
-                    "accepted": verdict.accepted[j]} for j, t in enumerate(drafts)]
+        k, accepted = len(drafts), row.num_accepted
+        results = [{"token_id": t, "text": self.token_text(t), "p": row.draft_p[j], "q": row.draft_q[j],
+                    "accepted": j < accepted} for j, t in enumerate(drafts)]
         fields = {}
-        if self.bus.wants_dist:
-            q_full = torch.cat((q, torch.zeros_like(p[:1])))  # [k + 1, V]: the bonus position has no draft
-            n = self.config.dist_top_n
-            ids = torch.cat((p.topk(n).indices, q_full.topk(n).indices), dim=1)  # [k + 1, 2N]
-            p_top, q_top = p.gather(1, ids).tolist(), q_full.gather(1, ids).tolist()
-            fields["dists"] = [[[t, self.token_text(t), p_top[j][i], q_top[j][i]] for i, t in enumerate(row)
-                                if row.index(t) == i and (p_top[j][i] > 0 or q_top[j][i] > 0)]
-                               for j, row in enumerate(ids.tolist())]
-        resampled = verdict.source == "resampled"
+        if row.verify_dists is not None and self.bus.wants_dist:
+            fields["dists"] = [[[t, self.token_text(t), p, q] for t, p, q in position] for position in row.verify_dists]
+        resampled = row.source == "resampled"
+        closing = row.token_ids[-1]
         self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
-                      results=results, num_accepted=verdict.num_accepted,
-                      resampled_token_id=verdict.token_id if resampled else None,
-                      bonus_token_id=None if resampled else verdict.token_id, expected_accept=expected, **fields)
+                      results=results, num_accepted=accepted,
+                      resampled_token_id=closing if resampled else None,
+                      bonus_token_id=None if resampled else closing, expected_accept=row.expected_accept[:k], **fields)
