@@ -4,7 +4,7 @@ The worker runs the run's iterations at the pace its Pacing allows, and between 
 commands other threads hand it (`call`: a live request, an abort, a seek), so the engine is never
 touched by two threads. It is the supervisor between the server and the engine: an exception on the
 thread, or a worker late by more than `stall_timeout_s` for what it is doing (a step, a command, its
-pacing; the manager's watchdog asks `stalled`), fails the run (Steps.fail). The run's `fail` has the
+pacing; the manager's watchdog asks `stalled`), fails the run (DrivenRun.fail). The run's `fail` has the
 worker stop first (`fail` here: it logs where the worker was, the traceback going to the server's log
 only, and hands back the commands that will never run), then tells its clients.
 """
@@ -29,8 +29,8 @@ T = TypeVar("T")
 IDLE_CHECK_S = 0.5  # how often a waiting worker looks whether its paused run has expired
 
 
-class Steps(Protocol):
-    """What the worker drives: the run it belongs to."""
+class DrivenRun(Protocol):
+    """The run as its worker sees it: iterations to drive, an expiry, a failure."""
 
     def has_work(self) -> bool: ...
 
@@ -46,10 +46,10 @@ class Steps(Protocol):
 class RunWorker:
     """The thread, the commands waiting for it, and its deadline; `wakeup` guards them and the Pacing."""
 
-    def __init__(self, run_id: str, steps: Steps, pacing: Pacing, stall_timeout_s: float | None = None,
+    def __init__(self, run_id: str, run: DrivenRun, pacing: Pacing, stall_timeout_s: float | None = None,
                  paused_ttl_s: float | None = None) -> None:
         self.run_id = run_id
-        self.steps = steps
+        self.run = run
         self.pacing = pacing
         self.stall_timeout_s = stall_timeout_s
         self.paused_ttl_s = paused_ttl_s
@@ -125,7 +125,7 @@ class RunWorker:
         try:
             self._work()
         except Exception as e:  # the edge of the worker thread: the run fails, the server goes on
-            self.steps.fail(describe_fault(e), e)
+            self.run.fail(describe_fault(e), e)
 
     def _work(self) -> None:
         next_due = time.monotonic()
@@ -137,7 +137,7 @@ class RunWorker:
             for fn, future in commands:
                 self._due(time.monotonic())
                 _run_command(fn, future)
-            if not self.pacing.may_step(self.steps.has_work(), manual):
+            if not self.pacing.may_step(self.run.has_work(), manual):
                 continue
             if not manual and self.pacing.speed > 0:
                 next_due = self.pacing.next_due(next_due, time.monotonic())
@@ -146,14 +146,14 @@ class RunWorker:
                 if self.pacing.paused:  # paused while it waited for its turn: that step must not run
                     continue
             self._due(time.monotonic())
-            self.steps.iterate()
+            self.run.iterate()
 
     def _wait_for_work(self) -> tuple[list[tuple[Callable[[], Any], Future]], bool] | None:
         """Once there is work or a command: the commands queued, and whether the next iteration is a
         manual step. None once the worker is stopped."""
         with self.wakeup:
             self.deadline = None  # waiting for work, a resume or a command is never late
-            while not self.pacing.may_step(self.steps.has_work()) and not self.commands and not self.stopped:
+            while not self.pacing.may_step(self.run.has_work()) and not self.commands and not self.stopped:
                 self.wakeup.wait(timeout=IDLE_CHECK_S)
                 self._expire_if_idle()
             if self.stopped:
@@ -174,7 +174,7 @@ class RunWorker:
 
     def _expire_if_idle(self) -> None:
         """Paused and untouched for paused_ttl_s (holding self.wakeup): the run stops, its memory can go."""
-        if self.pacing.idle_past(self.paused_ttl_s, time.monotonic()) and self.steps.expire():
+        if self.pacing.idle_past(self.paused_ttl_s, time.monotonic()) and self.run.expire():
             self.stopped = True
 
 
