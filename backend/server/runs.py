@@ -65,7 +65,6 @@ class ServedRun:
     def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
                  retention: Retention = Retention(), lesson: bool = False) -> None:
         self.run_id = run_id
-        self.retention = retention
         self.state = RunState(max_finished=retention.history)
         self.lock = threading.Lock()  # the reducer, the trace and the viewers change together under it
         self.viewers = Viewers(run_id, retention.max_viewers)
