@@ -274,7 +274,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from kvscope.backend.run import ScenarioRun
     from kvscope.backend.scenario import load_scenario
     from kvscope.backend.report import print_replies, print_summary, progress_bar
-    from kvscope.backend.server.runs import build_run
+    from kvscope.backend.server.run_errors import build_run
 
     scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args))
     if args.simulate and scenario.simulate is None:

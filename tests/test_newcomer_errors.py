@@ -184,7 +184,7 @@ def test_run_start_failures_are_4xx_naming_the_cause_and_logged(client, monkeypa
     def refuse(*_, **__):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("kvscope.backend.server.runs.ScenarioRun", refuse)
+    monkeypatch.setattr("kvscope.backend.server.engine_run.ScenarioRun", refuse)
     with caplog.at_level(logging.WARNING, logger="kvscope.backend.server.app"):
         r = client.post("/api/runs", json={"scenario": "shared-prefix"})
     assert r.status_code == 400

@@ -23,7 +23,7 @@ from kvscope.backend.events.state import RunState
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import MB, ServiceLimits
 from kvscope.backend.server.manager import API_RUN_ID, RunManager
-from kvscope.backend.server.runs import RunBusy
+from kvscope.backend.server.run_errors import RunBusy
 from kvscope.backend.server.serve import free_port, serve_in_thread
 
 LOCAL = "http://127.0.0.1:8000"
@@ -141,7 +141,7 @@ def test_a_paused_api_run_resumes_after_the_idle_time(tiny_dir):
     api = manager.api_run()
     api.control("pause")
     api.add_request("ab", 1, None)
-    wait_for(lambda: not api.paused)
+    wait_for(lambda: not api.pacing.paused)
     wait_for(lambda: any(r.status == "finished" for r in api.state.requests.values()))
     manager.stop_all()
 

@@ -25,7 +25,7 @@ from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import API_RUN_ID, RunManager
 from kvscope.backend.server.replay import ReplayRun
-from kvscope.backend.server.runs import describe_fault
+from kvscope.backend.server.run_errors import describe_fault
 from kvscope.frontend.app import run_state
 from kvscope.frontend.client import RunFeed
 
@@ -53,11 +53,11 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
 
 @pytest.fixture
 def run_log():
-    """The runs module's log records (the app's logging setup at startup replaces the root's handlers)."""
+    """The run worker's log records (the app's logging setup at startup replaces the root's handlers)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append
-    logger = logging.getLogger("kvscope.backend.server.runs")
+    logger = logging.getLogger("kvscope.backend.server.run_worker")
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
@@ -134,8 +134,8 @@ def test_a_fault_in_the_api_run_answers_its_waiting_request_at_once_and_the_next
         assert (error["type"], error["code"]) == ("server_error", "run_failed")
         assert "RuntimeError: injected fault reading <path>" in error["message"] and "/srv" not in failed.text
         dead = manager.get(API_RUN_ID)
-        dead.thread.join(timeout=60)  # the answer came first; the worker ends right after it
-        assert dead.failure is not None and not dead.thread.is_alive()
+        dead.worker.thread.join(timeout=60)  # the answer came first; the worker ends right after it
+        assert dead.failure is not None and not dead.worker.thread.is_alive()
 
         served = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
         assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "length"
@@ -218,8 +218,8 @@ def test_a_stalled_step_fails_the_api_run_and_answers_its_waiting_request(tiny_d
         assert "in stalled" in record.getMessage()  # the worker's stack, where it is stuck
         seq = dead.state.last_seq
         release.set()  # the stuck step returns: what it emits after the run failed is dropped
-        dead.thread.join(timeout=60)
-        assert not dead.thread.is_alive() and dead.state.last_seq == seq
+        dead.worker.thread.join(timeout=60)
+        assert not dead.worker.thread.is_alive() and dead.state.last_seq == seq
     manager.stop_all()
 
 
@@ -340,12 +340,12 @@ def test_pause_and_seek_are_honoured_after_a_step_of_a_million(tiny_dir):
         wait_for(lambda: len(entered) == 2)
         seek = threading.Thread(target=run.control, args=("seek", 3))
         seek.start()
-        wait_for(lambda: run.steps_requested == 0)
+        wait_for(lambda: run.pacing.steps_requested == 0)
         gate.release()
         seek.join(timeout=60)
         for _ in range(2):
             run.call(lambda: None)
-        assert (len(entered), run.state.step, run.paused) == (2, 2, True)  # just before iteration 3
+        assert (len(entered), run.state.step, run.pacing.paused) == (2, 2, True)  # just before iteration 3
     finally:
         gate.release(100)
         run.stop()

@@ -161,7 +161,7 @@ def test_a_stalled_client_does_not_hold_the_engine_back(unbudgeted_server):
     ws = RawWebSocket(url, f"/ws/runs/{run_id}")
     try:
         ws.recv(timeout=60)  # the snapshot; then this client reads nothing more
-        watcher = manager.get(run_id).watchers[0]
+        watcher = manager.get(run_id).viewers.watchers[0]
         deadline = time.monotonic() + 300
         while not watcher.dropped:
             assert time.monotonic() < deadline, "the stalled client's queue never overflowed"

@@ -27,11 +27,13 @@ from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.scenario import (ChatMessage, YAMLTooDeep, bundled_path, list_scenarios, load_scenario,
                                      safe_load)
+from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.library import MAX_NAME, LibraryError
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.runs import EngineRun, RunBusy, RunError, ServedRun
+from kvscope.backend.server.run_errors import RunBusy, RunError
+from kvscope.backend.server.runs import ServedRun
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +265,8 @@ def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
     if data.messages is not None and data.chat:
         raise RunError("chat", "goes with a prompt (messages are a chat already)")
     if data.messages is not None:
-        return encode_chat([m.model_dump() for m in data.messages], run.sim.loaded)
-    return encode_chat([{"role": "user", "content": data.prompt}], run.sim.loaded) if data.chat else data.prompt
+        return encode_chat([m.model_dump() for m in data.messages], run.loaded)
+    return encode_chat([{"role": "user", "content": data.prompt}], run.loaded) if data.chat else data.prompt
 
 
 @get("/api/runs/{run_id:str}/trace", media_type="application/x-ndjson", sync_to_thread=True)

@@ -18,7 +18,8 @@ import torch
 from kvscope.backend.engine.request_output import Arrived, Finished, Forked, RequestOutput, Token
 from kvscope.backend.model.attention import DenseCausalBackend
 from kvscope.backend.model.loader import LoadedModel
-from kvscope.backend.server.runs import EngineRun, RunFailed
+from kvscope.backend.server.engine_run import EngineRun
+from kvscope.backend.server.run_errors import RunFailed
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
@@ -74,7 +75,7 @@ class Generation:
 
     def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str, num_prompts: int = 1) -> None:
         self.run = run
-        loaded = run.sim.loaded  # read-only: the tokenizer for text deltas, the folder for chat templates
+        loaded = run.loaded  # read-only: the tokenizer for text deltas, the folder for chat templates
         self.tokenizer = loaded.tokenizer
         self.eos_ids = set(loaded.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"

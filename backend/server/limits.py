@@ -17,7 +17,7 @@ from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
 from kvscope.backend.perf.cost_model import model_bytes
 from kvscope.backend.perf.shapes import shape_from_config
 from kvscope.backend.scenario import Scenario
-from kvscope.backend.server.runs import RunError
+from kvscope.backend.server.run_errors import RunError
 
 MB = 1024**2
 KV_SHARE_OF_MEMORY = 0.25  # of physical memory, for every run's KV cache together: the model, Python

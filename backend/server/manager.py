@@ -33,11 +33,14 @@ from kvscope.backend.model.weights import WeightCache, WeightKey
 from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
+from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
-from kvscope.backend.server.runs import DEFAULT_SPEED, EngineRun, Retention, RunError, ServedRun, build_run
+from kvscope.backend.server.run_errors import RunError, build_run
+from kvscope.backend.server.run_pacing import DEFAULT_SPEED
+from kvscope.backend.server.runs import Retention, ServedRun
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +171,7 @@ class RunManager:
         if event["type"] != "run_finished" and not (event["type"] == "error" and event.get("fatal")):
             return
         state = run.state
-        facts = run_facts(run.run_id, state.scenario, state.model, overrides, run.lesson, state.step,
+        facts = run_facts(run.run_id, state.scenario, state.model, overrides, run.pacing.lesson, state.step,
                           len(state.requests), run.failure)
         try:
             self.library.save(run.trace_jsonl(), **facts)
@@ -288,7 +291,7 @@ class RunManager:
                 self.weights.release(run_id)
             raise
         if self.watcher_queue_limit:
-            run.queue_limit = self.watcher_queue_limit
+            run.viewers.queue_limit = self.watcher_queue_limit
         with self._lock:
             self.runs[run_id] = run
             self._start_watchdog_locked()

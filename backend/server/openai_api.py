@@ -35,7 +35,8 @@ from kvscope.backend.model.loader import ModelLoadError, missing_package
 from kvscope.backend.server.limits import WeightMemoryError
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
-from kvscope.backend.server.runs import EngineRun, RunBusy, RunError, RunFailed
+from kvscope.backend.server.engine_run import EngineRun
+from kvscope.backend.server.run_errors import RunBusy, RunError, RunFailed
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
@@ -279,7 +280,7 @@ def fit_in_context(run: EngineRun, prompt_len: int, asked: int | None, default: 
     """max_tokens for a prompt of prompt_len tokens: as asked, or the default cut to the context left.
 
     As OpenAI: a prompt plus max_tokens beyond the context is a 400, not a silently shorter answer."""
-    context = run.sim.engine.config.max_model_len
+    context = run.max_model_len
     room = context - prompt_len
     if room < 1:
         raise OpenAIError(400, f"{prompt_param}: {prompt_len} tokens leave no room under max_model_len={context}",
@@ -297,15 +298,15 @@ def token_ids(run: EngineRun, prompt: str | list[int]) -> list[int]:
     """A prompt's token ids; ids sent as such are checked against the vocabulary now, before an echo's
     forward pass reads them (RequestError naming `prompt`)."""
     if isinstance(prompt, str):
-        return run.sim.loaded.tokenizer.encode(prompt)
-    check_prompt_ids(prompt, run.sim.loaded.config.vocab_size)
+        return run.loaded.tokenizer.encode(prompt)
+    check_prompt_ids(prompt, run.loaded.config.vocab_size)
     return prompt
 
 
 async def set_echo(run: EngineRun, gen: Generation, prompts: list[str | list[int]], ids: list[list[int]],
                    logprobs: int | None) -> None:
     """Each choice starts with its prompt; with logprobs, each prompt token's too (one forward per prompt)."""
-    loaded = run.sim.loaded
+    loaded = run.loaded
     for k, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
         text = prompt if isinstance(prompt, str) else loaded.tokenizer.decode(prompt_ids)
         tokens = [] if logprobs is None or not prompt_ids else await asyncio.to_thread(
@@ -476,7 +477,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     messages = message_dicts(data.messages)
     run = await api_run(request, model, 1)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
-    prompt = await asyncio.to_thread(encode_chat, messages, run.sim.loaded)  # reads the model folder
+    prompt = await asyncio.to_thread(encode_chat, messages, run.loaded)  # reads the model folder
     prompt_len = len(prompt)
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"

@@ -14,7 +14,8 @@ from itertools import accumulate
 
 from kvscope.backend.events.moments import MomentFinder
 from kvscope.backend.events.state import RunState
-from kvscope.backend.server.runs import DEFAULT_SPEED, Retention, ServedRun
+from kvscope.backend.server.run_pacing import DEFAULT_SPEED
+from kvscope.backend.server.runs import Retention, ServedRun
 
 
 class ReplayRun(ServedRun):
@@ -56,8 +57,7 @@ class ReplayRun(ServedRun):
             self.state, self.cursor = state, cursor
             self.finished = self.cursor >= len(self.steps)
         # Lesson moments are firsts from here on: seeking back before one shows it again.
-        self.moments = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
-        self.moment = None
+        self.lesson_moments.rejoin(MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request))
         self.resync_all()
 
     def _resync_message_locked(self) -> dict:

@@ -18,7 +18,8 @@ from litestar import WebSocket, websocket
 from litestar.params import FromPath
 from litestar.exceptions import WebSocketDisconnect
 
-from kvscope.backend.server.runs import RunBusy, ServedRun
+from kvscope.backend.server.run_errors import RunBusy
+from kvscope.backend.server.runs import ServedRun
 
 MAX_BURST_S = 0.25  # the budget saved up while idle
 SNAPSHOT_BYTES_PER_EVENT = 4096  # encoding 4 KiB of JSON costs about what sending one event does
