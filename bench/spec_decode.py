@@ -89,7 +89,7 @@ class Probe:
         engine.runner.execute = self._timed(engine.runner.execute, self.target, target_kind)
         runner = getattr(engine.proposer, "runner", None)
         if runner is not None:
-            runner.execute = self._timed(runner.execute, self.draft, draft_kind)
+            runner.logits = self._timed(runner.logits, self.draft, draft_kind)  # the proposer samples itself
         if engine.proposer is not None:
             engine.proposer.propose = self._timed_propose(engine.proposer.propose)
         engine.step = self._timed_step(engine.step)

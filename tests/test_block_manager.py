@@ -49,6 +49,29 @@ def compute(bm: BlockManager, s: Sequence, num_tokens: int) -> list[tuple[int, i
     return copies
 
 
+# The block manager keeps blocks; the scheduler, the one writer of a sequence's state, records what the
+# cache holds of it. These do both, as the scheduler does.
+
+def do_match(bm: BlockManager, s: Sequence) -> int:
+    s.num_computed_tokens = s.num_cached_prompt_tokens = bm.match_prefix(s)
+    return s.num_computed_tokens
+
+
+def do_free(bm: BlockManager, s: Sequence) -> None:
+    bm.free(s)
+    s.num_computed_tokens = 0
+
+
+def do_fork(bm: BlockManager, parent: Sequence, child: Sequence) -> None:
+    bm.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+
+
+def do_truncate(bm: BlockManager, s: Sequence, num_tokens: int) -> None:
+    bm.truncate(s, num_tokens)
+    s.num_computed_tokens = min(s.num_computed_tokens, num_tokens)
+
+
 def alloc(block: int, s: Sequence, index: int) -> tuple[str, dict]:
     return "block_alloc", dict(block_id=block, seq_id=s.seq_id, request_id=s.request_id, logical_index=index)
 
@@ -134,7 +157,7 @@ def test_a_finished_sequence_frees_its_tail_first_and_its_full_blocks_stay_cache
     a = seq(0, range(10))
     compute(bm, a, 10)  # blocks 0 and 1 are full, block 2 holds 2 tokens
     events.clear()
-    bm.free(a)
+    do_free(bm, a)
     assert events == [free(2, a, cached=False), free(1, a, cached=True), free(0, a, cached=True)]
     assert a.block_table == [] and a.num_computed_tokens == 0
     assert bm.free_block_ids == [3, 4, 5, 2, 1, 0]  # the tail will be evicted before the prefix
@@ -147,7 +170,7 @@ def test_a_request_with_the_same_prefix_shares_the_full_blocks():
     compute(bm, a, 10)
     b = seq(1, [*range(8), 100, 101, 102])
     events.clear()
-    assert bm.match_prefix(b) == 8
+    assert do_match(bm, b) == 8
     assert b.block_table == [0, 1]
     assert (b.num_computed_tokens, b.num_cached_prompt_tokens) == (8, 8)
     assert events == [share(0, b, 0, ref_count=2), share(1, b, 1, ref_count=2)]
@@ -158,7 +181,7 @@ def test_a_request_with_the_same_prefix_shares_the_full_blocks():
 
     # a finishes: its shared blocks are dropped by a but stay held by b, so only block 2 is free.
     events.clear()
-    bm.free(a)
+    do_free(bm, a)
     assert events == [free(2, a, False), free(1, a, True), free(0, a, True)]
     assert bm.free_block_ids == [4, 5, 6, 7, 2]
     assert (bm.ref_count(0), bm.ref_count(1)) == (1, 1)
@@ -169,11 +192,11 @@ def test_a_prefix_hit_revives_cached_blocks_from_the_middle_of_the_free_queue():
     bm, events = make(num_blocks=8, block_size=4)
     a = seq(0, range(10))
     compute(bm, a, 10)
-    bm.free(a)
+    do_free(bm, a)
     assert bm.free_block_ids == [3, 4, 5, 6, 7, 2, 1, 0]
     c = seq(1, range(10))
     events.clear()
-    assert bm.match_prefix(c) == 8
+    assert do_match(bm, c) == 8
     assert events == [share(0, c, 0, ref_count=1), share(1, c, 1, ref_count=1)]
     assert bm.free_block_ids == [3, 4, 5, 6, 7, 2]
     assert bm.num_cached_blocks == 0
@@ -185,22 +208,22 @@ def test_the_whole_prompt_is_never_matched_and_a_recomputed_duplicate_keeps_the_
     a = seq(0, range(8))
     compute(bm, a, 8)
     b = seq(1, range(8))
-    assert bm.match_prefix(b) == 4  # the last token must be computed to get logits
+    assert do_match(bm, b) == 4  # the last token must be computed to get logits
     assert b.block_table == [0]
     compute(bm, b, 4)
     assert b.block_table == [0, 2]  # block 2 holds the same tokens as block 1
     events.clear()
-    bm.free(b)
+    do_free(bm, b)
     assert events == [free(2, b, cached=False), free(0, b, cached=True)]
     d = seq(2, range(9))
-    assert bm.match_prefix(d) == 8 and d.block_table == [0, 1]
+    assert do_match(bm, d) == 8 and d.block_table == [0, 1]
 
 
 def test_lru_eviction_emits_evict_before_alloc_and_evicts_the_tail_first():
     bm, events = make(num_blocks=3, block_size=2)
     a = seq(0, [1, 2, 3, 4])
     compute(bm, a, 4)
-    bm.free(a)
+    do_free(bm, a)
     assert bm.free_block_ids == [2, 1, 0]
     b = seq(1, [7, 8, 9, 10])
     events.clear()
@@ -208,7 +231,7 @@ def test_lru_eviction_emits_evict_before_alloc_and_evicts_the_tail_first():
     assert events == [alloc(2, b, 0), ("block_evict", dict(block_id=1)), alloc(1, b, 1)]
     assert bm.num_cached_blocks == 1
     c = seq(2, [1, 2, 3, 4, 5])
-    assert bm.match_prefix(c) == 2  # [1, 2] survived in block 0; [3, 4] was evicted with block 1
+    assert do_match(bm, c) == 2  # [1, 2] survived in block 0; [3, 4] was evicted with block 1
     assert c.block_table == [0]
     bm.check_invariants([b, c])
 
@@ -221,9 +244,9 @@ def test_a_hash_collision_never_gives_a_false_hit(monkeypatch):
     # Every block hashes to 42. b's second block has the tokens of a's FIRST block: only the chain
     # (the parent's content) tells them apart.
     b = seq(1, [1, 2, 1, 2, 9])
-    assert bm.match_prefix(b) == 2 and b.block_table == [0]
+    assert do_match(bm, b) == 2 and b.block_table == [0]
     c = seq(2, [3, 4, 5])
-    assert bm.match_prefix(c) == 0 and c.block_table == []
+    assert do_match(bm, c) == 0 and c.block_table == []
     bm.check_invariants([a, b, c])
 
 
@@ -233,7 +256,7 @@ def test_fork_shares_every_block_and_the_first_write_copies_the_partial_last_blo
     compute(bm, parent, 6)  # block 0 full, block 1 holds 2 tokens
     child = seq(1, range(6), request_id="r0")
     events.clear()
-    bm.fork(parent, child)
+    do_fork(bm, parent, child)
     assert child.block_table == [0, 1] and child.num_computed_tokens == 6
     assert events == [share(0, child, 0, 2, "fork"), share(1, child, 1, 2, "fork")]
     bm.check_invariants([parent, child])
@@ -258,20 +281,20 @@ def test_truncate_frees_the_emptied_tail_and_the_rewrite_of_the_kept_block_forge
     a = seq(0, range(10))
     compute(bm, a, 10)
     events.clear()
-    bm.truncate(a, 5)
+    do_truncate(bm, a, 5)
     a.token_ids = a.token_ids[:5]
     assert events == [free(2, a, cached=False)]
     assert a.block_table == [0, 1] and a.num_computed_tokens == 5
     b = seq(1, range(10))
-    assert bm.match_prefix(b) == 8  # block 1 is not rewritten yet: still valid, now shared
-    bm.free(b)
+    assert do_match(bm, b) == 8  # block 1 is not rewritten yet: still valid, now shared
+    do_free(bm, b)
 
     a.token_ids += [50, 51, 52]
     assert compute(bm, a, 3) == []  # a holds block 1 alone again: it is rewritten in place
     c = seq(2, range(10))
-    assert bm.match_prefix(c) == 4  # block 1 no longer promises tokens 4..7
+    assert do_match(bm, c) == 4  # block 1 no longer promises tokens 4..7
     d = seq(3, [0, 1, 2, 3, 4, 50, 51, 52, 9])
-    assert bm.match_prefix(d) == 8 and d.block_table == [0, 1]
+    assert do_match(bm, d) == 8 and d.block_table == [0, 1]
 
 
 def test_truncate_keeps_dropped_full_blocks_cached_because_their_content_is_still_valid():
@@ -279,10 +302,10 @@ def test_truncate_keeps_dropped_full_blocks_cached_because_their_content_is_stil
     a = seq(0, range(12))
     compute(bm, a, 12)
     events.clear()
-    bm.truncate(a, 8)
+    do_truncate(bm, a, 8)
     assert events == [free(2, a, cached=True)]
     b = seq(1, range(13))
-    assert bm.match_prefix(b) == 12 and b.block_table == [0, 1, 2]
+    assert do_match(bm, b) == 12 and b.block_table == [0, 1, 2]
 
 
 def test_truncate_of_a_shared_block_keeps_it_and_the_next_write_copies_it():
@@ -290,13 +313,13 @@ def test_truncate_of_a_shared_block_keeps_it_and_the_next_write_copies_it():
     parent = seq(0, range(8))
     compute(bm, parent, 8)
     child = seq(1, range(8), request_id="r0")
-    bm.fork(parent, child)
-    bm.truncate(child, 6)
+    do_fork(bm, parent, child)
+    do_truncate(bm, child, 6)
     child.token_ids = child.token_ids[:6] + [66]
     assert child.block_table == [0, 1] and child.num_computed_tokens == 6
     assert bm.allocate_slots(child, 1) == [(1, 2)]
     d = seq(2, range(9))
-    assert bm.match_prefix(d) == 8  # the parent's block 1 is untouched and still findable
+    assert do_match(bm, d) == 8  # the parent's block 1 is untouched and still findable
 
 
 def test_allocation_failure_changes_nothing():
@@ -311,10 +334,10 @@ def test_allocation_failure_changes_nothing():
     # The copy for copy-on-write counts too.
     a.num_computed_tokens = 6
     child = seq(2, range(8), request_id="r0")
-    bm.fork(a, child)
+    do_fork(bm, a, child)
     assert bm.allocate_slots(child, 1) == [(1, 2)]
     a2 = seq(3, range(6), request_id="r0")
-    bm.fork(a, a2)
+    do_fork(bm, a, a2)
     assert bm.allocate_slots(a2, 1) is None  # block 1 is shared and no block is left for the copy
     assert a2.block_table == [0, 1] and child.block_table == [0, 2]
     bm.check_invariants([a, child, a2])
@@ -324,10 +347,10 @@ def test_without_prefix_caching_nothing_is_matched_or_cached():
     bm, events = make(num_blocks=4, block_size=2, prefix_caching=False)
     a = seq(0, [1, 2, 3, 4, 5])
     compute(bm, a, 5)
-    bm.free(a)
+    do_free(bm, a)
     assert all(not f["cached"] for t, f in events if t == "block_free")
     b = seq(1, [1, 2, 3, 4, 5])
-    assert bm.match_prefix(b) == 0 and b.block_table == []
+    assert do_match(bm, b) == 0 and b.block_table == []
     assert bm.prefix_hit_rate == 0.0
 
 
@@ -345,17 +368,17 @@ def test_a_full_story_replays_from_events_alone():
     a = seq(0, [1, 2, 3, 4, 5])
     compute(bm, a, 5)
     child = seq(1, [1, 2, 3, 4, 5], request_id="r0")
-    bm.fork(a, child)
+    do_fork(bm, a, child)
     child.token_ids.append(7)
     compute(bm, child, 1)
     b = seq(2, [1, 2, 3, 4, 9, 9])
-    bm.match_prefix(b)
+    do_match(bm, b)
     compute(bm, b, 2)
-    bm.truncate(a, 3)
-    bm.free(child)
+    do_truncate(bm, a, 3)
+    do_free(bm, child)
     assert_replay_matches(bm, events, [a, b])
-    bm.free(a)
-    bm.free(b)
+    do_free(bm, a)
+    do_free(bm, b)
     assert_replay_matches(bm, events, [])
     assert bm.num_used_blocks == 0
 
@@ -397,7 +420,7 @@ class Simulation:
             prompt = old[:len(old) if cut is None else cut % (len(old) + 1)] + prompt
         s = self._new_seq(prompt, f"r{self.next_id}")
         self.history.append(list(prompt))
-        matched = self.bm.match_prefix(s)
+        matched = do_match(self.bm, s)
         assert matched < len(prompt) and matched % self.bm.block_size == 0
         self.step(len(self.live) - 1, 1 + chunk % (len(prompt) - matched), fresh)
 
@@ -435,14 +458,14 @@ class Simulation:
         parent = self._pick(i)
         child = self._new_seq(list(parent.token_ids), parent.request_id)
         child.num_prompt_tokens = parent.num_prompt_tokens
-        self.bm.fork(parent, child)
+        do_fork(self.bm, parent, child)
         self.reserved.pop(parent.seq_id, None)  # both must allocate (and copy) before writing
 
     def truncate(self, i: int, n: int) -> None:
         s = self._pick(i)
         n %= len(s.token_ids) + 1
         self.history.append(list(s.token_ids))
-        self.bm.truncate(s, n)
+        do_truncate(self.bm, s, n)
         s.token_ids = s.token_ids[:n]
         if s.seq_id in self.reserved:
             self.reserved[s.seq_id] = min(self.reserved[s.seq_id], n)
@@ -450,7 +473,7 @@ class Simulation:
     def free(self, i: int) -> None:
         s = self._pick(i)
         self.history.append(list(s.token_ids))
-        self.bm.free(s)
+        do_free(self.bm, s)
         self.live.remove(s)
         self.reserved.pop(s.seq_id, None)
 

@@ -170,6 +170,8 @@ def test_bad_multi_sequence_settings_are_refused(demo):
 def test_select_counts_an_eos_only_among_the_top_width():
     # Two beams, vocab 4, EOS = 0. Ranked: (b0,1) -1.0, (b0,EOS) -1.1, (b1,EOS) -1.2, (b1,2) -1.3, ...
     logprobs = torch.log(torch.tensor([[0.3329, 0.3679, 0.1, 0.1], [0.3012, 0.01, 0.2725, 0.01]]))
+    top = logprobs.topk(3)  # width + one EOS per beam: what a beam row's candidates hold
+    logprobs = [list(zip(i.tolist(), v.tolist())) for i, v in zip(top.indices, top.values)]
     beams, finishing = select([0.0, 0.0], logprobs, 2, [0], allow_eos=True)
     assert [(c.parent, c.token_id) for c in finishing] == [(0, 0)]  # (b1, EOS) ranks 3rd of width 2
     assert [(c.parent, c.token_id) for c in beams] == [(0, 1), (1, 2)]
