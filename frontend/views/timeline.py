@@ -10,7 +10,7 @@ from nicegui.events import EChartPointClickEventArguments
 
 from kvscope.backend.events.state import RunState, SeqView
 from kvscope.frontend.client import LogEntry, RunFeed
-from kvscope.backend.events.history import KINDS, Cell, Column, RunHistory
+from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column, RunHistory
 from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import PHASE_COLORS
@@ -44,8 +44,6 @@ BRANCH_SERIES = {
     "id": "branches", "type": "custom", "renderItem": Js("kvscope.branchLine"), "encode": {"x": [0, 1], "y": 2},
     "clip": True, "animation": False, "z": 4,
 }  # fmt: skip
-# Which phase a request's row shows when its sequences are in different ones in one iteration.
-KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "recompute": 2, "verify": 3, "prefill": 4}
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
 # The legend's phases, in reading order (the export's timeline legend uses the same colours).
 PHASE_LEGEND = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "decode",
