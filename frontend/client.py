@@ -41,7 +41,7 @@ class BackendError(Exception):
 
 
 class Backend:
-    """The backend's REST API (CONTRACT §5), as the dashboard uses it."""
+    """The backend's REST API (docs/api.md), as the dashboard uses it."""
 
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
         self.base_url = base_url.rstrip("/")

@@ -18,7 +18,7 @@ from kvscope.frontend.new_run import MODELS, NewRunPanel, _maybe_await
 @dataclass(frozen=True)
 class Axis:
     label: str
-    path: str  # the dotted override (CONTRACT §3)
+    path: str  # the dotted override, as `--set` names it (docs/scenarios.md)
     values: dict[Any, str]  # value -> how the page names it; empty: a number typed in
     a: Any
     b: Any

@@ -16,10 +16,10 @@ from nicegui import ui
 
 from kvscope.backend.events.history import Column
 from kvscope.backend.events.state import RunState
-from kvscope.backend.perf.calibrate import read_cache, this_machine
 from kvscope.backend.perf.cost_model import TP_DEGREES, Deployment
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, THIS_MACHINE, HardwareProfile, get_hardware, profile_from
+from kvscope.backend.perf.machine_cache import read_cache
 from kvscope.backend.perf.model_run import ModelledStep, RequestSteps, model_step, run_deployment
 from kvscope.frontend.client import RunFeed
 
@@ -88,9 +88,11 @@ class HardwareChoice:
             if figures is None:
                 self.measuring, self.profile = True, None
                 self._notify()
-                figures = await asyncio.to_thread(this_machine)
+                # get_hardware measures, importing torch: the dashboard loads it only for this
+                self.profile = await asyncio.to_thread(get_hardware, name)
                 self.measuring = False
-            self.profile = profile_from(figures)
+            else:
+                self.profile = profile_from(figures)
         else:
             self.profile = get_hardware(name)
         self._notify()

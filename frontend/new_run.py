@@ -23,7 +23,7 @@ MODELS = {"demo": "demo (GQA)", "demo-mha": "demo-mha (MHA)", "demo-mqa": "demo-
           "demo-mla": "demo-mla (MLA)"}
 SPEEDS = {0.5: "0.5 it/s", 1.0: "1 it/s", 2.0: "2 it/s", 4.0: "4 it/s", 8.0: "8 it/s", 16.0: "16 it/s",
           64.0: "64 it/s", 0.0: "unpaced"}
-# form field -> dotted override path (CONTRACT §3)
+# form field -> dotted override path, as `--set` names it (docs/scenarios.md)
 OVERRIDE_PATHS = {
     "model": "model", "block_size": "engine.block_size", "num_blocks": "engine.num_blocks",
     "max_num_seqs": "engine.max_num_seqs", "batching": "engine.batching", "kv_layout": "engine.kv_layout",

@@ -1,4 +1,5 @@
-"""Every colour that means something, in one place: phases, requests, block states, block events.
+"""Every colour that means something, in one place: phases, requests, block states, block events; and
+the words the timeline's legend and tooltips both name a phase by.
 
 Plain data (hex strings) read by the live views (which hand it to their JavaScript) and by the
 exports (matplotlib), so a picture and the page it came from say the same thing in the same colour.
@@ -21,6 +22,11 @@ PHASE_COLORS = {
     "preempted": "#e15759",  # red: blocks taken back, waits to recompute
     "recompute": RECOMPUTE_COLOR,  # dark red: no KV cache, a decode step computes the whole context again
 }
+# What the timeline calls each kind of cell, in its legend's reading order; its tooltips say the same
+# (for_js sends them), so a cell and the legend entry of its colour never disagree.
+KIND_LABELS = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "decode",
+               "verify": "verify (speculative)", "preempted": "preempted (waits to recompute)",
+               "recompute": "recompute (no KV cache: the whole context again)"}
 BUDGET_COLOR = "#111827"  # the token budget line (max_num_batched_tokens)
 
 # Requests, by arrival order: greens, teals, yellows, browns and a magenta, each far (CIELAB
@@ -70,4 +76,5 @@ def for_js() -> dict:
     return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
             "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
             "focus": FOCUS_COLOR,
-            "mask": MASK_COLORS, "kindNames": list(KINDS), "phases": list(SHOWN_PHASES)}
+            "mask": MASK_COLORS, "kindNames": list(KINDS), "kindLabels": [KIND_LABELS[kind] for kind in KINDS],
+            "phases": list(SHOWN_PHASES)}

@@ -9,7 +9,7 @@ over mass needs. Either way the shown tokens are reported one by one and everyth
 then top-k (ties with the k-th token kept), then top-p judged on the top-k survivors renormalized,
 then min-p, the most likely token always kept, EOS protected unless `truncate_eos`. We reimplement
 them with numpy instead of importing the sampler because importing torch costs the dashboard
-seconds; tests check both agree to 1e-6.
+seconds (tests/test_imports.py holds the dashboard to no torch); tests check both agree to 1e-6.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from kvscope.backend.engine import block_manager
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.sequence import Sequence
 
-# CONTRACT §4: the exact fields of each block event.
+# The exact fields of each block event, as backend/events/schema.py declares them.
 EVENT_FIELDS = {
     "block_alloc": {"block_id", "seq_id", "request_id", "logical_index"},
     "block_free": {"block_id", "seq_id", "request_id", "cached"},

@@ -702,7 +702,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
         dash: Dash, tiny_dir: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import platform
 
-    from kvscope.backend.perf.calibrate import CACHE_VERSION, write_cache
+    from kvscope.backend.perf.machine_cache import CACHE_VERSION, write_cache
     from kvscope.backend.perf.hardware import DATASHEET
 
     run_id = await dash.backend.start_run(small_scenario(tiny_dir, count=3), speed=0)

@@ -21,7 +21,7 @@ from kvscope.frontend.client import RunFeed
 from kvscope.frontend.new_run import overrides_of
 from kvscope.frontend.sampling_math import Knobs, compute_stages
 from kvscope.frontend.views.base import Js, js
-from kvscope.backend.events.history import KINDS, Cell, Column
+from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column
 from kvscope.frontend.views.batch import MERGED, column_segments
 from kvscope.frontend.views.kv_calc import bytes_per_token, human, inputs_from_header
 from kvscope.frontend.views.timeline import merge_runs
@@ -498,6 +498,7 @@ def test_timeline_draws_one_row_per_request_and_its_branches():
     cells = request_cells([Cell("r1", "decode", 1), Cell("r0", "verify", 4), Cell("r1", "decode", 1)])
     assert cells == [Cell("r1", "decode", 2), Cell("r0", "verify", 4)]
     assert request_cells([Cell("a", "decode", 1), Cell("a", "prefill", 8)]) == [Cell("a", "prefill", 9)]
+    assert set(KIND_RANK) == set(KINDS)  # one rank for every kind a cell can have, live and exported
     state = state_of(spec_story())
     # [x0, x1, row, slot, slots, parent slot, end mark, seq, request, position, reason, parent]
     assert branch_items(state, {"r0": 0, "r1": 1}, None) == [

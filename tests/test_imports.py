@@ -1,12 +1,16 @@
 """Imports flow one way: the command line over the front end over the back end, model under engine.
 
 The test parses every module's imports (no code runs) and fails on a cycle or a forbidden direction,
-so a convenient import that runs back up the layers is caught the day it is written.
+so a convenient import that runs back up the layers is caught the day it is written. And the dashboard
+runs without torch: importing it costs seconds, and only measuring this machine needs it.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from kvscope import PARTS
@@ -107,3 +111,22 @@ def test_the_walk_sees_real_imports():
     graph = import_graph()
     assert "kvscope.backend.engine.block_manager" in graph["kvscope.backend.engine.scheduler"]
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+# Every front-end module imported in a fresh interpreter: torch must not be among what they pull in.
+DASHBOARD_IMPORTS = """
+import importlib, pkgutil, sys
+import kvscope.frontend as frontend
+for module in pkgutil.walk_packages(frontend.__path__, "kvscope.frontend."):
+    if not module.name.endswith("__main__"):
+        importlib.import_module(module.name)
+print("torch" in sys.modules)
+"""
+
+
+def test_the_dashboard_imports_no_torch():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", DASHBOARD_IMPORTS], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

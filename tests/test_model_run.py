@@ -11,10 +11,10 @@ import pytest
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.history import Cell, Column, RunHistory
 from kvscope.backend.events.state import RunState
-from kvscope.backend.perf.calibrate import CACHE_VERSION
 from kvscope.backend.perf.cost_model import BatchItem, iteration_cost
 from kvscope.backend.perf.errors import PerfError
-from kvscope.backend.perf.hardware import profile_from
+from kvscope.backend.perf.hardware import HardwareProfile, profile_from
+from kvscope.backend.perf.machine_cache import CACHE_VERSION
 from kvscope.backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, modelled_latency,
                                     modelled_times, run_deployment, run_shape)
 from kvscope.backend.perf.shapes import get_shape
@@ -201,13 +201,17 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
     loop_thread = threading.current_thread()
     measured_in: list[threading.Thread] = []
 
-    def slow_measurement() -> dict:
+    datasheet = hardware.get_hardware
+
+    def slow_measurement(name: str) -> HardwareProfile:
+        if name != "this-machine":
+            return datasheet(name)
         measured_in.append(threading.current_thread())
         time.sleep(0.3)
-        return FIGURES
+        return profile_from(FIGURES)
 
     monkeypatch.setattr(hardware, "read_cache", lambda: None)
-    monkeypatch.setattr(hardware, "this_machine", slow_measurement)
+    monkeypatch.setattr(hardware, "get_hardware", slow_measurement)
     choice = hardware.HardwareChoice(RunFeed(None, "x"))
     heard: list[str | None] = []
     choice.on_change(lambda: heard.append(choice.problem()))
@@ -219,7 +223,7 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
     assert ticks >= 10 and measured_in and measured_in[0] is not loop_thread
     assert heard[0].startswith("measuring this machine") and choice.label == "test CPU (measured)"
     monkeypatch.setattr(hardware, "read_cache", lambda: FIGURES)  # the next choice reads the cache
-    monkeypatch.setattr(hardware, "this_machine", lambda: pytest.fail("measured twice"))
+    monkeypatch.setattr(hardware, "get_hardware", lambda name: pytest.fail("measured twice"))
     await choice.choose("this-machine", 1)
     assert choice.profile.mem_bandwidth == FIGURES["mem_bandwidth"]
 

@@ -12,8 +12,8 @@ from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.history import KINDS
 from kvscope.frontend.export.replayed import replay
 from kvscope.frontend.export.timeline import PHASE_LABELS, draw_timeline
-from kvscope.frontend.palette import PHASE_COLORS, REQUEST_COLORS, RESERVED, for_js, request_color
-from kvscope.frontend.views.timeline import PHASE_LEGEND, legend_items
+from kvscope.frontend.palette import KIND_LABELS, PHASE_COLORS, REQUEST_COLORS, RESERVED, for_js, request_color
+from kvscope.frontend.views.timeline import legend_items
 
 FRONTEND = Path(__file__).resolve().parents[1] / "frontend"
 
@@ -69,13 +69,13 @@ def test_the_page_and_the_export_colour_every_phase_alike(kv_cache):
     exported = {text.get_text(): to_hex(handle.get_facecolor()) for text, handle in
                 zip(legend.get_texts(), legend.legend_handles, strict=True) if hasattr(handle, "get_facecolor")}
     live = dict((label, color) for color, label in legend_items(kv_cache))
-    assert set(PHASE_LEGEND) == set(PHASE_LABELS) == set(KINDS)
+    assert set(KIND_LABELS) == set(PHASE_LABELS) == set(KINDS)
     absent = "recompute" if kv_cache else "decode"  # without a KV cache every decode step is a recompute
     for phase in KINDS:
         if phase == absent:
-            assert PHASE_LABELS[phase] not in exported and PHASE_LEGEND[phase] not in live, phase
+            assert PHASE_LABELS[phase] not in exported and KIND_LABELS[phase] not in live, phase
             continue
-        assert exported[PHASE_LABELS[phase]] == live[PHASE_LEGEND[phase]] == PHASE_COLORS[phase], phase
+        assert exported[PHASE_LABELS[phase]] == live[KIND_LABELS[phase]] == PHASE_COLORS[phase], phase
     assert [for_js()["kinds"][KINDS.index(k)] for k in KINDS] == [PHASE_COLORS[k] for k in KINDS]
 
 

@@ -14,7 +14,8 @@ Prefix caching: a FULL block of computed tokens gets a chained hash
 further up the chain) never yields a false hit. A free block keeps its hash ("cached") until it
 is popped for a new allocation; then `block_evict` comes just before its `block_alloc`.
 
-Event rules (CONTRACT §4). Replaying the block events alone rebuilds every table and the free list:
+Event rules (their fields: backend/events/schema.py). Replaying the block events alone rebuilds every
+table and the free list:
 - `block_alloc(block_id, seq_id, logical_index)`: the block leaves the free list, ref count 1,
   `table[logical_index] = block_id` (an append, or a replacement during copy-on-write).
 - `block_share(..., logical_index, ref_count, reason)`: the sequence takes one more reference;

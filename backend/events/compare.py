@@ -80,7 +80,7 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
 
 
 def settings(record: RunRecord) -> dict[str, Any]:
-    """A run's settings as dotted paths (the overrides' names, CONTRACT §3), from its header."""
+    """A run's settings as dotted paths (the overrides' names, as `--set` takes them), from its header."""
     state = record.state
     flat = {f"engine.{key}": value for key, value in state.config.items()}  # speculative stays one setting
     flat["model"] = state.model.get("name")

@@ -20,6 +20,9 @@ Event = dict[str, Any]
 # view shows (phase.py: recompute is a decode step without a KV cache); the others did not run.
 COMPUTED = SHOWN_PHASES
 KINDS = ("waiting", "preempted", *COMPUTED)
+# The kind a request's row shows when its sequences (n > 1, beams) are in different ones in one
+# iteration: the one that computes the most (the live timeline and the exported batch chart both ask).
+KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "recompute": 2, "verify": 3, "prefill": 4}
 MAX_COLUMNS = 20_000  # iterations kept for the timeline (a long lecture demo is a few thousand)
 MAX_MASK_STEPS = 128  # iterations whose attention masks are kept
 MAX_TOKENS_PER_REQUEST = 128  # token events (with their distributions) kept per request

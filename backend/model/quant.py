@@ -16,38 +16,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvscope.backend.errors import KvscopeError
 from kvscope.backend.model.loader import LoadedModel
+# QuantError: engine.py and the tests name it here, beside the quantizer that refuses a setting
+from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group_size  # noqa: F401
 
-QuantMode = Literal["none", "int8", "int4"]
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
 
 
-class QuantError(KvscopeError):
-    """A quantization setting that cannot apply to this model: the config field and the reason."""
-
-
 # ---- the quantizer ----------------------------------------------------------------------------------
-
-
-def check_group_size(in_features: int, group_size: int, mode: QuantMode, name: str = "weight") -> None:
-    """Refuse a group size that does not tile the input dimension (no silent padding)."""
-    if group_size < 0:
-        raise QuantError("engine.quant_group_size", f"must be >= 0 (0 = one scale per tensor), got {group_size}")
-    if group_size and in_features % group_size:
-        raise QuantError("engine.quant_group_size",
-                         f"{group_size} does not divide the input dimension {in_features} of {name}; "
-                         f"use a divisor of it (e.g. 32 or 64) or 0 for one scale per tensor")
-    if mode == "int4" and in_features % 2:
-        raise QuantError("engine.weight_quant", f"int4 packs two weights per byte; {name} has an odd input "
-                         f"dimension {in_features}")
 
 
 def quantize_weight(w: torch.Tensor, mode: QuantMode, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

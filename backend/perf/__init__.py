@@ -1,6 +1,7 @@
 """Hardware what-if: a roofline cost model of one engine iteration (docs/perf_model.md).
 
 shapes.py: models without weights · hardware.py: GPU profiles · calibrate.py: this machine measured ·
-cost_model.py: FLOPs, bytes and time of an iteration's batch · whatif.py: `kvscope whatif` ·
+machine_cache.py: its figures kept · cost_model.py: FLOPs, bytes and time of an iteration's batch ·
+whatif.py: `kvscope whatif` ·
 simulate.py: the engine on a shape, each iteration priced (`kvscope run --simulate`).
 """

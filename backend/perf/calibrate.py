@@ -7,25 +7,21 @@ read plus write (sizes per device in SIZES). Two more make it an empirical roofl
 that bandwidth a linear layer reaches while streaming weights that no cache holds, over one token
 (a GEMV) and over four (a GEMM). On a CPU they differ: its BLAS packs the weights before a GEMM
 (on the 2-core development VM: 19 and 11 GB/s against a 40 GB/s copy). The best repetition is
-kept, not the mean: a roof is what the machine can reach. The result is saved as JSON under
-$XDG_CACHE_HOME/kvscope (default ~/.cache/kvscope) and reused on the same host;
-`this_machine(recalibrate=True)` measures again.
+kept, not the mean: a roof is what the machine can reach. The result is saved as JSON
+(machine_cache.py) and reused on the same host; `this_machine(recalibrate=True)` measures again.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-CACHE_VERSION = 2
-FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "gemv_efficiency", "gemm_efficiency",
-           "memory_bytes", "measured_at")
+from kvscope.backend.perf.machine_cache import CACHE_VERSION, read_cache, write_cache
+
 # (matmul side, fp32 copy elements, weight matrices of 1024² fp32) per device type. CPU: 256 MB
 # outgrows the caches of most CPUs (64 MB did not always), so the copy streams from DRAM, and so do
 # 256 MB of weights. CUDA: a 1024² matmul or a 64 MB copy takes microseconds, less than the
@@ -34,11 +30,6 @@ FIGURES = ("device", "fp32_flops", "bf16_flops", "mem_bandwidth", "gemv_efficien
 SIZES = {"cpu": (1024, 64 * 1024**2, 64), "cuda": (8192, 256 * 1024**2, 256)}
 GEMM_ROWS = 4  # tokens of the "several tokens" weight stream: a small decode batch
 DEFAULT_SECONDS = 4.0  # total budget; the brief of this feature allows 5 s
-
-
-def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvscope" / "this-machine.json"
 
 
 def this_machine(recalibrate: bool = False) -> dict:
@@ -120,22 +111,3 @@ def memory_bytes(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def read_cache() -> dict | None:
-    """The saved figures of this host, or None (missing, unreadable, older format or another host)."""
-    try:
-        figures = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(figures, dict) or any(key not in figures for key in FIGURES):
-        return None
-    if figures.get("version") != CACHE_VERSION or figures.get("host") != platform.node():
-        return None
-    return figures
-
-
-def write_cache(figures: dict) -> None:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(figures, indent=2))

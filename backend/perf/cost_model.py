@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.backend.config import DTYPE_BYTES
-from kvscope.backend.model.quant import QuantError, check_group_size
+from kvscope.backend.model.quant_rules import QuantError, check_group_size
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.phase import PHASES
 from kvscope.backend.perf.hardware import HardwareProfile

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from kvscope.backend.config import DTYPE_BYTES, ModelConfig
 from kvscope.backend.errors import ModelLoadError, validation_error
-from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, read_config
+from kvscope.backend.model.packages import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, read_config
 from kvscope.backend.perf.cost_model import BatchItem, Deployment, iteration_cost
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HardwareProfile, get_hardware

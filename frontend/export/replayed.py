@@ -6,14 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.history import KIND_RANK, RunHistory
 from kvscope.backend.events.record import RunRecord
 from kvscope.backend.events.state import RunState
 from kvscope.frontend.export.options import ExportError
 
 Event = dict[str, Any]
-# A request whose sequences are in different phases in one iteration shows the highest ranked one.
-PHASE_RANK = {"decode": 0, "recompute": 0, "verify": 1, "prefill": 2}
 
 
 @dataclass
@@ -99,7 +97,7 @@ def _batches(history: RunHistory) -> dict[int, dict[str, tuple[str, int]]]:
         per = out.setdefault(column.step, {})
         for cell in column.scheduled:
             phase, tokens = per.get(cell.request_id, (cell.kind, 0))
-            per[cell.request_id] = (max(phase, cell.kind, key=PHASE_RANK.__getitem__), tokens + cell.tokens)
+            per[cell.request_id] = (max(phase, cell.kind, key=KIND_RANK.__getitem__), tokens + cell.tokens)
     return out
 
 

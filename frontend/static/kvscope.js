@@ -6,8 +6,7 @@
   const KIND_COLORS = colors.kinds;
   // A timeline cell's kind index: RunHistory's KINDS (backend/events/history.py), sent by palette.for_js
   const KIND_NAMES = colors.kindNames;
-  const KIND_TEXT = { preempted: "preempted (waits to recompute)",
-                      recompute: "recompute (no KV cache: the whole context again)" };
+  const KIND_LABELS = colors.kindLabels; // the words of the timeline's legend (palette.py's KIND_LABELS)
   const RECOMPUTE = KIND_NAMES.indexOf("recompute");
   const PHASES = colors.phases; // the batch chart's phase index (backend/phase.py's SHOWN_PHASES)
   const esc = (s) => String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" }[c]));
@@ -68,7 +67,7 @@
       if (p.seriesId === "ttft") return `<b>${esc(v[2])}</b>: first token at ${v[0]}<br>TTFT ${v[3]}`;
       const tokens = v[4] ? ` · ${v[4]} token${v[4] > 1 ? "s" : ""}` : "";
       const steps = v[7] > v[5] ? `iterations ${v[5]}–${v[7]}` : `iteration ${v[5]}`;
-      return `<b>${esc(v[6])}</b> · ${steps}<br>${KIND_TEXT[KIND_NAMES[v[3]]] || KIND_NAMES[v[3]]}${tokens}`;
+      return `<b>${esc(v[6])}</b> · ${steps}<br>${KIND_LABELS[v[3]]}${tokens}`;
     },
     // [x0, x1, y0, y1, color, phase (PHASES index), request_id, tokens, focus (0 none picked, 1 the
     // picked request, 2 another)]: iterations x0..x1 (equal consecutive columns are merged into one

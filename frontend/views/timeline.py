@@ -10,10 +10,10 @@ from nicegui.events import EChartPointClickEventArguments
 
 from kvscope.backend.events.state import RunState, SeqView
 from kvscope.frontend.client import LogEntry, RunFeed
-from kvscope.backend.events.history import KINDS, Cell, Column, RunHistory
+from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column, RunHistory
 from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.selection import Selection
-from kvscope.frontend.palette import PHASE_COLORS
+from kvscope.frontend.palette import KIND_LABELS, PHASE_COLORS
 from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from kvscope.frontend.views.charts import make_chart
 from kvscope.frontend.views.chunks import Chunks
@@ -44,20 +44,14 @@ BRANCH_SERIES = {
     "id": "branches", "type": "custom", "renderItem": Js("kvscope.branchLine"), "encode": {"x": [0, 1], "y": 2},
     "clip": True, "animation": False, "z": 4,
 }  # fmt: skip
-# Which phase a request's row shows when its sequences are in different ones in one iteration.
-KIND_RANK = {"waiting": 0, "preempted": 1, "decode": 2, "recompute": 2, "verify": 3, "prefill": 4}
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
-# The legend's phases, in reading order (the export's timeline legend uses the same colours).
-PHASE_LEGEND = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "decode",
-                "verify": "verify (speculative)", "preempted": "preempted",
-                "recompute": "recompute (no KV cache: the whole context again)"}
 
 
 def legend_items(kv_cache: bool = True) -> list[tuple[str, str]]:
     """(colour, label) of the timeline's legend: the phases (recompute instead of decode without a
     KV cache), then the marks."""
     hidden = "recompute" if kv_cache else "decode"
-    phases = [(PHASE_COLORS[kind], label) for kind, label in PHASE_LEGEND.items() if kind != hidden]
+    phases = [(PHASE_COLORS[kind], label) for kind, label in KIND_LABELS.items() if kind != hidden]
     return [*phases, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
 
 
