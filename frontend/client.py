@@ -26,7 +26,7 @@ from websockets.exceptions import WebSocketException
 
 from kvscope.backend.events.history import RunHistory
 from kvscope.backend.events.record import RunRecord
-from kvscope.backend.events.state import RunState
+from kvscope.backend.events.state import SERVER_FIELDS, RunState
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call on the console
 
@@ -258,7 +258,7 @@ def resynced_record(snapshot: dict) -> RunRecord:
     if past is None:
         return RunRecord.from_snapshot(snapshot)
     record = RunRecord.from_events(past)
-    for name in ("paused", "speed", "lesson", "finished", "failed", "error"):  # the server's now, as in a snapshot
+    for name in SERVER_FIELDS:  # what the server knows beyond those events (state.py's SERVERS_WORD)
         setattr(record.state, name, snapshot[name])
     return record
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import EVENT_TYPES, SCHEMA_VERSION, describe_error, json_schema, parse_event
-from kvscope.backend.events.state import RunState
+from kvscope.backend.events.state import PLAIN_FIELDS, RunState
 from kvscope.backend.events.trace import TraceError, TraceWriter, read_trace, strip_times
 
 MODEL = {
@@ -533,6 +533,17 @@ def test_iterations_keep_only_the_last_k():
     events = request_story()
     state = replay(events, RunState(max_iterations=2))
     assert [it["step"] for it in state.iterations] == [1, 2]
+
+
+def test_every_field_of_the_plain_model_goes_through_a_snapshot_and_back():
+    """PlainState is the one list of the fields a snapshot carries as they are: a field added there
+    reaches the snapshot and comes back from it with no other edit."""
+    state = RunState()
+    for name in PLAIN_FIELDS:
+        setattr(state, name, [name])  # a value no field has by default
+    snapshot = json.loads(json.dumps(state.snapshot()))
+    again = RunState.from_snapshot(snapshot)
+    assert {name: getattr(again, name) for name in PLAIN_FIELDS} == {name: [name] for name in PLAIN_FIELDS}
 
 
 @pytest.mark.parametrize("story", [block_story, request_story])
