@@ -100,9 +100,6 @@ class PlainState:
     last_token_by_request: dict[str, Event] = field(default_factory=dict)
     metrics: Event | None = None
     num_preemptions: int = 0
-    paused: bool = field(default=False, metadata=SERVERS_WORD)
-    speed: float | str | None = field(default=None, metadata=SERVERS_WORD)
-    lesson: bool = field(default=False, metadata=SERVERS_WORD)  # lesson mode: the run pauses at its lesson's moments
     finished: bool = field(default=False, metadata=SERVERS_WORD)
     finish_reason: str | None = field(default=None, metadata=SERVERS_WORD)
     # A fatal error event ended the run (finished too, finish_reason "failed").
@@ -115,7 +112,10 @@ SERVER_FIELDS = tuple(f.name for f in fields(PlainState) if f.metadata.get("serv
 
 
 class RunState(PlainState):
-    """Block tables, free list, queues, requests and metrics, as the events say they are."""
+    """Block tables, free list, queues, requests and metrics, as the events say they are.
+
+    Not how the run is paced (paused, speed, lesson mode): that is the served run's, and its viewers'
+    (backend/events/pacing.py), so `control` events change nothing here."""
 
     def __init__(self, max_iterations: int = 256, max_finished: int | None = None):
         self.max_iterations = max_iterations
@@ -194,14 +194,6 @@ class RunState(PlainState):
     def _on_metrics(self, e: Event) -> None:
         self.metrics = e
         self.recent_metrics.append(e)
-
-    def _on_control(self, e: Event) -> None:
-        if e["action"] in ("pause", "resume"):
-            self.paused = e["action"] == "pause"
-        elif e["action"] == "speed":
-            self.speed = e.get("value")
-        elif e["action"] == "lesson":
-            self.lesson = bool(e.get("value"))
 
     def _on_run_finished(self, e: Event) -> None:
         self.finished = True

@@ -38,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,6 +47,7 @@ from kvscope.backend.engine.request_output import Finished, RequestOutput
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus, encode_event
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
+from kvscope.backend.events.pacing import Pacing
 from kvscope.backend.events.state import RunState
 from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.run import ScenarioRun
@@ -267,9 +268,13 @@ class ServedRun:
 
     def _snapshot_locked(self) -> dict:
         snap = self.state.snapshot()
-        snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.paused, speed=self.speed,
-                    lesson=self.lesson, finished=self.finished)
+        snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, finished=self.finished,
+                    **asdict(self.pacing()))
         return snap
+
+    def pacing(self) -> Pacing:
+        """How the run goes, under the names its snapshot and the run list give it (the reducer has none)."""
+        return Pacing(self.paused, self.speed, self.lesson)
 
     def _resync_message_locked(self) -> dict:
         """What a watcher starts (again) from: the snapshot; a replay adds the events before it."""
@@ -518,7 +523,7 @@ class ServedRun:
 
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
-                "paused": self.paused, "speed": self.speed, "lesson": self.lesson, "finished": self.finished,
+                **asdict(self.pacing()), "finished": self.finished,
                 "failed": self.failure is not None, "step": self.state.step}
 
 
