@@ -3,8 +3,9 @@
 `FeedHub` keeps one `RunFeed` per run in the NiceGUI process, shared by every browser tab: it
 reads `WS /ws/runs/{id}` (a `type: snapshot` message, then events; a snapshot may come again at any
 time when the server resyncs us, or a replay seeks), keeps a `RunRecord` (the reducer's `RunState` and the
-`RunHistory` of the past, fed by one apply) and a short log of recent events stamped with their
-receive time. Views read these on their own timers; they never see the websocket.
+`RunHistory` of the past, fed by one apply), the run's `Pacing` (paused, speed, lesson mode: the
+server's run's, not the reducer's) and a short log of recent events stamped with their receive time.
+Views read these on their own timers; they never see the websocket.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
 from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.pacing import Pacing
 from kvscope.backend.events.record import RunRecord
-from kvscope.backend.events.state import RunState
+from kvscope.backend.events.state import SERVER_FIELDS, RunState
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per API call on the console
 
@@ -153,6 +155,9 @@ class RunFeed:
         self.run_id = run_id
         self.record: RunRecord | None = None  # None until the first snapshot
         self.past: list[dict] = []  # the latest snapshot's `past` (the events before it), when it had one
+        # The server's run's, mirrored here; the controls set it at once too, as a replay records no
+        # control event.
+        self.pacing = Pacing()
         self.version = 0  # +1 per event applied
         self.epoch = 0  # +1 per snapshot: views redraw fully
         self.log: deque[LogEntry] = deque(maxlen=log_size)
@@ -180,11 +185,14 @@ class RunFeed:
             self.status = f"error: {message.get('error')}"
         elif self.record is not None:
             self.record.apply(message)
+            if kind == "control" and self.kind != "replay":  # a replay's are its trace's, not its own
+                self.pacing.apply_control(message)
             self.version += 1
             self.log.append(LogEntry(self.version, recv_ms, message))
 
     def _resync(self, snapshot: dict) -> None:
         self.record = resynced_record(snapshot)
+        self.pacing = Pacing.from_snapshot(snapshot)
         self.past = snapshot.get("past") or []
         self.kind = snapshot.get("kind", "run")
         self.log.clear()
@@ -258,7 +266,7 @@ def resynced_record(snapshot: dict) -> RunRecord:
     if past is None:
         return RunRecord.from_snapshot(snapshot)
     record = RunRecord.from_events(past)
-    for name in ("paused", "speed", "lesson", "finished", "failed", "error"):  # the server's now, as in a snapshot
+    for name in SERVER_FIELDS:  # what the server knows beyond those events (state.py's SERVERS_WORD)
         setattr(record.state, name, snapshot[name])
     return record
 

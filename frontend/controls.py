@@ -59,8 +59,7 @@ class RunControls:
         paused = self.paused()
         await self._all("resume" if paused else "pause")
         for feed in self.feeds:
-            if feed.state is not None:
-                feed.state.paused = not paused  # replays record no control events: mirror it now
+            feed.pacing.paused = not paused  # replays record no control events: mirror it now
         self.refresh()
 
     async def pause(self) -> None:
@@ -72,8 +71,7 @@ class RunControls:
     async def step(self) -> None:
         await self._all("step", 1)
         for feed in self.feeds:
-            if feed.state is not None:
-                feed.state.paused = True
+            feed.pacing.paused = True
 
     async def set_speed(self) -> None:
         value = self.speed_select.value
@@ -86,8 +84,8 @@ class RunControls:
         await self._all("seek", float(self.seek.value))
 
     def paused(self) -> bool:
-        states = [f.state for f in self.feeds if f.state is not None]
-        return bool(states) and all(s.paused for s in states)
+        known = [f.pacing for f in self.feeds if f.state is not None]  # before its snapshot, a default
+        return bool(known) and all(p.paused for p in known)
 
     def refresh(self) -> None:
         icon = "play_arrow" if self.paused() or self._finished() else "pause"
@@ -110,7 +108,7 @@ def _status(feed: RunFeed) -> str:
         return f"{feed.run_id}: {feed.status}"
     if s.failed:  # the reason, from its error event: a dead run must not look like one still going
         return f"{feed.run_id} · step {max(s.step, 0)} · failed · {s.error}"
-    mode = "finished" if s.finished else ("paused" if s.paused else "running")
+    mode = "finished" if s.finished else ("paused" if feed.pacing.paused else "running")
     return (f"{feed.run_id} · step {max(s.step, 0)} · {mode} · {len(s.running)} running · {len(s.waiting)} waiting"
             + ("" if feed.status == "live" else f" · {feed.status}"))
 

@@ -117,8 +117,8 @@ class LessonGuide:
         for entry in entries:
             for moment in self.finder.feed(entry.event):
                 self._on_moment(moment)
-        if self.mode.value != feed.state.lesson:  # another viewer flipped it
-            self.mode.set_value(feed.state.lesson)
+        if self.mode.value != feed.pacing.lesson:  # another viewer flipped it
+            self.mode.set_value(feed.pacing.lesson)
         await self._start_when_drawn()
         if self.moment is None and self.next.visible and feed.state.step >= 0:
             self.next.set_visibility(False)  # the start step's "continue": the run was started another way
@@ -134,7 +134,7 @@ class LessonGuide:
         self.drawn_ticks += 1
         if self.drawn_ticks >= 2:
             feed.start_when_drawn = False  # the first page does it; a second tab finds it done
-            if feed.state.step < 0 and feed.state.paused:
+            if feed.state.step < 0 and feed.pacing.paused:
                 await self._control("resume")
 
     def _finder_at_join(self, state: RunState) -> MomentFinder:
@@ -153,7 +153,7 @@ class LessonGuide:
         state = self.feed.state
         self.epoch, self.version = self.feed.epoch, self.feed.version
         self.finder = self._finder_at_join(state)
-        self.mode.set_value(state.lesson)
+        self.mode.set_value(self.feed.pacing.lesson)
         steps = lesson_steps(state.scenario)
         if steps != self.steps:
             self.steps = steps
@@ -161,7 +161,7 @@ class LessonGuide:
             if steps and self.shown is None and steps[0]["at"] == "start":
                 self._show(0)
                 # read it, then start (a run held only for its page starts by itself)
-                self.next.set_visibility(state.step < 0 and state.paused and not self.feed.start_when_drawn)
+                self.next.set_visibility(state.step < 0 and self.feed.pacing.paused and not self.feed.start_when_drawn)
         last = self._step_at("finished")
         if state.finished and last is not None and last != self.shown and all(i != last for i, _ in self.queue):
             self.queue.append((last, Moment("finished", state.step, 0, VIEWS["finished"])))  # opened after the end
@@ -187,14 +187,13 @@ class LessonGuide:
         self._highlight(moment)
         self.next.set_visibility(True)
         if moment.kind != "finished":  # the server paused it there; a replay records no control event
-            self.feed.state.paused = True
+            self.feed.pacing.paused = True
 
     async def _on_mode(self) -> None:
         """The switch: the run's lesson mode, for everyone watching it."""
-        state = self.feed.state
-        if state is None or state.lesson == self.mode.value:  # set from the run's own state
+        if self.feed.state is None or self.feed.pacing.lesson == self.mode.value:  # set from the run's own pacing
             return
-        state.lesson = self.mode.value  # at once: the tick keeps the switch on the state
+        self.feed.pacing.lesson = self.mode.value  # at once: the tick keeps the switch on the pacing
         await self._control("lesson", 1 if self.mode.value else 0)
 
     async def resume(self) -> None:
@@ -213,11 +212,11 @@ class LessonGuide:
         except BackendError as e:
             ui.notify(f"lesson: {e}", type="warning")
             return
-        state = self.feed.state  # replays record no control events: mirror it now
+        pacing = self.feed.pacing  # replays record no control events: mirror it now
         if action == "lesson":
-            state.lesson = bool(value)
+            pacing.lesson = bool(value)
         else:
-            state.paused = action == "pause"
+            pacing.paused = action == "pause"
 
     def _show(self, index: int | None) -> None:
         self.shown = index

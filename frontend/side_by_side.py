@@ -163,7 +163,7 @@ class SideBySide:
             if state is None or state.finished:
                 self.held.discard(i)
                 continue
-            if holding and not holds(guide) and i not in self.held and not state.paused:
+            if holding and not holds(guide) and i not in self.held and not guide.feed.pacing.paused:
                 self.held.add(i)
                 await self._control(i, "pause")
             elif not holding and i in self.held:
@@ -181,7 +181,7 @@ class SideBySide:
         except BackendError as e:
             ui.notify(f"side by side: {e}", type="warning")
             return
-        feed.state.paused = action == "pause"  # at once: a replay records no control event
+        feed.pacing.paused = action == "pause"  # at once: a replay records no control event
 
     def refresh(self) -> None:
         records = [f.record for f in self.feeds]

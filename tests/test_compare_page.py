@@ -82,12 +82,12 @@ async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_s
     side = dash.last.side_by_side
     small, large = side.guides
     await until(lambda: all(g.shown == 0 and g.next.visible for g in side.guides))  # both wait on the first step
-    assert all(g.feed.state.lesson and g.card.visible for g in side.guides)
+    assert all(g.feed.pacing.lesson and g.card.visible for g in side.guides)
     await dash.user.should_see("Watch the block pool fill up", marker="lesson-text")
 
     dash.user.find(marker="side-continue-0").click()  # one continue starts both
     await until(lambda: small.paused_at == "preempt")
-    await until(lambda: 1 in side.held and large.feed.state.paused)
+    await until(lambda: 1 in side.held and large.feed.pacing.paused)
     held_at = large.feed.state.step
     assert not large.feed.state.finished and large.paused_at is None  # held for the other's moment
     await until(lambda: "reached “First preemption”" in side.hold_line.content)
@@ -98,6 +98,6 @@ async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_s
     assert large.feed.state.step <= held_at + 1  # an iteration under way when the pause came may end
 
     dash.user.find(marker="side-continue-0").click()  # continue: both go on
-    await until(lambda: not side.held and not large.feed.state.paused)
+    await until(lambda: not side.held and not large.feed.pacing.paused)
     await until(lambda: small.paused_at == "recompute")
     await until(lambda: 1 in side.held or large.feed.state.finished)

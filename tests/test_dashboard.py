@@ -222,7 +222,7 @@ async def test_the_run_library_survives_a_restart_and_opens_renames_and_deletes_
             await until(lambda: len(dash.built) > count)
             opened = dash.last.columns[0].feed
             await until(lambda: opened.state is not None)
-            assert opened.kind == "replay" and opened.state.paused and opened.state.step == -1
+            assert opened.kind == "replay" and opened.pacing.paused and opened.state.step == -1
 
             await dash.open("/")
             dash.user.find(marker="library-delete").click()
@@ -283,7 +283,7 @@ async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> N
     column = dash.last.columns[0]
     await until(lambda: column.guide.next.visible)  # a lesson: it waits on its first step
     column.guide.mode.set_value(False)  # run through, no pauses
-    await until(lambda: column.feed.state.lesson is False)
+    await until(lambda: column.feed.pacing.lesson is False)
     dash.user.find(marker="lesson-continue").click()
     await finished(column.feed)
     await until(lambda: all(v.version == column.feed.version for v in column.views.values()))
@@ -591,10 +591,10 @@ async def test_replay_an_uploaded_trace_and_seek(dash: Dash, tiny_dir: str) -> N
 
 
 def record_view(record) -> tuple[dict, dict]:
-    """What every view is drawn from: the state (less the server's play/pause) and the whole past."""
+    """What every view is drawn from: the state (less the server's word on the end) and the whole past."""
     from dataclasses import asdict
 
-    snap = {k: v for k, v in record.state.snapshot().items() if k not in ("paused", "speed", "finished")}
+    snap = {k: v for k, v in record.state.snapshot().items() if k != "finished"}
     return snap, asdict(record.history)
 
 
@@ -673,7 +673,7 @@ async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
     assert [f.state.config["batching"] for f in feeds] == ["static", "continuous"]
     for feed in feeds:  # its lesson pauses at moments (a request queued...): here the runs go to the end
         await dash.backend.control(feed.run_id, "lesson", 0)
-    await until(lambda: not any(f.state.lesson for f in feeds))
+    await until(lambda: not any(f.pacing.lesson for f in feeds))
     await compare.controls.step()
     await until(lambda: all(f.state.step >= 0 for f in feeds))  # past 0 too: a drawn run may have started by itself
     compare.controls.speed_select.set_value(0.0)

@@ -17,6 +17,7 @@ from kvscope.backend.events.bus import EventBus
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import validate
 from kvscope.frontend.app import run_label
+from kvscope.backend.events.state import SERVER_FIELDS
 from kvscope.frontend.client import RunFeed
 from kvscope.frontend.new_run import overrides_of
 from kvscope.frontend.sampling_math import Knobs, compute_stages
@@ -140,6 +141,39 @@ def test_a_resync_snapshot_is_the_same_state_as_the_events(recorded):
     resynced.handle(snapshot_of(recorded[:40]))
     assert resynced.state.snapshot() == live.state.snapshot()
     assert resynced.epoch == 1 and live.epoch == 1
+
+
+def test_a_snapshot_with_its_past_takes_what_only_the_server_knows_from_the_snapshot(recorded):
+    """A replay that failed mid-way: its past (the trace's events) does not say so, its snapshot does.
+    The client reads which fields those are from the reducer's own model (SERVER_FIELDS)."""
+    snapshot = {**snapshot_of(recorded[:40]), "past": recorded[:40], "run_id": "served-id", "finished": True,
+                "finish_reason": "failed", "failed": True, "error": "the run failed (stall)"}
+    feed = RunFeed(None, "r")
+    feed.handle(snapshot)
+    assert {name: getattr(feed.state, name) for name in SERVER_FIELDS} == {name: snapshot[name] for name in SERVER_FIELDS}
+    assert feed.state.run_id == recorded[0]["run_id"]  # the rest is the past's, as a fresh replay has it
+
+
+def control(action: str, value: float | str | None = None, seq: int = 10_000) -> dict:
+    return {"type": "control", "seq": seq, "step": 0, "t": 0.0, "action": action, "value": value}
+
+
+def test_the_feed_mirrors_the_runs_pacing_from_its_snapshot_and_its_control_events(recorded):
+    feed = RunFeed(None, "r")
+    feed.handle({**snapshot_of(recorded[:1]), "paused": True, "speed": 4.0, "lesson": True})
+    assert (feed.pacing.paused, feed.pacing.speed, feed.pacing.lesson) == (True, 4.0, True)
+    for event in (control("resume"), control("speed", 0.0, 10_001), control("lesson", 0, 10_002)):
+        feed.handle(event)
+    assert (feed.pacing.paused, feed.pacing.speed, feed.pacing.lesson) == (False, 0.0, False)
+    assert "paused" not in feed.state.snapshot()  # the reducer took the events and keeps no pacing
+
+
+def test_a_replays_control_events_are_its_traces_not_its_own_pacing(recorded):
+    """A replay records no control event of its own: those it publishes tell when the recorded run paused."""
+    feed = RunFeed(None, "r")
+    feed.handle({**snapshot_of(recorded[:1]), "kind": "replay", "paused": False, "speed": 4.0, "lesson": False})
+    feed.handle(control("pause", "preempt"))
+    assert not feed.pacing.paused
 
 
 def test_history_records_waiting_preempted_and_masks(recorded):

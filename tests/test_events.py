@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.pacing import Pacing
 from kvscope.backend.events.schema import EVENT_TYPES, SCHEMA_VERSION, describe_error, json_schema, parse_event
-from kvscope.backend.events.state import RunState
+from kvscope.backend.events.state import PLAIN_FIELDS, RunState
 from kvscope.backend.events.trace import TraceError, TraceWriter, read_trace, strip_times
 
 MODEL = {
@@ -525,14 +526,39 @@ def test_queues_follow_arrival_scheduling_preemption_and_finish():
     assert (r0.finish_reason, r0.finish_step) == ("length", 2)
     assert state.running == [] and state.waiting == ["r1"]
     assert state.last_token_by_request["r0"]["token_id"] == 13
-    assert state.metrics["kv_usage"] == 0.5 and state.paused
+    assert state.metrics["kv_usage"] == 0.5
+    assert "paused" not in state.snapshot()  # the closing control is the served run's pacing, not engine state
     assert [it["step"] for it in state.iterations] == [0, 1, 2]
+
+
+def test_pacing_follows_the_control_events_as_the_run_obeys_them():
+    pacing = Pacing.from_snapshot({"paused": True, "speed": 4.0, "lesson": False, "step": 3})
+    steps = [  # (action, value) -> (paused, speed, lesson) after it
+        ("resume", None, (False, 4.0, False)), ("speed", 0.0, (False, 0.0, False)), ("lesson", 1, (False, 0.0, True)),
+        ("pause", "preempt", (True, 0.0, True)), ("resume", None, (False, 0.0, True)), ("step", 1, (True, 0.0, True)),
+        ("seek", 2, (True, 0.0, True)),
+    ]  # fmt: skip
+    for action, value, expected in steps:
+        pacing.apply_control({**example("control"), "action": action, "value": value})
+        assert (pacing.paused, pacing.speed, pacing.lesson) == expected, action
+    assert Pacing.from_snapshot(RunState().snapshot()) == Pacing()  # a bare reducer's snapshot tells none
 
 
 def test_iterations_keep_only_the_last_k():
     events = request_story()
     state = replay(events, RunState(max_iterations=2))
     assert [it["step"] for it in state.iterations] == [1, 2]
+
+
+def test_every_field_of_the_plain_model_goes_through_a_snapshot_and_back():
+    """PlainState is the one list of the fields a snapshot carries as they are: a field added there
+    reaches the snapshot and comes back from it with no other edit."""
+    state = RunState()
+    for name in PLAIN_FIELDS:
+        setattr(state, name, [name])  # a value no field has by default
+    snapshot = json.loads(json.dumps(state.snapshot()))
+    again = RunState.from_snapshot(snapshot)
+    assert {name: getattr(again, name) for name in PLAIN_FIELDS} == {name: [name] for name in PLAIN_FIELDS}
 
 
 @pytest.mark.parametrize("story", [block_story, request_story])

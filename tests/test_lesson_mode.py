@@ -23,7 +23,7 @@ async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: 
     dash.user.find(marker="lesson-continue").click()
 
     await until(lambda: guide.paused_at == "preempt")
-    await until(lambda: feed.state.paused)
+    await until(lambda: feed.pacing.paused)
     moment = guide.moment
     step = feed.state.step
     await asyncio.sleep(0.5)  # dozens of iterations unpaced: the run really stopped
@@ -90,7 +90,7 @@ async def test_compare_any_setting_of_one_scenario_side_by_side(dash: Dash) -> N
     feeds = [c.feed for c in dash.last.columns]
     await until(lambda: all(f.state is not None and f.state.cache for f in feeds))
     assert [f.state.cache["num_blocks"] for f in feeds] == [24, 256]
-    assert all(f.state.paused for f in feeds)
+    assert all(f.pacing.paused for f in feeds)
     assert feeds[0].state.config["prefix_caching"] == feeds[1].state.config["prefix_caching"]  # the rest is shared
 
 
@@ -146,7 +146,7 @@ async def test_a_run_started_from_the_page_waits_at_step_0_until_its_page_has_dr
     assert live[resumed]["step"] == -1  # resumed by the page, before the first iteration
     assert min(e["step"] for e in live if e["type"] == "iteration") == 0
     guide = dash.last.columns[0].guide
-    assert not feed.state.lesson
+    assert not feed.pacing.lesson
     await until(lambda: guide.paused_at == "finished")  # its conclusion, lesson mode off
 
 

@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 Event = dict[str, Any]
-# Snapshot keys restored as they are; the rest need int keys back or a rebuilt structure.
-_PLAIN_FIELDS = (
-    "schema_version", "run_id", "scenario", "config", "model", "cache", "step", "waiting", "running",
-    "metrics", "num_preemptions", "paused", "speed", "lesson", "finished", "finish_reason", "failed", "error",
-    "last_token_by_request", "weights", "draft_model", "simulated",
-)  # fmt: skip
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
 
@@ -78,8 +72,50 @@ class SpecTotals:
         return self.appended / self.verifies if self.verifies else None
 
 
-class RunState:
-    """Block tables, free list, queues, requests and metrics, as the events say they are."""
+# A plain field the server may know better than the events it hands out: a replay ends with its
+# trace, or fails, without those events saying so. A client that rebuilds the state from the events
+# (a snapshot's `past`) takes such a field from the snapshot instead.
+SERVERS_WORD = {"servers_word": True}
+
+
+@dataclass(eq=False, repr=False)  # eq=False: a RunState is equal to itself only, and stays hashable
+class PlainState:
+    """The reducer's fields that a snapshot carries under their own names, as they are (JSON already).
+
+    The one list of them: `RunState.snapshot()`, `RunState.from_snapshot()` and the dashboard's client
+    (frontend/client.py) all read it, so a new such field is one line here."""
+
+    schema_version: int | None = None
+    run_id: str | None = None
+    scenario: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)
+    weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
+    draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
+    simulated: bool = False  # simulate mode: no weights ran, the iterations' times are modelled
+    step: int = -1
+    waiting: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    last_token_by_request: dict[str, Event] = field(default_factory=dict)
+    metrics: Event | None = None
+    num_preemptions: int = 0
+    finished: bool = field(default=False, metadata=SERVERS_WORD)
+    finish_reason: str | None = field(default=None, metadata=SERVERS_WORD)
+    # A fatal error event ended the run (finished too, finish_reason "failed").
+    failed: bool = field(default=False, metadata=SERVERS_WORD)
+    error: str | None = field(default=None, metadata=SERVERS_WORD)  # the newest error event's message
+
+
+PLAIN_FIELDS = tuple(f.name for f in fields(PlainState))
+SERVER_FIELDS = tuple(f.name for f in fields(PlainState) if f.metadata.get("servers_word"))
+
+
+class RunState(PlainState):
+    """Block tables, free list, queues, requests and metrics, as the events say they are.
+
+    Not how the run is paced (paused, speed, lesson mode): that is the served run's, and its viewers'
+    (backend/events/pacing.py), so `control` events change nothing here."""
 
     def __init__(self, max_iterations: int = 256, max_finished: int | None = None):
         self.max_iterations = max_iterations
@@ -90,15 +126,7 @@ class RunState:
         self._reset()
 
     def _reset(self) -> None:
-        self.schema_version: int | None = None
-        self.run_id: str | None = None
-        self.scenario: dict[str, Any] | None = None
-        self.config: dict[str, Any] = {}
-        self.model: dict[str, Any] = {}
-        self.cache: dict[str, Any] = {}
-        self.weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
-        self.draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
-        self.simulated = False  # simulate mode: no weights ran, the iterations' times are modelled
+        PlainState.__init__(self)
         self.block_tables: dict[int, list[int]] = {}
         self.ref_counts: dict[int, int] = {}
         self.block_owner: dict[int, set[int]] = {}
@@ -111,24 +139,11 @@ class RunState:
         self.draft_seqs: dict[int, int] = {}  # draft model's sequence -> the target sequence it drafts for
         self.spec = SpecTotals()
         self.recent_verifies: deque[Event] = deque(maxlen=RECENT_VERIFIES)
-        self.waiting: list[str] = []
-        self.running: list[str] = []
         self.iterations: deque[Event] = deque(maxlen=self.max_iterations)
         # The past a page joining mid-run needs besides the iterations: each kept step's output tokens
         # (its throughput) and the metrics of as many steps (its curves).
         self.step_tokens: dict[int, int] = {}
         self.recent_metrics: deque[Event] = deque(maxlen=self.max_iterations)
-        self.last_token_by_request: dict[str, Event] = {}
-        self.metrics: Event | None = None
-        self.num_preemptions = 0
-        self.paused = False
-        self.speed: float | str | None = None
-        self.lesson = False  # lesson mode: the run pauses at the moments its lesson explains
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.failed = False  # a fatal error event ended the run (finished too, finish_reason "failed")
-        self.error: str | None = None  # the newest error event's message, fatal or not
-        self.step = -1
         self.last_seq = -1
 
     @property
@@ -179,14 +194,6 @@ class RunState:
     def _on_metrics(self, e: Event) -> None:
         self.metrics = e
         self.recent_metrics.append(e)
-
-    def _on_control(self, e: Event) -> None:
-        if e["action"] in ("pause", "resume"):
-            self.paused = e["action"] == "pause"
-        elif e["action"] == "speed":
-            self.speed = e.get("value")
-        elif e["action"] == "lesson":
-            self.lesson = bool(e.get("value"))
 
     def _on_run_finished(self, e: Event) -> None:
         self.finished = True
@@ -402,37 +409,17 @@ class RunState:
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as a JSON-able dict (a websocket client's starting point)."""
+        # Copies, however plain: the reducer edits some (the queues) in place, and a snapshot must not move.
         return {
-            "schema_version": self.schema_version,
-            "run_id": self.run_id,
-            "scenario": self.scenario,
-            "config": self.config,
-            "model": self.model,
-            "cache": self.cache,
-            "step": self.step,
+            **{name: copy.copy(getattr(self, name)) for name in PLAIN_FIELDS},
             "seq": self.last_seq,
             "block_tables": {seq: list(table) for seq, table in self.block_tables.items()},
             "ref_counts": dict(self.ref_counts),
             "free_blocks": self.free_blocks,
             "cached_blocks": sorted(self.cached_blocks),
             "seq_request": dict(self.seq_request),
-            "waiting": list(self.waiting),
-            "running": list(self.running),
             "requests": {rid: asdict(view) for rid, view in self.requests.items()},
             "iterations": list(self.iterations),
-            "last_token_by_request": dict(self.last_token_by_request),
-            "metrics": self.metrics,
-            "num_preemptions": self.num_preemptions,
-            "paused": self.paused,
-            "speed": self.speed,
-            "lesson": self.lesson,
-            "finished": self.finished,
-            "finish_reason": self.finish_reason,
-            "failed": self.failed,
-            "error": self.error,
-            "weights": self.weights,
-            "draft_model": self.draft_model,
-            "simulated": self.simulated,
             "sequences": {seq: asdict(view) for seq, view in self.sequences.items()},
             "draft_seqs": dict(self.draft_seqs),
             "spec": asdict(self.spec),
@@ -446,7 +433,7 @@ class RunState:
         """The state a snapshot describes; also accepts one that went through JSON (str keys)."""
         d = copy.deepcopy(snapshot)
         state = cls(max_iterations)
-        for name in _PLAIN_FIELDS:
+        for name in PLAIN_FIELDS:
             setattr(state, name, d[name])
         state.last_seq = d["seq"]
         state.block_tables = {int(seq): table for seq, table in d["block_tables"].items()}

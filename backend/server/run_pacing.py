@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
+from kvscope.backend.events.pacing import Pacing as PacingView
 from kvscope.backend.server.run_errors import RunError
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
@@ -46,6 +47,10 @@ class Pacing:
             self.speed = float(value)
         elif action == "lesson":
             self.lesson = bool(value)
+
+    def view(self) -> PacingView:
+        """What the run's snapshot and the run list say of it (the fields a dashboard mirrors)."""
+        return PacingView(self.paused, self.speed, self.lesson)
 
     def hold(self) -> None:
         """Pause as a control would (lesson mode, at a moment)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -125,8 +125,8 @@ class ServedRun:
 
     def _snapshot_locked(self) -> dict:
         snap = self.state.snapshot()
-        snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, paused=self.pacing.paused,
-                    speed=self.pacing.speed, lesson=self.pacing.lesson, finished=self.finished)
+        snap.update(type="snapshot", run_id=self.run_id, kind=self.kind, finished=self.finished,
+                    **asdict(self.pacing.view()))
         return snap
 
     def _resync_message_locked(self) -> dict:
@@ -250,5 +250,4 @@ class ServedRun:
 
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
-                "paused": self.pacing.paused, "speed": self.pacing.speed, "lesson": self.pacing.lesson,
-                "finished": self.finished, "failed": self.failure is not None, "step": self.state.step}
+                **asdict(self.pacing.view()), "finished": self.finished, "failed": self.failure is not None, "step": self.state.step}
