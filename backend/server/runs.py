@@ -250,4 +250,5 @@ class ServedRun:
 
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
-                **asdict(self.pacing.view()), "finished": self.finished, "failed": self.failure is not None, "step": self.state.step}
+                **asdict(self.pacing.view()), "finished": self.finished, "failed": self.failure is not None,
+                "step": self.state.step}
