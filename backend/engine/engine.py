@@ -155,7 +155,7 @@ class Engine:
         started = self.clock()
         self.tracker.abort_impossible(self.cache.num_blocks)
         plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens (and drafts)
-        out = self.runner.execute(self.step_input(plan)) if plan.scheduled else StepOutput([])
+        out = self.runner.execute(self._input_for(plan)) if plan.scheduled else StepOutput([])
         now = self.clock()
         self.events.iteration(plan.scheduled, now - started, self.scheduler, self.blocks,
                               self.runtime.iteration_fields())
@@ -169,7 +169,7 @@ class Engine:
                             self.spec.stats.summary() if self.spec else {})
         self.step_no += 1
 
-    def step_input(self, plan: SchedulerOutput) -> StepInput:
+    def _input_for(self, plan: SchedulerOutput) -> StepInput:
         """The scheduler's decision as plain data, with each row's sampling: all the executor reads."""
         eos = self.events.eos_ids
         dist = self.events.wants_dist

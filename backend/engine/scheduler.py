@@ -260,12 +260,12 @@ class Scheduler:
         """A draft model's sequence follows its target: keep the K/V of the common prefix, take its tokens."""
         common = next((i for i, (a, b) in enumerate(zip(draft.token_ids, tokens)) if a != b),
                       min(len(draft.token_ids), len(tokens)))
-        if draft.block_table:
+        new = not draft.block_table
+        if not new:
             self.truncate(draft, min(common, draft.num_computed_tokens))
-        else:  # a new draft sequence reuses the draft model's cached prefix
-            draft.token_ids = list(tokens)
-            draft.num_computed_tokens = self.blocks.match_prefix(draft, count=False)
         draft.token_ids = list(tokens)
+        if new:  # a new draft sequence reuses the draft model's cached prefix
+            draft.num_computed_tokens = self.blocks.match_prefix(draft, count=False)
 
     def blocks_for_next_decodes(self) -> int:
         """Free blocks the running sequences need to decode their next token (a draft must leave them)."""

@@ -42,14 +42,15 @@ class SpecDecoder:
 
     def propose(self) -> None:
         """Draft for every running sequence whose next step is a decode; the scheduler holds the drafts."""
-        decoding = [seq for seq in self.scheduler.running
-                    if seq.num_uncomputed_tokens == 1 and seq.output_token_ids and self.num_draft(seq)]
+        wanted = [(seq, self.num_draft(seq)) for seq in self.scheduler.running
+                  if seq.num_uncomputed_tokens == 1 and seq.output_token_ids]
+        decoding = [(seq, k) for seq, k in wanted if k]
         if not decoding:
             return
-        reqs = [self.tracker.request_of(seq) for seq in decoding]
-        proposals = self.proposer.propose([SpecRequest(seq, self.num_draft(seq), r.params, r.draft_generator)
-                                           for seq, r in zip(decoding, reqs, strict=True)])
-        for seq, proposal in zip(decoding, proposals, strict=True):
+        reqs = [self.tracker.request_of(seq) for seq, _ in decoding]
+        proposals = self.proposer.propose([SpecRequest(seq, k, r.params, r.draft_generator)
+                                           for (seq, k), r in zip(decoding, reqs, strict=True)])
+        for (seq, _), proposal in zip(decoding, proposals, strict=True):
             draft_seq = self.proposer.shadows[seq.seq_id].seq_id if isinstance(self.proposer, DraftModelProposer) \
                 else None
             q_probs = [1.0] * len(proposal.token_ids) if proposal.q is None else \

@@ -135,7 +135,7 @@ class StepEvents:
         """row: the verify row's output (step_output.py): the verdict, p and q of each draft, the top-N dists."""
         if not self.bus.wants("spec_verify"):
             return
-        k, accepted = len(drafts), row.num_accepted
+        accepted = row.num_accepted
         results = [{"token_id": t, "text": self.token_text(t), "p": row.draft_p[j], "q": row.draft_q[j],
                     "accepted": j < accepted} for j, t in enumerate(drafts)]
         fields = {}
@@ -146,4 +146,4 @@ class StepEvents:
         self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
                       results=results, num_accepted=accepted,
                       resampled_token_id=closing if resampled else None,
-                      bonus_token_id=None if resampled else closing, expected_accept=row.expected_accept[:k], **fields)
+                      bonus_token_id=None if resampled else closing, expected_accept=row.expected_accept, **fields)
