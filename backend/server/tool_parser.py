@@ -154,3 +154,42 @@ def parse(parser: HermesToolParser | ForcedCallParser, text: str) -> tuple[str |
     pieces = parser.push(text) + parser.finish()
     content = "".join(p for p in pieces if isinstance(p, str))
     return content or None, [p for p in pieces if isinstance(p, dict)]
+
+
+Parser = HermesToolParser | ForcedCallParser
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """"tool_calls" when the model stopped after making calls; a cut answer ("length") says it was cut."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def chat_message(parser: Parser, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer as an assistant message with its tool calls, and its finish_reason."""
+    content, calls = parse(parser, text)
+    message = {"role": "assistant", "content": content, "refusal": None, **({"tool_calls": calls} if calls else {})}
+    return message, finish_reason(reason, bool(calls))
+
+
+class ToolCallStream:
+    """One streamed choice's deltas with its calls in OpenAI's delta format: a call arrives whole in one
+    delta when its block closes (index, id, type, name and the complete arguments)."""
+
+    def __init__(self, parser: Parser) -> None:
+        self.parser = parser
+        self.calls = 0
+
+    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+        pieces = self.parser.push(text) + (self.parser.finish() if finished else [])
+        delta: dict[str, Any] = {}
+        content = "".join(p for p in pieces if isinstance(p, str))
+        if content:
+            delta["content"] = content
+        calls = [p for p in pieces if isinstance(p, dict)]
+        if calls:
+            delta["tool_calls"] = [{"index": self.calls + k, **call} for k, call in enumerate(calls)]
+            self.calls += len(calls)
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return finish_reason(reason, self.calls > 0)
