@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
+                      model_validator)
 
 from kvscope.backend.engine.request import RequestError
 
@@ -28,7 +29,23 @@ MAX_CHOICES = 256
 GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 Choice = Annotated[str, Field(min_length=1, max_length=1024)]
 ChoiceList = Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)]
-Schema = dict[str, Any] | GrammarText  # vLLM takes a JSON schema as an object or as its text
+
+
+def one_reason(expected: str) -> WrapValidator:
+    """pydantic names the branch of a union that failed ("tool_choice.literal[...]"): say what is expected."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(expected) from None
+
+    return WrapValidator(validate)
+
+
+# vLLM takes a JSON schema as an object or as its text
+Schema = Annotated[dict[str, Any] | GrammarText,
+                   one_reason(f"a JSON schema: an object, or its text (up to {MAX_GRAMMAR_CHARS} characters)")]
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule for names
 
 

@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from kvscope.backend.engine.request import RequestError
-from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, FunctionName, Grammar, StrictModel, check_size
+from kvscope.backend.server.structured import (MAX_GRAMMAR_CHARS, FunctionName, Grammar, StrictModel, check_size,
+                                               one_reason)
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser
 
 MAX_TOOLS = 128
@@ -51,7 +52,8 @@ class NamedToolChoice(StrictModel):
 
 
 Tools = Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)]
-ToolChoice = ToolMode | NamedToolChoice
+ToolChoice = Annotated[ToolMode | NamedToolChoice,
+                      one_reason('"none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')]
 
 
 class CalledFunction(StrictModel):
