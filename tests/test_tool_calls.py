@@ -4,15 +4,21 @@ tools and history the template sees (tools.py), and calls read back out of the m
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from litestar.testing import TestClient
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pydantic import ValidationError
 
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.model.chat import render_speeches, render_template
-from kvscope.backend.server.openai_api import ChatBody, message_dicts
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.generation import Choice
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.openai_api import ChatBody, chat_response, message_dicts, stream_events
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
 from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt
@@ -278,3 +284,98 @@ def test_a_template_with_a_tools_variable_gets_the_definitions_and_calls_as_obje
     messages, tools = template_inputs(True, messages=HISTORY, tools=TOOLS)
     assert render_template(template, messages, {}, tools) == \
         '[get_weather;get_time;]<user>Weather in Paris?<assistant>get_weather{"city": "Paris"}<tool>sunny, 21 C#call_1'
+
+
+# ---- the answer's shape, plain and streamed (openai_api.py over a scripted generation) ------------------------
+
+
+class ScriptedGeneration:
+    """A Generation whose one choice writes the given pieces of text: the response shapes without an engine."""
+
+    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
+        self.id, self.created, self.pieces, self.finish = "chatcmpl-t", 0, pieces, finish
+        self.choices = [Choice(0, stream=None)]
+
+    async def updates(self):
+        choice = self.choices[0]
+        for piece in self.pieces:
+            yield choice, piece, {"text": piece, "logprob": 0.0}
+        choice.text, choice.finish_reason = "".join(self.pieces), self.finish
+        yield choice, "", None
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": 1, "completion_tokens": len(self.pieces), "total_tokens": 1 + len(self.pieces)}
+
+    def close(self) -> None:
+        pass
+
+
+def streamed(pieces: list[str], calling: ToolCalling) -> list[ChatCompletionChunk]:
+    async def collect() -> list[str]:
+        return [event async for event in stream_events(ScriptedGeneration(pieces), "m", "chat", False, False,
+                                                       calling.parser)]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "[DONE]"
+    return [ChatCompletionChunk.model_validate_json(e) for e in events[:-1]]
+
+
+def answered(pieces: list[str], calling: ToolCalling) -> ChatCompletion:
+    gen = ScriptedGeneration(pieces)
+
+    async def run() -> None:
+        async for _ in gen.updates():
+            pass
+
+    asyncio.run(run())
+    return ChatCompletion.model_validate(chat_response(gen, "m", False, calling.parser))
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_a_hermes_call_in_the_models_text_is_a_tool_call_plain_and_streamed(tool_choice: str) -> None:
+    text = "Checking.\n" + WEATHER
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # about a token's worth each
+    calling = ToolCalling.of(body(tools=TOOLS, tool_choice=tool_choice))
+    plain, chunks = answered(pieces, calling).choices[0], streamed(pieces, calling)
+
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    if tool_choice == "none":  # no tools shown, none read: the text is the answer
+        assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == (text, None, "stop")
+        assert content == text and deltas == []
+        return
+    assert plain.message.content == content == "Checking." and plain.finish_reason == "tool_calls"
+    (call,) = plain.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    (delta,) = deltas
+    assert (delta.index, delta.type, delta.function.name, delta.function.arguments) == \
+        (0, "function", "get_weather", call.function.arguments)
+    assert delta.id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(WEATHER[:3] not in (c.choices[0].delta.content or "") for c in chunks)  # the tag never leaks
+
+
+def test_a_forced_named_call_streams_its_arguments_as_one_call() -> None:
+    calling = ToolCalling.of(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    pieces = ['{"city"', ': "Oslo"}']
+    (delta,) = [d for c in streamed(pieces, calling) for d in c.choices[0].delta.tool_calls or []]
+    assert (delta.function.name, json.loads(delta.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    plain = answered(pieces, calling).choices[0]
+    assert plain.message.content is None and plain.message.tool_calls[0].function.name == "get_weather"
+
+
+# ---- bounds before any work --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["guided_json", "response_format", "tools"])
+def test_a_10_mb_schema_is_a_400_before_the_model_loads(tiny_dir, field) -> None:
+    schema = {"type": "object", "description": "x" * 10_000_000}
+    fields = {"guided_json": schema,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+              "tools": [{"type": "function", "function": {"name": "big", "parameters": schema}}]}
+    manager = RunManager(default_model=tiny_dir)
+    with TestClient(create_app(manager, max_body_bytes=20_000_000), base_url="http://127.0.0.1:8000") as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER, field: fields[field]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field)
+        assert len(r.text) < 1000 and "api" not in manager.runs  # nothing echoed, no model loaded
+        assert client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
+    manager.stop_all()
