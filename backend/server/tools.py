@@ -24,7 +24,7 @@ from pydantic import Field
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.server.structured import (MAX_GRAMMAR_CHARS, FunctionName, Grammar, StrictModel, check_size,
                                                one_reason)
-from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser
+from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser, loads
 
 MAX_TOOLS = 128
 ToolMode = Literal["none", "auto", "required"]
@@ -157,10 +157,7 @@ def check_history(messages: list[Any]) -> None:
 
 
 def arguments_object(text: str, field: str) -> dict[str, Any]:
-    try:
-        arguments = json.loads(text)
-    except json.JSONDecodeError:
-        arguments = None
+    arguments = loads(text)
     if not isinstance(arguments, dict):
         raise RequestError(field, "not a JSON object")
     return arguments
