@@ -368,7 +368,7 @@ def test_tools_with_auto_give_a_well_formed_answer_plain_and_streamed(client, mo
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     choice = plain.choices[0]
     calls = choice.message.tool_calls or []
-    assert choice.finish_reason == ("tool_calls" if calls else "length") or choice.finish_reason == "stop"
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert all(c.id.startswith("call_") and json.loads(c.function.arguments) is not None for c in calls)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == (choice.message.content or "")
