@@ -24,7 +24,7 @@ from kvscope.backend.server.generation import Choice
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 from kvscope.backend.server.openai_api import ChatBody, chat_response, message_dicts, stream_events
-from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of
+from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of, named_by_source
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
 from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt
 
@@ -210,6 +210,15 @@ def test_a_request_naming_grammars_or_tools_wrongly_is_refused_naming_the_field(
         grammar(**fields)
     assert refused.value.field == field and words in refused.value.reason
     assert "xxxx" not in str(refused.value)  # a schema is never echoed back
+
+
+def test_the_engines_refusal_of_a_grammar_names_the_field_the_client_sent() -> None:
+    with pytest.raises(RequestError) as refused, named_by_source(Grammar("guided_regex", {"regex": "("})):
+        raise RequestError("sampling.structured_outputs.regex", "the parenthesis is not closed")
+    assert (refused.value.field, str(refused.value)) == ("guided_regex", "guided_regex: the parenthesis is not closed")
+    with pytest.raises(RequestError) as other, named_by_source(Grammar("guided_regex", {"regex": "a"})):
+        raise RequestError("sampling.temperature", "too hot")
+    assert other.value.field == "sampling.temperature"
 
 
 @pytest.mark.parametrize("fields", [

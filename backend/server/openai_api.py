@@ -38,7 +38,7 @@ from kvscope.backend.server.generation import Choice, Generation, prompt_logprob
 from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.run_errors import RunBusy, RunError, RunFailed
 from kvscope.backend.server.structured import (ChoiceList, Grammar, GrammarText, ResponseFormat, Schema,
-                                               StructuredOutputsField, grammar_of,
+                                               StructuredOutputsField, grammar_of, named_by_source,
                                                refuse_until_the_engine_samples_grammars)
 from kvscope.backend.server.tool_parser import Parser, ToolCallStream, chat_message
 from kvscope.backend.server.tools import ToolCall, ToolCalling, ToolChoice, Tools
@@ -516,7 +516,8 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
     gen = Generation(run, data.n or 1, sampling["stop"], "chatcmpl")
-    await gen.submit([(prompt, max_tokens)], sampling)
+    with named_by_source(grammar):
+        await gen.submit([(prompt, max_tokens)], sampling)
     return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)
 
 

@@ -15,6 +15,8 @@ field and never echo the schema back.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -150,6 +152,18 @@ def json_depth(value: Any) -> int:
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+@contextmanager
+def named_by_source(grammar: Grammar | None) -> Iterator[None]:
+    """The engine refuses a grammar it cannot compile as `sampling.structured_outputs.<key>`: the client sent
+    `response_format` or `guided_regex`, so the 400 names that field instead."""
+    try:
+        yield
+    except RequestError as e:
+        if grammar is None or not (e.field or "").startswith("sampling.structured_outputs"):
+            raise
+        raise RequestError(grammar.source, e.reason) from None
 
 
 def refuse_until_the_engine_samples_grammars(grammar: Grammar) -> None:
