@@ -166,7 +166,8 @@ def grammar(**fields) -> Grammar | None:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
      Grammar("response_format", {"json": SCHEMA})),
     ({"structured_outputs": {"regex": "[0-9]+"}}, Grammar("structured_outputs", {"regex": "[0-9]+"})),
-    ({"structured_outputs": {"json": '{"type": "object"}'}}, Grammar("structured_outputs", {"json": '{"type": "object"}'})),
+    ({"structured_outputs": {"json": '{"type": "object"}'}},
+     Grammar("structured_outputs", {"json": '{"type": "object"}'})),
     ({"structured_outputs": {"json_object": True}}, Grammar("structured_outputs", {"json_object": True})),
     ({"guided_json": SCHEMA}, Grammar("guided_json", {"json": SCHEMA})),
     ({"guided_regex": "a|b"}, Grammar("guided_regex", {"regex": "a|b"})),
@@ -223,7 +224,8 @@ def test_the_engines_refusal_of_a_grammar_names_the_field_the_client_sent() -> N
 
 
 @pytest.mark.parametrize("fields", [
-    {"response_format": {"type": "json_schema"}}, {"response_format": {"type": "json_object", "json_schema": {"name": "a"}}},
+    {"response_format": {"type": "json_schema"}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "a"}}},
     {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
     {"guided_choice": []}, {"guided_choice": [""]}, {"guided_regex": ""}, {"guided_regex": 5},
     {"guided_grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}, {"structured_outputs": {"structural_tag": "x"}},
@@ -283,7 +285,8 @@ def test_smollm2s_template_gets_the_hermes_tools_block_and_the_history_written_i
 def test_the_tools_block_joins_the_clients_own_system_message() -> None:
     messages, _ = template_inputs(False, messages=[{"role": "system", "content": "Be brief."}, *USER], tools=TOOLS,
                                   parallel_tool_calls=False)
-    assert messages[0]["content"].startswith("Be brief.\n\n# Tools") and "at most one function" in messages[0]["content"]
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and "at most one function" in system
     assert messages[1:] == USER
 
 
@@ -420,7 +423,8 @@ def smol_client(tiny_dir) -> Iterator[openai.OpenAI]:
 
 def weather_call(k: int, city: str) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{k}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+        {"id": f"call_{k}", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
 
 
 @needs_smollm2

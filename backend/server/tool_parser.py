@@ -25,7 +25,8 @@ Piece = str | dict[str, Any]  # content text, or an OpenAI tool call
 def new_call(name: str, arguments: str) -> dict[str, Any]:
     """An OpenAI tool call; ids are random, so that calls of different turns never share one (a seeded
     request repeated in an agent loop would otherwise answer two calls with the same id)."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def loads(text: str) -> Any:

@@ -28,6 +28,7 @@ from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParse
 
 MAX_TOOLS = 128
 ToolMode = Literal["none", "auto", "required"]
+Messages = list[dict[str, Any]]  # as chat templates read them
 
 
 class FunctionDef(StrictModel):
@@ -86,8 +87,7 @@ class ToolCalling:
     def forced_schema(self) -> dict[str, Any] | None:
         return forced_call_schema(self.tools, self.mode, self.parallel)
 
-    def template_inputs(self, messages: list[dict[str, Any]], native: bool) -> tuple[list[dict[str, Any]],
-                                                                                      list[dict[str, Any]] | None]:
+    def template_inputs(self, messages: Messages, native: bool) -> tuple[Messages, list[dict[str, Any]] | None]:
         shown = None if self.mode == "none" else self.tools
         return template_inputs(messages, shown, native, self.parallel)
 
@@ -166,8 +166,8 @@ def arguments_object(text: str, field: str) -> dict[str, Any]:
 # ---- what the template sees --------------------------------------------------------------------------------
 
 
-def template_inputs(messages: list[dict[str, Any]], tools: list[ToolDef] | None, native: bool,
-                    parallel: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def template_inputs(messages: Messages, tools: list[ToolDef] | None, native: bool,
+                    parallel: bool) -> tuple[Messages, list[dict[str, Any]] | None]:
     """(messages, tools) for a template that reads `tools` (native) or one that does not (Hermes, written
     into the messages). `tools` None: the model is shown none (no tools, or tool_choice "none")."""
     if native:
@@ -199,7 +199,7 @@ def hermes_call(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
 
 
-def _with_tools_prompt(messages: list[dict[str, Any]], tools: list[ToolDef], parallel: bool) -> list[dict[str, Any]]:
+def _with_tools_prompt(messages: Messages, tools: list[ToolDef], parallel: bool) -> Messages:
     """The Hermes tools block at the end of the system message (a new first message when there is none)."""
     block = hermes_tools_prompt(tools, parallel)
     if messages and messages[0]["role"] in ("system", "developer"):
