@@ -253,10 +253,10 @@ def test_a_model_by_id_and_an_unknown_one(client, url: str, model_name: str) -> 
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools.0.function.parameters"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+    ({"functions": [{"name": "f"}]}, "functions"),  # OpenAI's deprecated form of tools
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"store": True}, "store"),
@@ -351,3 +351,81 @@ def test_a_hugging_face_chat_template_renders_with_the_folders_special_tokens(tm
     assert render_template(template, [{"role": "user", "content": "hi"}], tokens) == "<user>hi</s><assistant>"
     with pytest.raises(ChatTemplateError, match="no system"):
         render_template(template, [{"role": "system", "content": "x"}], tokens)
+
+
+# ---- tools and grammars (structured.py, tools.py, tool_parser.py) -----------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALLED = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Verona"}'}}]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "Rain."}]
+
+
+def test_tools_with_auto_give_a_well_formed_answer_plain_and_streamed(client, model_name) -> None:
+    kwargs = dict(model=model_name, messages=CHAT, tools=TOOLS, tool_choice="auto", max_tokens=12, temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    choice = plain.choices[0]
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert all(c.id.startswith("call_") and json.loads(c.function.arguments) is not None for c in calls)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == (choice.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_a_history_with_a_call_and_its_result_is_answered(client, model_name) -> None:
+    r = client.chat.completions.create(model=model_name, messages=CALLED, tools=TOOLS, max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": []}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+    ({"tools": TOOLS * 2}, "tools"),
+    ({"parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": {"description": "x" * 100_000}}, "guided_json"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+])
+def test_malformed_tools_and_grammars_are_400s_naming_the_field(client, model_name, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, extra_body=extra)
+    assert refused.value.body["param"] == param and "xxxx" not in refused.value.body["message"]
+    ok = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("messages, param", [
+    (CALLED[:2] + [{"role": "tool", "content": "Rain."}], "messages.2.tool_call_id"),
+    ([CHAT[0], {**CALLED[1], "role": "user"}], "messages.1.tool_calls"),
+    ([*CHAT, {**CALLED[1], "tool_calls": [{**CALLED[1]["tool_calls"][0], "function": {"name": "f", "arguments": "{"}}]}],
+     "messages.1.tool_calls.0.function.arguments"),
+])
+def test_a_malformed_tool_history_is_a_400_naming_the_message(client, model_name, messages, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+    assert refused.value.body["param"] == param
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
+    ({"guided_regex": "[0-9]+"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+])
+@pytest.mark.skipif("structured_outputs" in SamplingParams.model_fields, reason="the engine samples under grammars: "
+                                                                           "tests/test_tool_calls.py checks them")
+def test_until_the_engine_samples_grammars_asking_for_one_is_a_clear_400(client, model_name, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, extra_body=extra)
+    assert refused.value.body["param"] == param and "grammar-constrained" in refused.value.body["message"]

