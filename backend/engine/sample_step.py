@@ -49,7 +49,8 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     how = [inp.sampling[i] for i, _, _ in streams]
     result = sample(logits[[r for _, r, _ in streams]], [h.params for h in how],
                     [h.uniforms[s] if h.uniforms else 0.0 for h, (_, _, s) in zip(how, streams, strict=True)],
-                    inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how])
+                    inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how],
+                    stacked_masks(how, logits.shape[-1]))
     tops = top_rows(result.raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
     outs, start = [], 0
     for i, _ in drawn:
@@ -69,7 +70,8 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOu
     drafts, k = how.drafts, len(how.drafts)
     # What each position's penalties see: the tokens before it, the drafts before it included.
     prefixes = [how.history + drafts[:j] for j in range(k + 1)] if penalised(how.params) else None
-    raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1))
+    raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1),
+                                  how.allowed)
     q = (how.draft_q if how.draft_q is not None else one_hot(drafts, p.shape[-1])).to(p.device)  # [k, V]
     verdict = verify(p, q, drafts, how.uniforms, how.params.greedy)
     new = drafts[:verdict.num_accepted] + [verdict.token_id]
@@ -92,6 +94,15 @@ def _beam_row(logits: torch.Tensor, how: RowSampling) -> RowOutput:
     logprobs = torch.log_softmax(constrain(logits[None].float(), [how.params])[0], dim=-1)  # [V]
     best = logprobs.topk(min(how.beam_top, logprobs.shape[-1]))
     return RowOutput(candidates=list(zip(best.indices.tolist(), best.values.tolist(), strict=True)))
+
+
+def stacked_masks(how: list[RowSampling], vocab_size: int) -> torch.Tensor | None:
+    """The grammar masks of rows that sample one token each, int32 [len(how), W]; -1 (all) for a row
+    without a grammar. None when no row has one."""
+    if all(h.allowed is None for h in how):
+        return None
+    everything = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    return torch.stack([everything if h.allowed is None else h.allowed[0] for h in how])
 
 
 def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:
