@@ -75,9 +75,8 @@ class Matcher:
 class Grammars:
     """The grammars of one engine's model: a compiler over its vocabulary and the compiled grammars."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int], max_rollback: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
-        self.max_rollback = max_rollback  # drafts a verify row walks ahead (speculative.num_tokens)
         self._compiled: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self.num_compiled = 0  # compilations done (a cache hit compiles nothing)
 
@@ -92,8 +91,9 @@ class Grammars:
         """A new matcher at the start of the grammar (compiled now, or found in the cache)."""
         import xgrammar
 
-        inner = xgrammar.GrammarMatcher(self.compiled(spec), terminate_without_stop_token=not self.eos_ids,
-                                        max_rollback_tokens=self.max_rollback)
+        # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated): a verify row walks
+        # any number of drafts ahead.
+        inner = xgrammar.GrammarMatcher(self.compiled(spec), terminate_without_stop_token=not self.eos_ids)
         return Matcher(inner, self.vocab_size)
 
     def compiled(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:

@@ -41,8 +41,7 @@ class RequestTracker:
         self.on_output: Sink = ignore  # the caller's answers (Engine.stream_outputs)
         self.requests: dict[str, Request] = {}
         self.unfinished: dict[int, Request] = {}  # seq_id -> request
-        self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids,
-                                 config.speculative.num_tokens if config.speculative else 0)
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
         self.matchers: dict[int, Matcher] = {}  # seq_id -> its grammar position (structured outputs)
         self._next_seq_id = 0
 
