@@ -124,8 +124,9 @@ def test_seeded_sampling_under_a_grammar_equals_the_masked_reference(demo, gramm
     def sampled(rid: str) -> SamplingParams:
         return params_of(rid, temperature=0.8, top_p=0.95, seed=int(rid[1:]))
 
-    engine = run_engine(demo, EngineConfig(block_size=4, num_blocks=400), work[:5], sampled)
-    for rid, _, prompt, _ in work[:5]:
+    short = [(rid, step, prompt[:16], MAX_TOKENS) for rid, step, prompt, _ in work[:5]]  # the reference recomputes
+    engine = run_engine(demo, EngineConfig(block_size=4, num_blocks=400), short, sampled)
+    for rid, _, prompt, _ in short:
         assert engine.requests[rid].seq.output_token_ids == masked_reference(demo, grammars, prompt, sampled(rid))
     assert_all_follow(demo, engine)
 
@@ -227,3 +228,15 @@ def test_smollm2_answers_a_json_schema_with_json_that_validates():
     req = engine.requests["p"]
     assert req.finish_reason == "eos"
     assert_follows({"json": SCHEMA}, req.output_text)
+
+
+@pytest.mark.parametrize("speculative", [None, NGRAM])
+def test_token_events_say_how_many_tokens_the_grammar_allowed_and_the_mass_it_removed(speculative, demo):
+    events: list[dict] = []
+    prompt = demo.tokenizer.encode("ROMEO:\nyes yes yes yes")
+    run_engine(demo, EngineConfig(speculative=speculative, block_size=4, num_blocks=100), [("a", 0, prompt, 30)],
+               SamplingParams(temperature=0.0, structured_outputs={"choice": ["yes yes"]}), events=events)
+    tokens = [parse_event(e) for e in events if e["type"] == "token"]
+    assert all(t.num_allowed >= 1 and 0.0 <= t.masked_mass <= 1.0 for t in tokens)
+    assert tokens[-1].token_id in demo.tokenizer.eos_token_ids and tokens[-1].num_allowed == 1, "only EOS is left"
+    assert any(t.masked_mass > 0.01 for t in tokens), "the mask removes what the model wanted"

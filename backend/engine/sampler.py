@@ -1,8 +1,9 @@
 """From logits to tokens, vectorized over the batch.
 
 Order of the stages (each one is a view in the dashboard's sampling panel):
-the grammar's mask (structured outputs), allowed_token_ids and logit_bias -> raw softmax at T=1 -> penalties -> temperature -> top-k -> top-p
-(over the top-k survivors renormalized) -> min-p -> final distribution, the order of transformers and vLLM.
+the grammar's mask (structured outputs), allowed_token_ids and logit_bias -> raw softmax at T=1 ->
+penalties -> temperature -> top-k -> top-p (over the top-k survivors renormalized) -> min-p -> final
+distribution, the order of transformers and vLLM.
 EOS survives the three filters unless the request sets `truncate_eos`.
 Each row draws its uniform number from its own request's generator, so a seeded request gets the
 same tokens whatever else shares its batch.
@@ -85,6 +86,13 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Packed int32 [B, W] -> bool [B, vocab_size]: which tokens each row allows."""
     bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def mask_effect(logits: torch.Tensor, bitmask: torch.Tensor) -> list[tuple[int, float]]:
+    """Per row of logits [B, V] under bitmask [B, W]: (tokens allowed, raw T=1 probability mass removed)."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+    removed = torch.softmax(logits.float(), dim=-1).masked_fill(allowed, 0.0).sum(dim=-1)
+    return list(zip(allowed.sum(dim=-1).tolist(), removed.tolist(), strict=True))
 
 
 def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:
