@@ -116,6 +116,8 @@ EXAMPLES: dict[str, dict] = {
             "min_p": 0.0,
         },
         "top_logprobs": [[42, "x", -0.69], [7, "y", -1.2]],
+        "num_allowed": 12,
+        "masked_mass": 0.25,
     },
     "spec_propose": {"request_id": "r0", "seq_id": 0, "token_ids": [1, 2], "q_probs": [0.9, 0.5], "method": "draft",
                      "draft_seq_id": 7, "position": 12, "token_texts": ["a", "b"]},

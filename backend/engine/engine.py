@@ -174,7 +174,8 @@ class Engine:
         eos = self.events.eos_ids
         dist = self.events.wants_dist
         return step_input(plan.scheduled, plan.block_copies, self.config.block_size,
-                          [row_sampling(item, self.tracker.request_of(item.seq), eos) for item in plan.scheduled],
+                          [row_sampling(item, self.tracker.request_of(item.seq), eos,
+                                        self.tracker.matchers.get(item.seq.seq_id)) for item in plan.scheduled],
                           eos, self.config.dist_top_n if dist else 0, dist and self.events.rows is not None)
 
     # ---- requests -----------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ class OutputProcessor:
             req = self.tracker.request_of(s)
             alternatives = row.top_logprobs[j] if row.top_logprobs else None
             self.events.token(req, s, row.token_ids[j], row.logprobs[j], row.raw_probs[j] if row.raw_probs is not None
-                              else None, row.tops[j] if row.tops else None, alternatives=alternatives)
+                              else None, row.tops[j] if row.tops else None, alternatives=alternatives,
+                              grammar=row.grammar[j] if row.grammar else None)
             self.tracker.append(req, s, row.token_ids[j], row.logprobs[j], now, alternatives)
         return len(seqs)
 

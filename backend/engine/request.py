@@ -97,6 +97,9 @@ def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_token
 def check_supported(params: SamplingParams, config: EngineConfig) -> None:
     """Refuse sampling settings this engine configuration cannot honour."""
     if params.beam_width > 0:
+        if params.structured_outputs is not None:
+            raise RequestError("sampling.structured_outputs", "beam search ranks whole hypotheses, it cannot "
+                                                              "follow a grammar: use n > 1 with sampling instead")
         if config.speculative is not None:
             raise RequestError("sampling.beam_width", "beam search ranks every candidate, it does not sample: "
                                                       "it cannot run with speculative decoding")

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.beam_search import BeamState, Hypothesis
 from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.grammar import Grammars, Matcher
 from kvscope.backend.engine.metrics import RequestTimes
 from kvscope.backend.engine.request_output import Arrived, Finished, Forked, Sink, Token, ignore
 from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_prompt_ids, check_supported,
@@ -40,6 +41,8 @@ class RequestTracker:
         self.on_output: Sink = ignore  # the caller's answers (Engine.stream_outputs)
         self.requests: dict[str, Request] = {}
         self.unfinished: dict[int, Request] = {}  # seq_id -> request
+        self.grammars = Grammars(tokenizer, vocab_size, self.eos_ids)
+        self.matchers: dict[int, Matcher] = {}  # seq_id -> its grammar position (structured outputs)
         self._next_seq_id = 0
 
     def new_seq_id(self) -> int:
@@ -75,6 +78,7 @@ class RequestTracker:
         params = parse_sampling(sampling)
         check_supported(params, self.config)
         check_token_ids(params, self.vocab_size)
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt_ids(ids, self.vocab_size)
         check_fits(self.config, num_blocks, len(ids), max_tokens)
@@ -86,6 +90,8 @@ class RequestTracker:
                       draft_generator=torch.Generator().manual_seed((seed + 0x5EED) % 2**63))
         self.requests[request_id] = req
         self.unfinished[seq.seq_id] = req
+        if matcher is not None:
+            self.matchers[seq.seq_id] = matcher
         self.scheduler.add(seq)
         self.events.request_arrived(req)
         self.on_output(Arrived(request_id, seq.seq_id, len(ids)))
@@ -109,6 +115,8 @@ class RequestTracker:
         req.add_stream(child)
         req.cumulative_logprob[child.seq_id] = req.cumulative_logprob[parent.seq_id]
         self.unfinished[child.seq_id] = req
+        if parent.seq_id in self.matchers:
+            self.matchers[child.seq_id] = self.matchers[parent.seq_id].fork()
         self.on_output(Forked(req.request_id, child.seq_id))
         return child
 
@@ -120,6 +128,8 @@ class RequestTracker:
 
         alternatives: its top_logprobs, when the request asks for them."""
         self.scheduler.append(seq, token)
+        if seq.seq_id in self.matchers:
+            self.matchers[seq.seq_id].accept(token)
         self.on_output(Token(req.request_id, seq.seq_id, token, logprob, alternatives))
         req.cumulative_logprob[seq.seq_id] += logprob
         req.times.num_output_tokens += 1
@@ -131,6 +141,8 @@ class RequestTracker:
         """Append one generated token; end the sequence if it ends here. True if it did."""
         self.extend(req, seq, token, logprob, now, alternatives)
         reason = finish_reason_after(req, seq, token, self.eos_ids, self.config.max_model_len, self.tokenizer)
+        if reason is None and seq.seq_id in self.matchers and self.matchers[seq.seq_id].terminated:
+            reason = "stop"  # the grammar ended (its EOS accepted under ignore_eos): nothing more may follow
         if reason:
             self.end_seq(req, seq, reason)
         return reason is not None
@@ -142,6 +154,7 @@ class RequestTracker:
         self.scheduler.remove(seq)
         self.on_seq_end(seq)
         self.unfinished.pop(seq.seq_id, None)
+        self.matchers.pop(seq.seq_id, None)
         req.seq_finish[seq.seq_id] = reason
         if reason == "pruned":
             req.seqs.remove(seq)  # a pruned beam returns nothing: keeps `live` short as beams fork every step

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kvscope.backend.engine.sampler import constrain, distributions, penalised, sample
+from kvscope.backend.engine.sampler import constrain, distributions, mask_effect, penalised, sample
 from kvscope.backend.engine.rejection import verify
 from kvscope.backend.engine.step_input import RowSampling, StepInput
 from kvscope.backend.engine.step_output import RowOutput, StepOutput, TopLogprobs
@@ -47,9 +47,11 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     """One batched draw for every stream of every sampling row (n streams share their row's logits)."""
     streams = [(i, r, s) for i, r in drawn for s in range(inp.sampling[i].streams)]
     how = [inp.sampling[i] for i, _, _ in streams]
-    result = sample(logits[[r for _, r, _ in streams]], [h.params for h in how],
+    rows, masks = logits[[r for _, r, _ in streams]], stacked_masks(how, logits.shape[-1])
+    result = sample(rows, [h.params for h in how],
                     [h.uniforms[s] if h.uniforms else 0.0 for h, (_, _, s) in zip(how, streams, strict=True)],
-                    inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how])
+                    inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how], masks)
+    effect = mask_effect(rows, masks) if masks is not None else None
     tops = top_rows(result.raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
     outs, start = [], 0
     for i, _ in drawn:
@@ -60,7 +62,8 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
             token_ids=[result.token_ids[j] for j in js], logprobs=[result.logprobs[j] for j in js],
             top_logprobs=[top_logprobs(result.raw_probs[j], asks) for j in js] if asks else None,
             tops=[tops[j] for j in js] if tops is not None else None,
-            raw_probs=result.raw_probs[js] if inp.keep_raw else None))
+            raw_probs=result.raw_probs[js] if inp.keep_raw else None,
+            grammar=[effect[j] for j in js] if effect and inp.sampling[i].allowed is not None else None))
     return outs
 
 
@@ -69,7 +72,8 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOu
     drafts, k = how.drafts, len(how.drafts)
     # What each position's penalties see: the tokens before it, the drafts before it included.
     prefixes = [how.history + drafts[:j] for j in range(k + 1)] if penalised(how.params) else None
-    raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1))
+    raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1),
+                                  how.allowed)
     q = (how.draft_q if how.draft_q is not None else one_hot(drafts, p.shape[-1])).to(p.device)  # [k, V]
     verdict = verify(p, q, drafts, how.uniforms, how.params.greedy)
     new = drafts[:verdict.num_accepted] + [verdict.token_id]
@@ -79,6 +83,8 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOu
                     expected_accept=torch.minimum(p[:k], q).sum(-1).tolist() if k else [])
     if how.params.logprobs:
         out.top_logprobs = [top_logprobs(raw[j], how.params.logprobs) for j in range(len(new))]
+    if how.allowed is not None:
+        out.grammar = mask_effect(logits[:len(new)], how.allowed[:len(new)])
     out.tops = top_rows(raw, p[:len(new)], new, inp.dist_top_n, inp.eos_ids)
     if inp.dist_top_n:
         out.verify_dists = verify_rows(p, q, inp.dist_top_n)
@@ -92,6 +98,15 @@ def _beam_row(logits: torch.Tensor, how: RowSampling) -> RowOutput:
     logprobs = torch.log_softmax(constrain(logits[None].float(), [how.params])[0], dim=-1)  # [V]
     best = logprobs.topk(min(how.beam_top, logprobs.shape[-1]))
     return RowOutput(candidates=list(zip(best.indices.tolist(), best.values.tolist(), strict=True)))
+
+
+def stacked_masks(how: list[RowSampling], vocab_size: int) -> torch.Tensor | None:
+    """The grammar masks of rows that sample one token each, int32 [len(how), W]; -1 (all) for a row
+    without a grammar. None when no row has one."""
+    if all(h.allowed is None for h in how):
+        return None
+    everything = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    return torch.stack([everything if h.allowed is None else h.allowed[0] for h in how])
 
 
 def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """From logits to tokens, vectorized over the batch.
 
 Order of the stages (each one is a view in the dashboard's sampling panel):
-allowed_token_ids and logit_bias -> raw softmax at T=1 -> penalties -> temperature -> top-k -> top-p
-(over the top-k survivors renormalized) -> min-p -> final distribution, the order of transformers and vLLM.
+the grammar's mask (structured outputs), allowed_token_ids and logit_bias -> raw softmax at T=1 ->
+penalties -> temperature -> top-k -> top-p (over the top-k survivors renormalized) -> min-p -> final
+distribution, the order of transformers and vLLM.
 EOS survives the three filters unless the request sets `truncate_eos`.
 Each row draws its uniform number from its own request's generator, so a seeded request gets the
 same tokens whatever else shares its batch.
@@ -59,11 +60,14 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def constrain(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The request's own edits of the model's logits [B, V]: allowed_token_ids, then logit_bias.
+def constrain(logits: torch.Tensor, params: list[SamplingParams], bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """The request's own edits of the model's logits [B, V]: the grammar's mask, allowed_token_ids, logit_bias.
 
-    They come before everything else, so the "raw" distribution (logprobs, events, beam search)
-    is the constrained one, as in vLLM and the OpenAI API."""
+    bitmask: int32 [B, ceil(V / 32)] packed (bit t % 32 of word t // 32: token t allowed), -1 for a row
+    without a grammar. They come before everything else, so the "raw" distribution (logprobs, events,
+    beam search) is the constrained one, as in vLLM and the OpenAI API."""
+    if bitmask is not None:
+        logits = logits.masked_fill(~unpack_bitmask(bitmask.to(logits.device), logits.shape[-1]), -torch.inf)
     if not any(p.allowed_token_ids is not None or p.logit_bias for p in params):
         return logits
     logits = logits.clone()
@@ -76,6 +80,19 @@ def constrain(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed int32 [B, W] -> bool [B, vocab_size]: which tokens each row allows."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def mask_effect(logits: torch.Tensor, bitmask: torch.Tensor) -> list[tuple[int, float]]:
+    """Per row of logits [B, V] under bitmask [B, W]: (tokens allowed, raw T=1 probability mass removed)."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+    removed = torch.softmax(logits.float(), dim=-1).masked_fill(allowed, 0.0).sum(dim=-1)
+    return list(zip(allowed.sum(dim=-1).tolist(), removed.tolist(), strict=True))
 
 
 def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:
@@ -135,12 +152,13 @@ def draw(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
 
 def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int],
                   histories: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(raw log-probs at T=1, constrained and penalised logits, final distribution), each [B, V].
 
     histories: each row's tokens so far (prompt + output), prompt_lens where its output starts; they
-    are read (and the outputs cut from them) only when a row asks for a penalty."""
-    logits = constrain(logits.float(), params)
+    are read (and the outputs cut from them) only when a row asks for a penalty. bitmask: the
+    grammars' masks (`constrain`)."""
+    logits = constrain(logits.float(), params, bitmask)
     raw_log = torch.log_softmax(logits, dim=-1)
     adjusted = logits
     if any(penalised(p) for p in params):
@@ -152,11 +170,11 @@ def distributions(logits: torch.Tensor, params: list[SamplingParams], eos_ids: l
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float],
            eos_ids: list[int], histories: list[list[int]] | None = None,
-           prompt_lens: list[int] | None = None) -> SamplerOutput:
-    """Pick one token per row of logits [B, V] (histories and prompt_lens as in `distributions`).
+           prompt_lens: list[int] | None = None, bitmask: torch.Tensor | None = None) -> SamplerOutput:
+    """Pick one token per row of logits [B, V] (histories, prompt_lens and bitmask as in `distributions`).
 
     uniforms: one per row, read by the rows that sample (a greedy row ignores its own)."""
-    raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, prompt_lens)
+    raw_log, adjusted, final = distributions(logits, params, eos_ids, histories, prompt_lens, bitmask)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
                                                                       draw(final, uniforms))

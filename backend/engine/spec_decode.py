@@ -69,7 +69,8 @@ class SpecDecoder:
         for j, (token, source, logprob) in enumerate(zip(row.token_ids, sources, row.logprobs, strict=True)):
             alternatives = row.top_logprobs[j] if row.top_logprobs else None
             self.events.token(req, seq, token, logprob, row.raw_probs[j] if row.raw_probs is not None else None,
-                              row.tops[j] if row.tops else None, source, alternatives)
+                              row.tops[j] if row.tops else None, source, alternatives,
+                              row.grammar[j] if row.grammar else None)
             if self.tracker.append(req, seq, token, logprob, now, alternatives):
                 return j + 1  # the sequence ended here: its blocks (and its draft's) are gone already
         self.scheduler.computed(seq, start + row.num_accepted)  # the last token and the accepted drafts

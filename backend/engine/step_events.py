@@ -103,10 +103,11 @@ class StepEvents:
 
     def token(self, req: Request, seq: Sequence, token: int, logprob: float, raw_probs: torch.Tensor | None,
               top: list | None, source: str = "target",
-              alternatives: tuple[tuple[int, float], ...] | None = None) -> None:
+              alternatives: tuple[tuple[int, float], ...] | None = None,
+              grammar: tuple[int, float] | None = None) -> None:
         """One token event; raw_probs [V] is the T=1 distribution it came from (kept for the what-if),
         top its distribution's rows [token, raw p, final p] (step_output.RowOutput.tops), alternatives its
-        top_logprobs when the request asks."""
+        top_logprobs when the request asks, grammar (tokens allowed, raw mass masked) under structured outputs."""
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
@@ -120,6 +121,8 @@ class StepEvents:
                 self.rows.put(req.request_id, seq.seq_id, fields["position"], raw_probs)
         if alternatives is not None:
             fields["top_logprobs"] = [[t, self.token_text(t), lp] for t, lp in alternatives]
+        if grammar is not None:
+            fields["num_allowed"], fields["masked_mass"] = grammar
         self.bus.emit("token", **fields)
 
     # ---- speculative decoding ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from kvscope.backend.engine.grammar import Matcher
 from kvscope.backend.engine.request import Request
 from kvscope.backend.engine.sampler import penalised, uniform
 from kvscope.backend.engine.sampling_params import SamplingParams
@@ -36,6 +37,9 @@ class RowSampling:
     drafts: list[int] = field(default_factory=list)  # verify: the drafted tokens, the row's last k queries
     draft_q: torch.Tensor | None = None  # verify: [k, V] the proposer's distributions; None: one-hot (n-gram)
     beam_top: int = 0  # beam: candidates to hand back (beam_search.select needs width + len(eos) per beam)
+    # structured outputs: the grammar's packed masks, int32 [1 (sample) or k + 1 (verify), ceil(V / 32)];
+    # filled from the sequence's matcher here, on the scheduler's side, which alone holds grammar state
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,19 @@ def step_input(batch: list[ScheduledSeq], block_copies: list[tuple[int, int]], b
                      keep_raw=keep_raw)
 
 
-def row_sampling(item: ScheduledSeq, req: Request, eos_ids: list[int]) -> RowSampling | None:
-    """How the entry's logits become tokens, with the uniforms drawn now from its streams' generators."""
+def row_sampling(item: ScheduledSeq, req: Request, eos_ids: list[int],
+                 matcher: Matcher | None = None) -> RowSampling | None:
+    """How the entry's logits become tokens, with the uniforms drawn now from its streams' generators.
+
+    matcher: the sequence's grammar (structured outputs), whose masks the row carries."""
     seq, params = item.seq, req.params
     history = list(seq.token_ids) if penalised(params) else None
     if item.drafts:
         streams = [req.streams[seq.seq_id]] * (item.num_draft + 1)
+        drafts = list(item.drafts.token_ids)
         return RowSampling("verify", params, _uniforms(req, streams), history=history,
-                           prompt_len=seq.num_prompt_tokens, drafts=list(item.drafts.token_ids), draft_q=item.drafts.q)
+                           prompt_len=seq.num_prompt_tokens, drafts=drafts, draft_q=item.drafts.q,
+                           allowed=matcher.masks(drafts) if matcher else None)
     if not item.samples:
         return None
     if req.beam is not None:
@@ -116,7 +125,7 @@ def row_sampling(item: ScheduledSeq, req: Request, eos_ids: list[int]) -> RowSam
     first_of_n = params.n > 1 and len(req.seqs) == 1 and not seq.output_token_ids
     streams = list(range(params.n)) if first_of_n else [req.streams[seq.seq_id]]
     return RowSampling("sample", params, _uniforms(req, streams), streams=len(streams), history=history,
-                       prompt_len=seq.num_prompt_tokens)
+                       prompt_len=seq.num_prompt_tokens, allowed=matcher.masks([]) if matcher else None)
 
 
 def _uniforms(req: Request, streams: list[int]) -> list[float]:

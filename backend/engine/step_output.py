@@ -27,6 +27,7 @@ class RowOutput:
     top_logprobs: list[TopLogprobs] | None = None  # per token, when the row's request asks for logprobs
     tops: list[list[list]] | None = None  # per token, [token, raw p, final p] rows of the event's `dist`
     raw_probs: torch.Tensor | None = None  # [len(token_ids), V] kept for the what-if (keep_raw)
+    grammar: list[tuple[int, float]] | None = None  # per token under a grammar: (tokens allowed, raw mass masked)
     # verify rows
     num_accepted: int = 0
     source: str = "target"  # of the last token: target | resampled | bonus

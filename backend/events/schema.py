@@ -218,6 +218,9 @@ class TokenEvent(_Event):
     source: Literal["target", "draft_accepted", "resampled", "bonus"]
     dist: TokenDist | None = None  # dropped at events level "summary"
     top_logprobs: list[tuple[int, str, float]] | None = None  # [token_id, text, logprob]; sampling.logprobs > 0
+    # structured outputs: tokens the grammar allowed here, and the raw (T=1) probability mass it removed
+    num_allowed: int | None = None
+    masked_mass: float | None = None
 
 
 class SpecProposeEvent(_Event):

@@ -52,7 +52,7 @@ class Tokenizer:
         return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     @cached_property
-    def _special_ids(self) -> frozenset[int]:
+    def special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @cached_property
@@ -72,11 +72,15 @@ class Tokenizer:
         ids, start = [], 0
         encoding = self._tok.encode(text, add_special_tokens=False)
         for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
-            if token_id in self._special_ids:
+            if token_id in self.special_ids:
                 ids += self._plain.encode(restore(text[start:begin]), add_special_tokens=False).ids
                 ids.append(token_id)
                 start = end
         return ids + self._plain.encode(restore(text[start:]), add_special_tokens=False).ids
+
+    def vocab(self) -> dict[str, int]:
+        """Every token's byte-level text (special tokens' too) -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

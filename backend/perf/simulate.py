@@ -117,8 +117,10 @@ def check_engine(config: EngineConfig) -> None:
 
 
 def simulated_sampling(params: SamplingParams) -> SamplingParams:
-    """Drop what only a real model's vocabulary gives meaning to: stop strings and ids, biases, allowed ids."""
-    return params.model_copy(update={"stop": [], "stop_token_ids": [], "logit_bias": {}, "allowed_token_ids": None})
+    """Drop what only a real model's vocabulary gives meaning to: stop strings and ids, biases, allowed ids,
+    grammars (the stand-in has no EOS: a grammar could never end)."""
+    return params.model_copy(update={"stop": [], "stop_token_ids": [], "logit_bias": {}, "allowed_token_ids": None,
+                                     "structured_outputs": None})
 
 
 def kv_pool(dep: Deployment, utilization: float) -> tuple[float, float]:

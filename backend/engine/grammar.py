@@ -1,0 +1,157 @@
+"""Structured outputs: grammars compiled by xgrammar, one matcher per sequence, a token mask per row.
+
+A request's `structured_outputs` (sampling_params.py) is compiled once at admission against the
+model's vocabulary (a JSON schema, any JSON object, a regex, a choice list or an EBNF grammar all
+become one xgrammar grammar) and cached by its text, so a repeated request compiles nothing. Each
+sequence walks the grammar with its own `Matcher`: the scheduler's side asks it for a packed
+bitmask of the tokens allowed next (one per verified position for a verify row), the executor
+applies it before any other filter (sampler.constrain), and the update advances it with every
+token appended. The model's EOS is the matcher's stop token: it is allowed exactly where the
+grammar may end, and accepting it terminates the matcher.
+
+xgrammar is imported where it is first used: it pulls in transformers (~0.7 s), which a run
+without structured outputs never pays.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvscope.backend.engine.request import RequestError
+from kvscope.backend.engine.sampling_params import StructuredOutputs, json_text
+from kvscope.backend.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar
+
+MAX_CACHED = 128  # compiled grammars kept per engine (a JSON schema's is tens of KB to a few MB)
+MAX_REASON_CHARS = 200  # xgrammar's messages quote the whole input: a user's schema is not echoed back
+
+
+class Matcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, inner: xgrammar.GrammarMatcher, vocab_size: int) -> None:
+        self._inner, self.vocab_size = inner, vocab_size
+
+    def fork(self) -> Matcher:
+        """An independent copy at the same position (n > 1: each sibling walks on alone)."""
+        return Matcher(self._inner.fork(), self.vocab_size)
+
+    def accept(self, token: int) -> None:
+        """Advance past a token the mask allowed (every appended token was drawn under this matcher's mask)."""
+        accepted = self._inner.accept_token(token)
+        assert accepted, f"token {token} was appended though the grammar forbids it"
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar has ended (its stop token, the model's EOS, was accepted)."""
+        return self._inner.is_terminated()
+
+    def masks(self, drafts: list[int]) -> torch.Tensor:
+        """Packed bitmasks int32 [len(drafts) + 1, ceil(V / 32)]: row j allows the tokens after drafts[:j].
+
+        The drafts are walked tentatively and rolled back: only the verdict decides what is appended.
+        Rows past a draft the grammar forbids (or past the end) allow everything: those positions are
+        never reached, since the forbidden draft has probability 0 and is rejected."""
+        masks = torch.full((len(drafts) + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        walked = 0
+        for j in range(len(drafts) + 1):
+            self._inner.fill_next_token_bitmask(masks, j)
+            if j == len(drafts) or not self._inner.accept_token(drafts[j]):
+                break
+            walked += 1
+            if self._inner.is_terminated():
+                break
+        if walked:
+            self._inner.rollback(walked)
+        return masks
+
+
+class Grammars:
+    """The grammars of one engine's model: a compiler over its vocabulary and the compiled grammars."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self._compiled: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self.num_compiled = 0  # compilations done (a cache hit compiles nothing)
+
+    @cached_property
+    def _compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+
+        return xgrammar.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids),
+                                        cache_enabled=False)  # our cache, keyed by the grammar's text, is the one
+
+    def matcher(self, spec: StructuredOutputs) -> Matcher:
+        """A new matcher at the start of the grammar (compiled now, or found in the cache)."""
+        import xgrammar
+
+        # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated): a verify row walks
+        # any number of drafts ahead.
+        inner = xgrammar.GrammarMatcher(self.compiled(spec), terminate_without_stop_token=not self.eos_ids)
+        return Matcher(inner, self.vocab_size)
+
+    def compiled(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """The grammar compiled, or RequestError naming the field (its reason cut short: never the whole input)."""
+        key = (spec.kind, source_text(spec))
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        try:
+            compiled = self._compile(*key)
+        except (RuntimeError, ValueError) as e:
+            raise RequestError(f"sampling.structured_outputs.{spec.kind}", short_reason(e)) from None
+        self.num_compiled += 1
+        self._compiled[key] = compiled
+        if len(self._compiled) > MAX_CACHED:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, source: str) -> xgrammar.CompiledGrammar:
+        if kind in ("json", "json_object"):
+            # Compact JSON (no free whitespace between tokens): with it a small model can emit newlines
+            # until max_tokens, a known failure of any-whitespace JSON grammars; the JSON is the same.
+            return self._compiler.compile_json_schema(source, any_whitespace=False)
+        if kind == "regex":
+            return self._compiler.compile_regex(source)
+        return self._compiler.compile_grammar(source)  # grammar, and choice as an EBNF alternation
+
+
+def source_text(spec: StructuredOutputs) -> str:
+    """The text the grammar compiles from (a choice list becomes an EBNF alternation of string literals)."""
+    if spec.kind == "json":
+        return spec.json if isinstance(spec.json, str) else json_text(spec.json)
+    if spec.kind == "choice":
+        return "root ::= " + " | ".join(json_text(choice) for choice in spec.choice)
+    return '{"type":"object"}' if spec.kind == "json_object" else getattr(spec, spec.kind)
+
+
+def short_reason(error: Exception) -> str:
+    """xgrammar's message without its C++ source location, cut before it quotes the input at length."""
+    text = str(error).strip()
+    if "] " in text and text.startswith("["):  # "[17:27:30] /project/cpp/x.cc:94: Regex parsing error ..."
+        text = text.split("] ", 1)[1]
+        text = text.split(": ", 1)[1] if text.startswith("/") else text
+    text = text.split(" The JSON string is:")[0]
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 3] + "..."
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> xgrammar.TokenizerInfo:
+    """xgrammar's view of a byte-level BPE vocabulary (the demo models' and SmolLM2's), sized like the logits.
+
+    Special tokens other than EOS are given no text: xgrammar treats an empty token as special and
+    never allows it, where its literal text (`<|im_start|>`) would be allowed inside a JSON string."""
+    import xgrammar
+
+    encoded = [""] * vocab_size
+    special = tokenizer.special_ids - set(eos_ids)
+    for text, token in tokenizer.vocab().items():
+        if token < vocab_size and token not in special:
+            encoded[token] = text
+    return xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                                  stop_token_ids=list(eos_ids) or None)
