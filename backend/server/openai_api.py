@@ -38,8 +38,7 @@ from kvscope.backend.server.generation import Choice, Generation, prompt_logprob
 from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.run_errors import RunBusy, RunError, RunFailed
 from kvscope.backend.server.structured import (ChoiceList, Grammar, GrammarText, ResponseFormat, Schema,
-                                               StructuredOutputsField, grammar_of, named_by_source,
-                                               refuse_until_the_engine_samples_grammars)
+                                               StructuredOutputsField, grammar_of, named_by_source)
 from kvscope.backend.server.tool_parser import Parser, ToolCallStream, chat_message
 from kvscope.backend.server.tools import ToolCall, ToolCalling, ToolChoice, Tools
 
@@ -268,8 +267,7 @@ def sampling_for(body: _Sampling, logprobs: int, grammar: Grammar | None = None)
     sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sampling["logprobs"] = logprobs
     if grammar is not None:
-        # With #24's engine this line becomes: sampling["structured_outputs"] = grammar.outputs
-        refuse_until_the_engine_samples_grammars(grammar)
+        sampling["structured_outputs"] = grammar.outputs
     try:
         SamplingParams.model_validate(sampling)
     except ValidationError as e:

@@ -164,9 +164,3 @@ def named_by_source(grammar: Grammar | None) -> Iterator[None]:
         if grammar is None or not (e.field or "").startswith("sampling.structured_outputs"):
             raise
         raise RequestError(grammar.source, e.reason) from None
-
-
-def refuse_until_the_engine_samples_grammars(grammar: Grammar) -> None:
-    """Grammar-constrained sampling is not in this engine yet (issue #24): a clear 400 naming the field."""
-    raise RequestError(grammar.source, "grammar-constrained sampling (structured outputs, forced tool calls) is "
-                                       "not available in this kvscope yet")
