@@ -412,20 +412,3 @@ def test_a_malformed_tool_history_is_a_400_naming_the_message(client, model_name
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
     assert refused.value.body["param"] == param
-
-
-@pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
-     "response_format"),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
-    ({"guided_regex": "[0-9]+"}, "guided_regex"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-])
-@pytest.mark.skipif("structured_outputs" in SamplingParams.model_fields, reason="the engine samples under grammars: "
-                                                                           "tests/test_tool_calls.py checks them")
-def test_until_the_engine_samples_grammars_asking_for_one_is_a_clear_400(client, model_name, extra, param) -> None:
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1, extra_body=extra)
-    assert refused.value.body["param"] == param and "grammar-constrained" in refused.value.body["message"]

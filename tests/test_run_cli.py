@@ -35,8 +35,10 @@ def test_run_writes_trace_and_report_and_prints_the_table(tmp_path, capsys):
 
 
 def test_the_table_reports_sharing_and_speculation(tmp_path, capsys):
-    path = write_scenario(tmp_path, requests=[{"id": "a", "prompt": "ROMEO:\nWhat light", "max_tokens": 8,
-                                               "sampling": {"temperature": 1.0, "seed": 1, "n": 3}}],
+    # The prompt repeats itself, so the n-gram lookup finds drafts (an empty lookup is a plain decode, not a verify).
+    path = write_scenario(tmp_path, requests=[{"id": "a", "max_tokens": 8,
+                                               "prompt": "ROMEO:\nWhat light through yonder window breaks? ROMEO:\nWhat light",
+                                               "sampling": {"temperature": 0.5, "seed": 1, "n": 3}}],
                           engine={"block_size": 4, "num_blocks": 64,
                                   "speculative": {"method": "ngram", "num_tokens": 2}})
     report = tmp_path / "r.json"

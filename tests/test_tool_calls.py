@@ -17,7 +17,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ValidationError
 
 from kvscope.backend.engine.request import RequestError
-from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.chat import render_speeches, render_template
 from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
@@ -462,19 +461,12 @@ def test_smollm2_answers_after_a_call_and_its_result(smol_client) -> None:
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
 
 
-# Once the engine samples under a grammar (SamplingParams.structured_outputs, issue #24 point 1) and
-# openai_api.sampling_for passes it on, these run; until then test_openai_api checks the clear 400.
-needs_grammars = pytest.mark.skipif("structured_outputs" not in SamplingParams.model_fields,
-                                    reason="the engine does not sample under a grammar yet")
-
-
 class Weather(BaseModel):
     city: str
     celsius: int
 
 
 @needs_smollm2
-@needs_grammars
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_smollm2_forced_to_call_makes_a_call_whose_arguments_follow_the_schema(smol_client, tool_choice) -> None:
     for stream in (False, True):
@@ -491,7 +483,6 @@ def test_smollm2_forced_to_call_makes_a_call_whose_arguments_follow_the_schema(s
 
 
 @needs_smollm2
-@needs_grammars
 def test_smollm2_parses_into_a_pydantic_model_with_the_official_clients_parse(smol_client) -> None:
     r = smol_client.chat.completions.parse(model=SMOLLM2, messages=USER, response_format=Weather, temperature=0,
                                            max_tokens=40)
@@ -499,7 +490,6 @@ def test_smollm2_parses_into_a_pydantic_model_with_the_official_clients_parse(sm
 
 
 @needs_smollm2
-@needs_grammars
 @pytest.mark.parametrize("extra, check", [
     ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
     ({"guided_choice": ["sunny", "rainy"]}, lambda text: text in ("sunny", "rainy")),
@@ -511,7 +501,6 @@ def test_smollm2_answers_within_the_grammar_each_field_names(smol_client, extra,
     assert r.choices[0].finish_reason == "stop" and check(r.choices[0].message.content)
 
 
-@needs_grammars
 def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_clients_field(smol_client, tiny_dir) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         smol_client.chat.completions.create(model=tiny_dir, messages=USER, max_tokens=4,
