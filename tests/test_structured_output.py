@@ -240,3 +240,11 @@ def test_token_events_say_how_many_tokens_the_grammar_allowed_and_the_mass_it_re
     assert all(t.num_allowed >= 1 and 0.0 <= t.masked_mass <= 1.0 for t in tokens)
     assert tokens[-1].token_id in demo.tokenizer.eos_token_ids and tokens[-1].num_allowed == 1, "only EOS is left"
     assert any(t.masked_mass > 0.01 for t in tokens), "the mask removes what the model wanted"
+
+
+def test_allowed_token_ids_beside_a_grammar_is_refused_naming_the_field(demo):
+    """Two hard masks could leave no token to draw (the run's worker would fail): refused at admission."""
+    engine = Engine(demo, EngineConfig(block_size=4, num_blocks=64))
+    with pytest.raises(RequestError, match="structured_outputs") as refused:
+        engine.add_request("a", "ROMEO:", 8, {"allowed_token_ids": [5], "structured_outputs": {"choice": ["yes"]}})
+    assert refused.value.field == "sampling.allowed_token_ids" and not engine.has_unfinished()

@@ -96,6 +96,10 @@ def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_token
 
 def check_supported(params: SamplingParams, config: EngineConfig) -> None:
     """Refuse sampling settings this engine configuration cannot honour."""
+    if params.structured_outputs is not None and params.allowed_token_ids is not None:
+        # Two hard masks may leave no token at all, and a grammar cannot end where nothing may follow.
+        raise RequestError("sampling.allowed_token_ids", "cannot be combined with structured_outputs: the grammar "
+                                                         "already decides which tokens may come next")
     if params.beam_width > 0:
         if params.structured_outputs is not None:
             raise RequestError("sampling.structured_outputs", "beam search ranks whole hypotheses, it cannot "
