@@ -2,7 +2,7 @@
 
 Rows of logits follow the StepInput's `logit_rows`: one per sampling row, k + 1 per verify row.
 Sampling rows are drawn together (each from its own uniforms, so batching changes nothing), verify
-rows judge their drafts by modified rejection sampling (speculative.verify), beam rows hand back
+rows judge their drafts by modified rejection sampling (rejection.verify), beam rows hand back
 their best candidates. Everything the scheduler's side needs comes back as numbers: no logits
 leave the executor, only the top-N rows observers asked for.
 """
