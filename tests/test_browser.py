@@ -458,6 +458,8 @@ def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_sca
     page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
     page.get_by_role("option", name="min-p", exact=True).click()
     page.locator("[data-kv=token-strip] [data-i='0']").first.click()
+    # the request's last token was drawn (and its row fetched) first: wait for the click's redraw
+    page.locator("[data-kv=token-strip] [data-i='0'].kv-tok-selected").first.wait_for()
     exactness = page.locator("[data-kv=sampling-exactness]")
     page.wait_for_function("(el) => el.innerText.startsWith('exact')", arg=exactness.element_handle())
     assert "(2,048 tokens)" in exactness.inner_text()
