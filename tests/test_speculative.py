@@ -123,7 +123,11 @@ def test_verify_rule_on_known_distributions():
 # ---- the distribution test ----------------------------------------------------------------------
 
 NUM_SAMPLES = 6_000
-SETTINGS = {"T1": dict(temperature=1.0), "T0.7-top-p-0.9": dict(temperature=0.7, top_p=0.9)}
+ENDED = -1  # the counted "token" of a position past the output's end
+SETTINGS = {"T1": dict(temperature=1.0), "T0.7-top-p-0.9": dict(temperature=0.7, top_p=0.9),
+            # the draft proposes from its own unmasked distribution; the target's masked p rejects what the
+            # grammar forbids, and the output must still follow the masked target exactly
+            "T1-grammar": dict(temperature=1.0, structured_outputs={"regex": "[a-z ]+"})}
 
 
 def chi_square_pvalue(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
@@ -162,8 +166,9 @@ def sampled_tokens(demo, draft, speculative, sampling: dict) -> list[Counter]:
         engine.step()
     counts = [Counter(), Counter(), Counter()]
     for req in engine.requests.values():
-        for position, token in enumerate(req.seq.output_token_ids[1:]):
-            counts[position][token] += 1
+        tokens = req.seq.output_token_ids[1:]
+        for position in range(3):  # ENDED: a grammar that accepts lets EOS end the output early
+            counts[position][tokens[position] if position < len(tokens) else ENDED] += 1
     return counts
 
 
@@ -180,13 +185,19 @@ def test_speculative_sampling_has_the_target_distribution(setting, demo, draft, 
         assert chi_square_pvalue(a, b) > 0.01, f"output token {position + 2} differs from the target's"
 
 
-def test_the_distribution_test_catches_a_wrong_rule(demo, draft, direct_samples, monkeypatch):
-    def always_accept(p, q, drafts, uniforms, greedy):
+@pytest.mark.parametrize("setting", ["T1", "T1-grammar"])
+def test_the_distribution_test_catches_a_wrong_rule(setting, demo, draft, direct_samples, monkeypatch):
+    def accept_whatever_p_allows(p, q, drafts, uniforms, greedy):
+        """Keeps every draft the (masked) target gives any probability: the output follows the grammar
+        but leans towards the draft's distribution."""
+        for j, x in enumerate(drafts):
+            if p[j, x] == 0:
+                return Verdict(j, int(draw(p[j][None], uniforms[-1:])[0]), "resampled", [True] * j + [False] * (len(drafts) - j))
         return Verdict(len(drafts), int(draw(p[-1][None], uniforms[-1:])[0]), "bonus", [True] * len(drafts))
 
-    monkeypatch.setattr(sample_step, "verify", always_accept)
-    spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS["T1"])
-    assert chi_square_pvalue(spec[0], direct_samples["T1"][0]) < 0.01
+    monkeypatch.setattr(sample_step, "verify", accept_whatever_p_allows)
+    spec = sampled_tokens(demo, draft, {**DRAFT, "num_tokens": 2}, SETTINGS[setting])
+    assert chi_square_pvalue(spec[0], direct_samples[setting][0]) < 0.01
 
 
 @pytest.mark.parametrize("spec", [DRAFT, NGRAM])
