@@ -192,7 +192,8 @@ def test_the_distribution_test_catches_a_wrong_rule(setting, demo, draft, direct
         but leans towards the draft's distribution."""
         for j, x in enumerate(drafts):
             if p[j, x] == 0:
-                return Verdict(j, int(draw(p[j][None], uniforms[-1:])[0]), "resampled", [True] * j + [False] * (len(drafts) - j))
+                token = int(draw(p[j][None], uniforms[-1:])[0])
+                return Verdict(j, token, "resampled", [True] * j + [False] * (len(drafts) - j))
         return Verdict(len(drafts), int(draw(p[-1][None], uniforms[-1:])[0]), "bonus", [True] * len(drafts))
 
     monkeypatch.setattr(sample_step, "verify", accept_whatever_p_allows)
