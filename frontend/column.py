@@ -9,6 +9,7 @@ from nicegui.events import GenericEventArguments
 
 from kvscope.frontend.client import Backend, RunFeed
 from kvscope.frontend.controls import PromptBox
+from kvscope.frontend.grammar_position import tagged
 from kvscope.frontend.hardware import HardwareChoice, HardwarePicker
 from kvscope.frontend.lesson import LessonGuide
 from kvscope.frontend.selection import Selection
@@ -55,11 +56,14 @@ class RunColumn:
                 self.simulated = ui.label("simulated: no weights ran, times are modelled").classes("kv-caption") \
                     .mark("run-simulated")
                 self.simulated.set_visibility(False)
-            self.lesson = ui.markdown("").classes("kv-small kv-lesson grow").mark("run-lesson")
-            self.lesson.set_visibility(not self.compact)  # side by side: the columns differ in engine only
+            ui.space()
             HardwarePicker(self.hardware)
             self.picker = ui.select({FOLLOW: "follow running"}, value=FOLLOW, label="request",
                                     on_change=self._on_pick).classes("w-44").props("dense").mark("request-picker")
+        # the scenario's description on a line of its own: beside the title and pickers, a docked lesson
+        # card left it a column a few words wide
+        self.lesson = ui.markdown("").classes("kv-small kv-lesson w-full").mark("run-lesson")
+        self.lesson.set_visibility(not self.compact)  # side by side: the columns differ in engine only
         # the selected request's own text: what a lesson reads out (prompt, reply, how it ended)
         self.request_text = ui.label("").classes("kv-caption kv-request-text w-full").mark("request-text")
         with ui.element("div").classes("w-full") as self.prompt_row:
@@ -114,7 +118,8 @@ class RunColumn:
         if state is None:
             return
         if len(self.picker.options) != len(state.requests) + 1:
-            self.picker.set_options({FOLLOW: "follow running", **{r: r for r in state.requests}},
+            names = {r: tagged(r, view.sampling) for r, view in state.requests.items()}  # a grammar's kind shown
+            self.picker.set_options({FOLLOW: "follow running", **names},
                                     value=self.picker.value if self.picker.value in state.requests else FOLLOW)
         scenario = state.scenario or {}
         # which model ran (a scenario with a fallback_model says so here); a folder by its last part

@@ -37,6 +37,7 @@ MOMENT_TITLES = {
     "copy_on_write": "First copy-on-write", "cache_full": "The cache is full", "preempt": "First preemption",
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
     "draft_rejected": "First draft rejection", "first_token": "First token sampled",
+    "mask_forced": "The grammar overrules the model", "one_token_allowed": "Only one token allowed",
     "request_finished": "First request finished", "bound_changed": "The bound changes", "finished": "Finished",
 }  # fmt: skip
 

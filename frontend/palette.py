@@ -55,7 +55,7 @@ SLOT_COLORS = {"used": "#6b7280", "idle": "#fde2e2", "idle_edge": "#e8a0a0"}
 # .kv-chip-shared and .kv-chip-fill draw them).
 CHIP_COLORS = {"shared": FLASH_COLORS["share"], "fill": "#fef3c7"}
 # The sampling panel's token axis: the chosen token and end-of-sequence tokens.
-TOKEN_MARK_COLORS = {"chosen": "#d62728", "eos": "#8c564b"}
+TOKEN_MARK_COLORS = {"chosen": "#d62728", "eos": "#8c564b", "masked": "#7f7f7f"}
 # A drafted token's fate in the speculative rows (static/kvscope.css .kv-tok-acc and the rest).
 SPEC_COLORS = {"accepted": "#59a14f", "rejected": "#e15759", "discarded": "#cbd5e1", "resampled": "#f28e2b",
                "bonus": "#4e79a7"}

@@ -5,11 +5,14 @@ every stage is computed over the full vocabulary. Approximate: a token event car
 tokens' raw probabilities (a replay, an evicted row), so the rest of the vocabulary is modelled as
 tokens no more likely than the least likely shown one (an upper bound on each), as many as the left
 over mass needs. Either way the shown tokens are reported one by one and everything else as one
-"tail" bucket. The rules are those of `backend/engine/sampler.py` (`truncation_mask`): temperature,
-then top-k (ties with the k-th token kept), then top-p judged on the top-k survivors renormalized,
-then min-p, the most likely token always kept, EOS protected unless `truncate_eos`. We reimplement
-them with numpy instead of importing the sampler because importing torch costs the dashboard
-seconds (tests/test_imports.py holds the dashboard to no torch); tests check both agree to 1e-6.
+"tail" bucket. Under a grammar (structured outputs) the event's raw distribution is the one after
+the grammar's mask; the model's own comes first as the "model" stage, rebuilt from the mass the
+mask removed and the likeliest tokens it removed (the event's `dist.masked`). The rules are those
+of `backend/engine/sampler.py` (`truncation_mask`): temperature, then top-k (ties with the k-th
+token kept), then top-p judged on the top-k survivors renormalized, then min-p, the most likely
+token always kept, EOS protected unless `truncate_eos`. We reimplement them with numpy instead of
+importing the sampler because importing torch costs the dashboard seconds (tests/test_imports.py
+holds the dashboard to no torch); tests check both agree to 1e-6.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 STAGES = ("raw", "temperature", "top_k", "top_p", "min_p")
+GRAMMAR_STAGES = ("model", "masked", *STAGES[1:])  # under a grammar: the model's own, then after its mask
 STAGE_LABELS = {
+    "model": "model (T = 1)",
+    "masked": "after the grammar's mask",
     "raw": "raw (T = 1)",
     "temperature": "after temperature",
     "top_k": "after top-k",
@@ -44,11 +50,23 @@ class Knobs:
 
 
 @dataclass
+class Mask:
+    """What a grammar's mask did to a token's distribution (a token event's masked_mass and dist.masked)."""
+
+    mass: float  # the model's probability on the tokens it removed
+    top: list[list]  # [token_id, text, the model's p] of the likeliest removed tokens
+    num_allowed: int
+
+
+@dataclass
 class Stages:
     """Probabilities per stage for the shown tokens (same order as `token_ids`) and the tail."""
 
     token_ids: list[int]
     texts: list[str]
+    names: tuple[str, ...] = STAGES  # the stages, in order (GRAMMAR_STAGES under a grammar)
+    mask: Mask | None = None  # the grammar's, when one constrains the token
+    masked: set[int] = field(default_factory=set)  # shown tokens the grammar's mask removed
     probs: dict[str, list[float]] = field(default_factory=dict)
     tail: dict[str, float] = field(default_factory=dict)  # mass of all tokens not shown, per stage
     tail_count: int = 0  # how many vocabulary tokens the tail stands for (modelled when not exact)
@@ -57,11 +75,17 @@ class Stages:
 
 
 def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size: int,
-                   row: np.ndarray | None = None) -> Stages:
-    """Each stage's distribution over the shown tokens (sorted by raw probability) plus the tail.
+                   row: np.ndarray | None = None, mask: Mask | None = None) -> Stages:
+    """Each stage's distribution over the shown tokens (sorted by raw probability; under a grammar by
+    the model's, its masked tokens among them) plus the tail.
 
     row: the whole raw distribution [vocab] (exact); None: the tail model (approximate)."""
     rows = sorted(top, key=lambda r: -r[2])
+    if mask is not None:  # a masked token has no raw (after the mask) probability: 0 among the rows
+        model_p = {int(r[0]): float(r[2]) * (1.0 - mask.mass) for r in rows}
+        rows += [[t, text, 0.0] for t, text, _ in mask.top if int(t) not in model_p]
+        model_p |= {int(t): float(p) for t, _, p in mask.top}
+        rows.sort(key=lambda r: -model_p[int(r[0])])
     ids, texts = [int(r[0]) for r in rows], [r[1] for r in rows]
     if row is not None:
         full, shown, tail_count = np.asarray(row, dtype=np.float64), np.array(ids, dtype=np.int64), len(row) - len(ids)
@@ -75,7 +99,24 @@ def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size:
         picked = p[shown]
         out.probs[stage] = picked.tolist()
         out.tail[stage] = max(0.0, float(p.sum() - picked.sum()))
+    if mask is not None:
+        _model_stage(out, rows, mask)
     return out
+
+
+def _model_stage(out: Stages, rows: list[list], mask: Mask) -> None:
+    """The model's own distribution before the grammar's mask, over the shown tokens and the tail: an
+    allowed token's is its raw p scaled back by the mass the mask kept; a masked one's is on record.
+    The raw stage (the event's, after the mask) is renamed "masked"."""
+    model_p = {int(t): float(p) for t, _, p in mask.top}
+    out.masked = {int(r[0]) for r in rows if float(r[2]) == 0.0 and int(r[0]) in model_p}
+    out.probs["masked"], out.tail["masked"] = out.probs.pop("raw"), out.tail.pop("raw")
+    kept = 1.0 - mask.mass
+    out.probs["model"] = [model_p[t] if t in out.masked else p * kept
+                          for t, p in zip(out.token_ids, out.probs["masked"], strict=True)]
+    out.tail["model"] = max(0.0, 1.0 - sum(out.probs["model"]))
+    out.removed["masked"] = mask.mass  # named on the stage after the cut, as each filter's is
+    out.names, out.mask = GRAMMAR_STAGES, mask
 
 
 def _modelled_row(raw: list[float], vocab_size: int) -> tuple[np.ndarray, int]:

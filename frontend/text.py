@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from kvscope.backend.events.state import RequestView
+from kvscope.frontend.grammar_position import KIND_LABELS, constraint
 
 
 def md_escape(text: str) -> str:
@@ -20,6 +21,9 @@ def request_text(view: RequestView) -> str:
     """A request as a lesson reads it: how it stands, its prompt and its reply so far, as plain text
     (a chat's template tokens stay visible: they are part of the prompt the model read)."""
     status = f"finished ({view.finish_reason})" if view.finish_reason else view.status
+    grammar = constraint(view.sampling)
+    if grammar is not None:
+        status += f" · structured output: {KIND_LABELS[grammar[0]]}"
     prompt = "(it arrived before this trace began)" if view.joined else view.prompt_text
     return (f"{view.id} · {status} · reply, {len(view.output_token_ids)} tokens: {view.output_text}\n"
             f"prompt, {view.prompt_len} tokens: {prompt}")  # the reply first: a long prompt scrolls

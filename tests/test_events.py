@@ -114,6 +114,7 @@ EXAMPLES: dict[str, dict] = {
             "top_k": 0,
             "top_p": 0.9,
             "min_p": 0.0,
+            "masked": [[9, "z", 0.2]],
         },
         "top_logprobs": [[42, "x", -0.69], [7, "y", -1.2]],
         "num_allowed": 12,

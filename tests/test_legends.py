@@ -24,7 +24,8 @@ VIEWS = {
                    [*BLOCK_COLORS.values(), request_color(0), *FLASH_COLORS.values(), FOCUS_COLOR]),
     "block table": (block_table.LEGEND, [request_color(0), *CHIP_COLORS.values()]),
     "attention": (attention.LEGEND, [*MASK_COLORS.values()]),
-    "sampling": (sampling.LEGEND + [(sampling.STAGE_COLORS[s], STAGE_LABELS[s]) for s in sampling.STAGE_COLORS],
+    "sampling": (sampling.LEGEND + sampling.MASK_LEGEND
+                 + [(sampling.STAGE_COLORS[s], STAGE_LABELS[s]) for s in sampling.STAGE_COLORS],
                  [*TOKEN_MARK_COLORS.values(), *sampling.STAGE_COLORS.values()]),
     "speculative": (speculative.LEGEND + [(speculative.P_COLOR, "p (target)"), (speculative.Q_COLOR, "q (draft)")],
                     [*SPEC_COLORS.values(), speculative.P_COLOR, speculative.Q_COLOR]),

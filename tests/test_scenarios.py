@@ -7,6 +7,7 @@ with `--set`-style overrides, exactly as their lesson tells a user to.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ LESSONS |= {"quantization"}
 LESSONS |= {"speculative-draft", "speculative-ngram"}
 LESSONS |= {"real-chat", "real-sampling"}
 LESSONS |= {"roofline"}
+LESSONS |= {"structured-output"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -537,6 +539,26 @@ def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature(
     assert max(raw for *_, raw, _ in creative) < 0.1
     assert sum(raw for *_, raw, _ in creative) < 0.6
     assert _final_entropy(factual) < 0.5 * _final_entropy(creative)
+
+
+def test_structured_output_follows_each_grammar_and_its_tokens_say_what_the_mask_did():
+    """As the lesson says: JSON with the schema's keys, a date, one of three words; each token carries
+    how many tokens the grammar allowed, the mass it removed and the likeliest tokens it removed."""
+    trace = run("structured-output")
+    done = {e["request_id"]: e["output_text"] for e in trace.of("request_finished")}
+    person = json.loads(done["person"])
+    assert set(person) == {"name", "age", "alive"} and isinstance(person["name"], str)
+    assert type(person["age"]) is int and 0 <= person["age"] <= 120 and type(person["alive"]) is bool
+    assert re.fullmatch(r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", done["date"])
+    assert done["verdict"] in ("yes", "no", "unsure")
+    for rid in done:
+        tokens = trace.tokens(rid)
+        assert all(t["num_allowed"] >= 1 and ("masked" in t["dist"]) == (t["masked_mass"] > 0) for t in tokens)
+        assert tokens[-1]["num_allowed"] == 1, "at the end only EOS is left"
+    first = trace.tokens("person")[0]
+    assert first["masked_mass"] > 0.5 and first["text"].strip() == "{", "the model wanted prose; the schema an object"
+    allowed = [t["num_allowed"] for t in trace.tokens("person")]
+    assert max(allowed) > 1000 and min(allowed) == 1, "inside the name's string almost anything; around it, one"
 
 
 def test_roofline_decode_turns_compute_bound_with_the_batch_and_int8_kv_moves_the_knee():

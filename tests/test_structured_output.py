@@ -240,6 +240,11 @@ def test_token_events_say_how_many_tokens_the_grammar_allowed_and_the_mass_it_re
     assert all(t.num_allowed >= 1 and 0.0 <= t.masked_mass <= 1.0 for t in tokens)
     assert tokens[-1].token_id in demo.tokenizer.eos_token_ids and tokens[-1].num_allowed == 1, "only EOS is left"
     assert any(t.masked_mass > 0.01 for t in tokens), "the mask removes what the model wanted"
+    for t in tokens:  # the view's first stage: the likeliest tokens the mask took, with the model's p
+        allowed = {row[0] for row in t.dist.top if row[2] > 0}
+        masked = {row[0]: row[2] for row in t.dist.masked}
+        assert not allowed & set(masked) and sum(masked.values()) <= t.masked_mass + 1e-6
+        assert bool(masked) == (t.masked_mass > 0)
 
 
 def test_allowed_token_ids_beside_a_grammar_is_refused_naming_the_field(demo):

@@ -51,7 +51,7 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     result = sample(rows, [h.params for h in how],
                     [h.uniforms[s] if h.uniforms else 0.0 for h, (_, _, s) in zip(how, streams, strict=True)],
                     inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how], masks)
-    effect = mask_effect(rows, masks) if masks is not None else None
+    effect = mask_effect(rows, masks, inp.dist_top_n) if masks is not None else None
     tops = top_rows(result.raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
     outs, start = [], 0
     for i, _ in drawn:
@@ -84,7 +84,7 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOu
     if how.params.logprobs:
         out.top_logprobs = [top_logprobs(raw[j], how.params.logprobs) for j in range(len(new))]
     if how.allowed is not None:
-        out.grammar = mask_effect(logits[:len(new)], how.allowed[:len(new)])
+        out.grammar = mask_effect(logits[:len(new)], how.allowed[:len(new)], inp.dist_top_n)
     out.tops = top_rows(raw, p[:len(new)], new, inp.dist_top_n, inp.eos_ids)
     if inp.dist_top_n:
         out.verify_dists = verify_rows(p, q, inp.dist_top_n)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.step_output import MaskEffect
 
 
 @dataclass
@@ -88,11 +89,17 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
-def mask_effect(logits: torch.Tensor, bitmask: torch.Tensor) -> list[tuple[int, float]]:
-    """Per row of logits [B, V] under bitmask [B, W]: (tokens allowed, raw T=1 probability mass removed)."""
+def mask_effect(logits: torch.Tensor, bitmask: torch.Tensor, top_n: int = 0) -> list[MaskEffect]:
+    """Per row of the model's logits [B, V] under bitmask [B, W]: how many tokens it allows, the model's
+    probability mass (T=1) on the ones it removes, and the top_n of those."""
     allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
-    removed = torch.softmax(logits.float(), dim=-1).masked_fill(allowed, 0.0).sum(dim=-1)
-    return list(zip(allowed.sum(dim=-1).tolist(), removed.tolist(), strict=True))
+    removed = torch.softmax(logits.float(), dim=-1).masked_fill(allowed, 0.0)  # [B, V]
+    top = removed.topk(min(top_n, removed.shape[-1])) if top_n else None
+    effects = []
+    for b, (count, mass) in enumerate(zip(allowed.sum(dim=-1).tolist(), removed.sum(dim=-1).tolist(), strict=True)):
+        rows = zip(top.indices[b].tolist(), top.values[b].tolist(), strict=True) if top is not None else ()
+        effects.append(MaskEffect(count, mass, [(t, p) for t, p in rows if p > 0]))
+    return effects
 
 
 def final_distribution(logits: torch.Tensor, params: list[SamplingParams], eos_ids: list[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from kvscope.backend.engine.metrics import KVSnapshot
 from kvscope.backend.engine.request import Request
 from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.step_output import RowOutput
+from kvscope.backend.engine.step_output import MaskEffect, RowOutput
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.tokenizer import Tokenizer
 
@@ -104,10 +104,10 @@ class StepEvents:
     def token(self, req: Request, seq: Sequence, token: int, logprob: float, raw_probs: torch.Tensor | None,
               top: list | None, source: str = "target",
               alternatives: tuple[tuple[int, float], ...] | None = None,
-              grammar: tuple[int, float] | None = None) -> None:
+              grammar: MaskEffect | None = None) -> None:
         """One token event; raw_probs [V] is the T=1 distribution it came from (kept for the what-if),
         top its distribution's rows [token, raw p, final p] (step_output.RowOutput.tops), alternatives its
-        top_logprobs when the request asks, grammar (tokens allowed, raw mass masked) under structured outputs."""
+        top_logprobs when the request asks, grammar what the structured output's mask did."""
         if not self.bus.wants("token"):
             return
         fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
@@ -122,7 +122,9 @@ class StepEvents:
         if alternatives is not None:
             fields["top_logprobs"] = [[t, self.token_text(t), lp] for t, lp in alternatives]
         if grammar is not None:
-            fields["num_allowed"], fields["masked_mass"] = grammar
+            fields["num_allowed"], fields["masked_mass"] = grammar.num_allowed, grammar.masked_mass
+            if "dist" in fields:  # the tokens the mask took from the model: the view's first stage
+                fields["dist"]["masked"] = [[t, self.token_text(t), p] for t, p in grammar.masked_top]
         self.bus.emit("token", **fields)
 
     # ---- speculative decoding ---------------------------------------------------------------------

@@ -21,13 +21,22 @@ TopLogprobs = tuple[tuple[int, float], ...]  # (token, logprob), likeliest first
 
 
 @dataclass
+class MaskEffect:
+    """What a grammar's mask did to one row: what the sampling view draws as its first stage."""
+
+    num_allowed: int  # tokens the grammar allows here
+    masked_mass: float  # the model's probability (softmax at T=1, before the mask) on the tokens it removed
+    masked_top: list[tuple[int, float]]  # the likeliest removed tokens, (token, the model's p); dist_top_n of them
+
+
+@dataclass
 class RowOutput:
     token_ids: list[int] = field(default_factory=list)  # sample: one per stream; verify: accepted drafts + one
     logprobs: list[float] = field(default_factory=list)  # raw (T=1) log-probability of each of token_ids
     top_logprobs: list[TopLogprobs] | None = None  # per token, when the row's request asks for logprobs
     tops: list[list[list]] | None = None  # per token, [token, raw p, final p] rows of the event's `dist`
     raw_probs: torch.Tensor | None = None  # [len(token_ids), V] kept for the what-if (keep_raw)
-    grammar: list[tuple[int, float]] | None = None  # per token under a grammar: (tokens allowed, raw mass masked)
+    grammar: list[MaskEffect] | None = None  # per token under a grammar
     # verify rows
     num_accepted: int = 0
     source: str = "target"  # of the last token: target | resampled | bonus

@@ -16,7 +16,8 @@ from typing import Any, Literal
 Event = dict[str, Any]
 MomentKind = Literal["queued", "slot_refilled", "prefill_chunk", "prompt_cached", "first_decode", "block_added",
                      "prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
-                     "prune", "draft_rejected", "first_token", "request_finished", "bound_changed", "finished"]
+                     "prune", "draft_rejected", "first_token", "mask_forced", "one_token_allowed", "request_finished",
+                     "bound_changed", "finished"]
 MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
 # Where each moment is seen: the views lesson mode highlights.
 VIEWS: dict[str, tuple[str, ...]] = {
@@ -27,6 +28,7 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "copy_on_write": ("blocks", "block_table"), "cache_full": ("blocks", "metrics"),
     "preempt": ("blocks", "timeline"), "recompute": ("timeline", "batch"), "fork": ("timeline", "blocks"),
     "prune": ("timeline", "blocks"), "draft_rejected": ("speculative",), "first_token": ("sampling",),
+    "mask_forced": ("sampling",), "one_token_allowed": ("sampling",),
     "request_finished": ("timeline", "metrics"), "bound_changed": ("roofline", "batch"), "finished": ("metrics",),
 }  # fmt: skip
 
@@ -126,6 +128,10 @@ class MomentFinder:
     def _on_token(self, e: Event) -> None:
         if "dist" in e and (moment := self._note("first_token")):  # a draw the sampling view can show
             moment.add(request_id=e["request_id"])
+        if "dist" in e and mask_forced(e) and (moment := self._note("mask_forced")):
+            moment.add(request_id=e["request_id"])
+        if e.get("num_allowed") == 1 and (moment := self._note("one_token_allowed")):
+            moment.add(request_id=e["request_id"])
 
     def _on_seq_fork(self, e: Event) -> None:
         self.seq_request[e["seq_id"]] = e["request_id"]
@@ -217,6 +223,14 @@ class MomentFinder:
 
     def _on_run_finished(self, e: Event) -> None:
         self._note("finished")
+
+
+def mask_forced(token: Event) -> bool:
+    """Whether a grammar's mask removed the model's own likeliest token (its dist.masked holds a token
+    the model gave more than any allowed one), so the token drawn is not one the model would have picked."""
+    masked = token["dist"].get("masked") or []
+    best_allowed = max((row[2] for row in token["dist"]["top"]), default=0.0) * (1.0 - token.get("masked_mass", 0.0))
+    return any(row[2] > best_allowed for row in masked)
 
 
 def lesson_moments(scenario: dict[str, Any] | None) -> frozenset[str]:

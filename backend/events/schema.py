@@ -83,6 +83,9 @@ class TokenDist(_Exact):
     top_k: int
     top_p: float
     min_p: float
+    # under a grammar: the likeliest tokens its mask removed, [token_id, text, the model's prob before the mask]
+    # (top's raw_prob is after the mask, renormalised over the tokens it allowed)
+    masked: list[tuple[int, str, float]] | None = None
 
 
 class SpecResult(_Exact):

@@ -10,10 +10,12 @@ from nicegui import ui
 from nicegui.events import GenericEventArguments
 
 from kvscope.frontend.client import LogEntry, RunFeed
-from kvscope.frontend.sampling_math import STAGE_LABELS, STAGES, Knobs, Stages, compute_stages, decode_row, knobs_of
+from kvscope.frontend.grammar_position import position_text
+from kvscope.frontend.sampling_math import (STAGE_LABELS, STAGES, Knobs, Mask, Stages, compute_stages, decode_row,
+                                            knobs_of)
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import TOKEN_MARK_COLORS
-from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.base import FeedView, legend, legend_html, view_card
 from kvscope.frontend.views.charts import make_chart, probability_bars
 from kvscope.frontend.views.live_text import LiveText
 from kvscope.frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
@@ -43,15 +45,25 @@ one (or click a token in its row) to see its tokens. Beam search samples nothing
 keeps the (beam, token) pairs with the highest **total log-probability**, shown per row with the
 beam's **score** (total / length ^ length_penalty, how finished beams are ranked); a beam not kept
 is **pruned** (struck through). For a beam token the chart compares the candidates kept that step.
+
+A request with **structured outputs** (a JSON schema, a regex, a choice, a grammar) is sampled under
+the grammar's mask: before every other stage, each token the grammar does not allow next gets
+probability 0 and the rest are renormalised. The chart then starts one stage earlier: **model** is
+the model's own distribution, **after the grammar's mask** what is left of it (the legend names the
+share it removed; a masked token is marked ✕ and greyed), and every later stage works on that. The
+line under the chart says how many tokens the grammar allowed and where the output stands in it
+(for JSON, the path of the value being written).
 """
 
-STAGE_COLORS = {"raw": "#bab0ac", "temperature": "#4e79a7", "top_k": "#76b7b2", "top_p": "#b07aa1",
-                "min_p": "#f28e2b"}
+# grey: the model's own distribution (raw, or "model" before a grammar's mask)
+STAGE_COLORS = {"raw": "#bab0ac", "model": "#bab0ac", "masked": "#9c755f", "temperature": "#4e79a7",
+                "top_k": "#76b7b2", "top_p": "#b07aa1", "min_p": "#f28e2b"}
 BEAM_COLORS = {"picked": "#d62728", "other": "#9aa5b1"}
 CLICK_JS = ("(e) => { const d = e.target.dataset; "
             "if (d && d.i !== undefined) emit([Number(d.i), d.s === undefined ? null : Number(d.s)]); }")
 # What colours the token axis (the bars are named by the chart's own legend).
 LEGEND = [(TOKEN_MARK_COLORS["chosen"], "▶ the chosen token"), (TOKEN_MARK_COLORS["eos"], "EOS: end of sequence")]
+MASK_LEGEND = [(TOKEN_MARK_COLORS["masked"], "✕ masked by the grammar")]  # shown beside LEGEND under a grammar
 ROWS_KEPT = 16  # whole distributions cached by the view (a SmolLM2 row is 49,152 floats)
 LOG_MIN = 1e-4  # the log axis's floor: a token below a hundredth of a percent is not drawn
 AUTO_LOG_BELOW = 0.25  # the log scale is the default when no shown token reaches this raw probability
@@ -65,10 +77,13 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
         style: dict = {}
         if token_id == chosen:
             style = {"color": TOKEN_MARK_COLORS["chosen"], "fontWeight": "bold"}
+        elif token_id in stages.masked:
+            style = {"color": TOKEN_MARK_COLORS["masked"]}
         elif token_id in eos:
             style = {"color": TOKEN_MARK_COLORS["eos"], "fontStyle": "italic"}
         name = "EOS" if token_id in eos else token_label(text)
-        labels.append({"value": ("▶ " if token_id == chosen else "") + name, "textStyle": style})
+        mark = "▶ " if token_id == chosen else "✕ " if token_id in stages.masked else ""
+        labels.append({"value": mark + name, "textStyle": style})
     count = f"{stages.tail_count:,}" if stages.exact else f"~{stages.tail_count:,}"
     labels.append({"value": f"other ({count})", "textStyle": {"color": "#888"}})
     return labels
@@ -79,7 +94,13 @@ def cuts_text(stages: Stages, knobs: Knobs) -> str:
     active = {"top_k": knobs.top_k > 0, "top_p": knobs.top_p < 1.0, "min_p": knobs.min_p > 0.0}
     parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {stages.removed[s]:.0%}" for s in STAGES[2:]
                                      if active[s]] or ["no cut (top-k, top-p and min-p are off)"]
-    tail = f"other ({stages.tail_count:,} tokens): {stages.tail['raw']:.0%} raw → {stages.tail['min_p']:.0%} final"
+    if stages.mask is not None:
+        allowed = stages.mask.num_allowed
+        parts.insert(0, f"the grammar allowed {allowed:,} token{'' if allowed == 1 else 's'} and removed "
+                        f"{stages.mask.mass:.0%} of the model's mass")
+    first = stages.names[0]  # raw, or the model's own before a grammar's mask
+    tail = (f"other ({stages.tail_count:,} tokens): {stages.tail[first]:.0%} {first} → "
+            f"{stages.tail['min_p']:.0%} final")
     return " · ".join([*parts, tail])
 
 
@@ -132,7 +153,7 @@ class SamplingView(FeedView):
             self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip") \
                 .props("data-kv=token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
-            legend(LEGEND)
+            self.legend = legend(LEGEND)
             options = probability_bars()
             options["grid"]["left"] = 64  # room for the log axis's 0.0001 and the axis name beside it
             self.chart = make_chart(options, height, "sampling")
@@ -143,6 +164,9 @@ class SamplingView(FeedView):
                     .props("data-kv=sampling-exactness")
                 self.scale = ui.toggle({False: "linear", True: "log"}, value=None, on_change=self._on_scale) \
                     .props("dense no-caps size=sm data-kv=sampling-scale").mark("sampling-scale")
+            # the grammar and where the output stands in it (structured outputs); empty otherwise
+            self.grammar = LiveText().classes("kv-small w-full").mark("sampling-grammar") \
+                .props("data-kv=sampling-grammar")
             self._sliders()
         selection.on_change(self.invalidate)
         super().__init__(feed)
@@ -231,6 +255,7 @@ class SamplingView(FeedView):
         lines = seq_lines(self.feed.state, self.feed.history, rid) if rid else []
         self._strip(lines, seq, index)
         self._picker(lines, seq)
+        self._grammar(rid, index)
         if token is not None and token.get("dist"):
             self._draw(token)
         elif token is not None and is_beam(self.feed.state, rid):
@@ -242,6 +267,12 @@ class SamplingView(FeedView):
             self.cuts.set("")
             self.exactness.set("")
         return True
+
+    def _grammar(self, rid: str | None, index: int) -> None:
+        """Where the selected token stands in its request's grammar: the text before it, read against it."""
+        view = self.feed.state.requests.get(rid) if rid else None
+        before = "".join(t.event["text"] for t in self._tokens()[2][:max(index, 0)])
+        self.grammar.set(position_text(view.sampling if view else None, before))
 
     def _rows_key(self, rid: str | None) -> tuple:
         """What the rows show: the request's latest token, its sequences and their ends (a pruned beam)."""
@@ -273,17 +304,21 @@ class SamplingView(FeedView):
         eos = set(self.feed.state.model.get("eos_token_ids") or [])
         key = self._row_key(token)
         row = self._row(key)
-        stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0), row)
+        mask = Mask(token["masked_mass"], dist.get("masked") or [], token["num_allowed"]) \
+            if token.get("num_allowed") is not None else None
+        self.legend.set_content(legend_html(LEGEND + (MASK_LEGEND if mask else [])))
+        stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0), row, mask)
         self.stages = stages
         self.caption.set(self._caption(token, knobs, actual))
         self.cuts.set(cuts_text(stages, knobs))
         recorded = self.feed.state.config.get("dist_top_n") or len(dist["top"])
         self.exactness.set(exactness_text(stages, recorded, key in self.fetching, bool(view and penalised(view.sampling))))
-        log = self.log_scale if self.log_scale is not None else max(stages.probs["raw"], default=1) < AUTO_LOG_BELOW
+        log = self.log_scale if self.log_scale is not None else \
+            max(stages.probs[stages.names[0]], default=1) < AUTO_LOG_BELOW
         self.drawn_log = log
         self.scale.set_value(log)
         series = [{"id": s, "name": stage_name(stages, s), "type": "bar", "color": STAGE_COLORS[s], "barGap": "5%",
-                   "data": bar_values([*stages.probs[s], stages.tail[s]], log)} for s in STAGES]
+                   "data": bar_values([*stages.probs[s], stages.tail[s]], log)} for s in stages.names]
         if knobs == actual:
             final = {t[0]: t[3] for t in dist["top"]}
             series.append({"id": "engine", "name": "engine's final", "type": "scatter", "symbol": "rect",

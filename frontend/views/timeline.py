@@ -11,6 +11,7 @@ from nicegui.events import EChartPointClickEventArguments
 from kvscope.backend.events.state import RunState, SeqView
 from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column, RunHistory
+from kvscope.frontend.grammar_position import tagged
 from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import KIND_LABELS, PHASE_COLORS
@@ -112,10 +113,13 @@ def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
     return merged
 
 
-def row_labels(rows: dict[str, int], selected: str | None) -> list:
-    """The y axis: one label per request, the selected one marked (every view highlights it)."""
+def row_labels(rows: dict[str, int], selected: str | None, state: RunState | None = None) -> list:
+    """The y axis: one label per request, the selected one marked (every view highlights it), a request
+    under structured outputs tagged with its grammar's kind."""
     mark = {"fontWeight": "bold", "backgroundColor": "#fde68a", "padding": [1, 3]}
-    return [{"value": rid, "textStyle": mark} if rid == selected else rid for rid in rows]
+    views = state.requests if state is not None else {}
+    names = {rid: tagged(rid, views[rid].sampling) if rid in views else rid for rid in rows}
+    return [{"value": names[rid], "textStyle": mark} if rid == selected else names[rid] for rid in rows]
 
 
 def branch_items(state: RunState, rows: dict[str, int], x_of: dict[int, float] | None) -> list[list[Any]]:
@@ -262,7 +266,7 @@ class TimelineView(FeedView):
         rows = self.feed.history.rows
         if force or len(rows) != self.rows_sent:
             self.rows_sent = len(rows)
-            self.labels_sent = row_labels(rows, self.selection.request_id)
+            self.labels_sent = row_labels(rows, self.selection.request_id, self.feed.state)
             option["yAxis"] = {"data": self.labels_sent}
         if force:
             label = Js("kvscope.seconds") if self.clock is not None else Js(INTEGER_LABELS[":formatter"])
