@@ -106,13 +106,14 @@ def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size:
 
 def _model_stage(out: Stages, rows: list[list], mask: Mask) -> None:
     """The model's own distribution before the grammar's mask, over the shown tokens and the tail: an
-    allowed token's is its raw p scaled back by the mass the mask kept; a masked one's is on record.
-    The raw stage (the event's, after the mask) is renamed "masked"."""
+    allowed token's is its raw p scaled back by the mass the mask kept; a masked one's is on record
+    (an EOS row the mask removed but too unlikely to be on record: 0). The raw stage (the event's,
+    after the mask) is renamed "masked"."""
     model_p = {int(t): float(p) for t, _, p in mask.top}
-    out.masked = {int(r[0]) for r in rows if float(r[2]) == 0.0 and int(r[0]) in model_p}
+    out.masked = {int(r[0]) for r in rows if float(r[2]) == 0.0}  # no softmax gives 0: only the mask does
     out.probs["masked"], out.tail["masked"] = out.probs.pop("raw"), out.tail.pop("raw")
     kept = 1.0 - mask.mass
-    out.probs["model"] = [model_p[t] if t in out.masked else p * kept
+    out.probs["model"] = [model_p.get(t, 0.0) if t in out.masked else p * kept
                           for t, p in zip(out.token_ids, out.probs["masked"], strict=True)]
     out.tail["model"] = max(0.0, 1.0 - sum(out.probs["model"]))
     out.removed["masked"] = mask.mass  # named on the stage after the cut, as each filter's is

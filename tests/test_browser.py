@@ -480,6 +480,40 @@ def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_sca
         assert sum(1 for v in s["data"] if v is not None) >= 2, s["name"]
     assert chart["series"][0]["data"][-1] > 0.01  # the raw tail: its own labelled bar
 
+def test_the_sampling_view_shows_a_grammars_mask_as_its_first_stage(page, backend_url, dashboard_url, tmp_path):
+    """structured-output on the demo: person's first token drawn under a JSON schema. The chart starts
+    with the model's own distribution, its favourites marked as masked; the line under it names the
+    grammar and the JSON path; the timeline and the picker tag the request with its grammar."""
+    run_id = api(backend_url, "/api/runs", {"scenario": "structured-output", "speed": 0,
+                                            "overrides": {"model": "demo"}})["run_id"]
+    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
+    page.get_by_role("option", name="person · {json}", exact=True).click()
+    page.locator("[data-kv=token-strip] [data-i='0']").first.click()
+    page.locator("[data-kv=token-strip] [data-i='0'].kv-tok-selected").first.wait_for()
+    grammar = page.locator("[data-kv=sampling-grammar]")
+    page.wait_for_function("(el) => el.innerText === 'grammar: JSON schema · writing $'", arg=grammar.element_handle())
+    assert re.search(r"the grammar allowed \d+ tokens? and removed \d+(\.\d)?% of the model's mass",
+                     page.locator("[data-kv=sampling-cuts]").inner_text())
+    chart = page.evaluate(f"""() => {{
+        const option = ({COMPONENT})('sampling').chart.getOption();
+        return {{labels: option.xAxis[0].data.map((d) => d.value ?? d), names: option.series.map((s) => s.name),
+                 timeline: ({COMPONENT})('timeline').chart.getOption().yAxis[0].data.map((d) => d.value ?? d)}};
+    }}""")
+    assert chart["names"][0] == "model (T = 1)" and chart["names"][1].startswith("after the grammar's mask (−")
+    assert chart["names"][2:6] == ["after temperature", "after top-k", "after top-p", "after min-p = final"]
+    assert any(label.startswith("✕ ") for label in chart["labels"]), "the model's favourites are marked masked"
+    assert "▶ {" in chart["labels"], "the chosen token is the object's brace"
+    assert set(chart["timeline"]) == {"person · {json}", "date · /regex/", "verdict · choice"}
+    texts = page.locator("[data-kv=token-strip] [data-i]").all_inner_texts()
+    after_colon = next(i for i in range(len(texts)) if ":" in "".join(texts[:i]))  # the first key's value
+    page.locator(f"[data-kv=token-strip] [data-i='{after_colon}']").first.click()
+    page.wait_for_function("(el) => el.innerText === 'grammar: JSON schema · writing $.name'",
+                           arg=grammar.element_handle())
+    page.screenshot(path=f"{SHOTS or tmp_path}/sampling-grammar.png", full_page=True)
+
+
 def test_a_lesson_question_is_answered_then_revealed_and_marked_at_its_moment(page, backend_url, dashboard_url,
                                                                              tiny_dir, tmp_path):
     """memory-pressure asks at its start which request is preempted first; the room's pick is clicked,

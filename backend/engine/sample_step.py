@@ -125,6 +125,8 @@ def top_logprobs(raw_probs: torch.Tensor, n: int) -> TopLogprobs:
 def top_rows(raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[int], n: int,
              eos_ids: list[int]) -> list[list[list]] | None:
     """Per row of [B, V]: [token, raw p, final p] for the top n by raw p, plus the chosen token and EOS.
+    A top token of raw p 0 is left out: where a grammar allows fewer than n tokens, the rest of the
+    top n would be arbitrary ones it masked.
 
     One topk and one gather for the whole batch: with events `full` this runs every step. None when
     n is 0 (nobody draws distributions)."""
@@ -138,7 +140,8 @@ def top_rows(raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[in
     for r, row_ids in enumerate(ids.tolist()):
         first: dict[int, int] = {}  # token -> its first column (the chosen token or EOS may repeat a top one)
         for i, t in enumerate(row_ids):
-            first.setdefault(t, i)
+            if i >= n or raw[r][i] > 0:
+                first.setdefault(t, i)
         rows.append([[t, raw[r][i], final[r][i]] for t, i in first.items()])
     return rows
 

@@ -89,15 +89,20 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
     return labels
 
 
+def share(x: float) -> str:
+    """A share of the mass in percent: never "100%" for less than all of it (a mask removes 99.9%)."""
+    return f"{min(x, 0.999):.1%}" if 0.995 <= x < 1.0 else f"{x:.0%}"
+
+
 def cuts_text(stages: Stages, knobs: Knobs) -> str:
     """In words, what the chart's stages did: each filter's removed share and where the rest of the vocabulary went."""
     active = {"top_k": knobs.top_k > 0, "top_p": knobs.top_p < 1.0, "min_p": knobs.min_p > 0.0}
-    parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {stages.removed[s]:.0%}" for s in STAGES[2:]
+    parts = [] if knobs.greedy else [f"{FILTER_NAMES[s]} removed {share(stages.removed[s])}" for s in STAGES[2:]
                                      if active[s]] or ["no cut (top-k, top-p and min-p are off)"]
     if stages.mask is not None:
         allowed = stages.mask.num_allowed
         parts.insert(0, f"the grammar allowed {allowed:,} token{'' if allowed == 1 else 's'} and removed "
-                        f"{stages.mask.mass:.0%} of the model's mass")
+                        f"{share(stages.mask.mass)} of the model's mass")
     first = stages.names[0]  # raw, or the model's own before a grammar's mask
     tail = (f"other ({stages.tail_count:,} tokens): {stages.tail[first]:.0%} {first} → "
             f"{stages.tail['min_p']:.0%} final")
@@ -124,7 +129,7 @@ def penalised(sampling: dict) -> bool:
 def stage_name(stages: Stages, stage: str) -> str:
     """The legend's name of a stage: a filter says what share of the mass it was given it removed."""
     removed = stages.removed.get(stage)
-    return STAGE_LABELS[stage] + (f" (−{removed:.0%})" if removed is not None and removed >= 0.005 else "")
+    return STAGE_LABELS[stage] + (f" (−{share(removed)})" if removed is not None and removed >= 0.005 else "")
 
 
 def bar_values(values: list[float], log: bool) -> list[float | None]:
