@@ -1,5 +1,5 @@
 """The clients people point at an OpenAI-compatible server, unchanged, against a live server on SmolLM2:
-LangChain (`langchain-openai`), the official `openai` client's `parse()` and LiteLLM.
+LangChain (`langchain-openai`), the official `openai` client's `parse()` (Python and npm) and LiteLLM.
 
 Each test goes through the client's own code (its request building, its parsing of our answer) and asserts
 what the application gets: the parsed object, the tool call's name and arguments, the answer after the
@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -154,3 +158,40 @@ def test_litellm_with_tool_choice_required_always_calls(litellm, url) -> None:
     name, arguments, reason = litellm_tool_call(litellm, url, [{"role": "user", "content": ROME}],
                                                 tool_choice="required")
     assert (name, reason) == ("get_weather", "tool_calls") and isinstance(arguments["city"], str)
+
+
+def test_litellm_streams_a_forced_call_that_its_chunk_builder_puts_together(litellm, url) -> None:
+    chunks = list(litellm.completion(model=f"openai/{SMOLLM2}", api_base=url, api_key="x", stream=True,
+                                     messages=[{"role": "user", "content": ROME}], tools=[WEATHER_TOOL],
+                                     tool_choice="required", temperature=0, max_tokens=40, timeout=TIMEOUT_S,
+                                     num_retries=0))
+    whole = litellm.stream_chunk_builder(chunks)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+
+def test_litellm_response_format_with_a_pydantic_model_answers_json_that_validates(litellm, url) -> None:
+    r = litellm.completion(model=f"openai/{SMOLLM2}", api_base=url, api_key="x", response_format=Weather,
+                           messages=[{"role": "user", "content": "The weather in Paris as JSON."}], temperature=0,
+                           max_tokens=40, timeout=TIMEOUT_S, num_retries=0)
+    assert Weather.model_validate_json(r.choices[0].message.content).city
+
+
+# ---- the official npm client --------------------------------------------------------------------------------
+
+NODE_MODULES = os.environ.get("KVSCOPE_NODE_MODULES", "")  # .ci/run installs openai and zod there
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not (Path(NODE_MODULES) / "openai").is_dir(),
+                    reason="node, or the openai npm package in $KVSCOPE_NODE_MODULES, is missing (.ci/run installs it)")
+def test_the_openai_npm_client_parses_a_zod_schema_streams_a_forced_call_and_an_answer(url) -> None:
+    script = Path(__file__).parent / "node" / "openai_client.cjs"
+    done = subprocess.run(["node", str(script), url, SMOLLM2], capture_output=True, text=True, timeout=3 * TIMEOUT_S,
+                          env={**os.environ, "NODE_PATH": NODE_MODULES})
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(got["parsed"]["city"], str) and type(got["parsed"]["celsius"]) is int
+    assert got["call"]["function"]["name"] == "get_weather" and got["call"]["id"].startswith("call_")
+    assert isinstance(json.loads(got["call"]["function"]["arguments"])["city"], str)
+    assert got["finish_reason"] == "tool_calls" and got["plain"].strip()

@@ -1,0 +1,48 @@
+// The official openai npm client against a kvscope server, as an application uses it: parse() with a zod
+// schema, a forced tool call streamed (the SDK's stream helper puts the deltas together) and a plain
+// streamed answer. Prints one JSON line of what the application got; tests/test_clients.py checks it.
+// Run: NODE_PATH=<folder with openai and zod> node openai_client.cjs BASE_URL MODEL
+const OpenAI = require("openai");
+const { zodResponseFormat } = require("openai/helpers/zod");
+const { z } = require("zod");
+
+const WEATHER_TOOL = {
+  type: "function",
+  function: {
+    name: "get_weather",
+    description: "The weather in a city.",
+    parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] },
+  },
+};
+
+async function main() {
+  const [baseURL, model] = process.argv.slice(2);
+  const client = new OpenAI({ baseURL, apiKey: "x", timeout: 300_000, maxRetries: 0 });
+  const ask = (content) => ({ model, temperature: 0, max_tokens: 40, messages: [{ role: "user", content }] });
+
+  const Weather = z.object({ city: z.string(), celsius: z.number().int() });
+  const parsed = await client.chat.completions.parse({
+    ...ask("The weather in Paris as JSON."), response_format: zodResponseFormat(Weather, "weather"),
+  });
+
+  const stream = client.chat.completions.stream({
+    ...ask("What is the weather in Rome?"), tools: [WEATHER_TOOL], tool_choice: "required",
+  });
+  const called = await stream.finalChatCompletion();
+
+  let plain = "";
+  for await (const chunk of await client.chat.completions.create({ ...ask("Say hello."), stream: true })) {
+    plain += chunk.choices[0]?.delta?.content ?? "";
+  }
+  console.log(JSON.stringify({
+    parsed: parsed.choices[0].message.parsed,
+    call: called.choices[0].message.tool_calls[0],
+    finish_reason: called.choices[0].finish_reason,
+    plain,
+  }));
+}
+
+main().catch((error) => {
+  console.error(error);
+  process.exit(1);
+});
