@@ -106,6 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if not args.no_ui:
             _listen(args.host, args.ui_port, "--ui-port").close()  # NiceGUI binds it itself; fail before starting
         manager, run_id = _start_manager(args, events)
+        if events is None:
+            manager.api_state()  # the model starts loading now: /health turns 200 without a first request
         token = None if is_loopback(args.host) else new_token()
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         dashboard = None if args.no_ui else f"http://{local}:{args.ui_port}"

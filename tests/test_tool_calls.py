@@ -337,7 +337,7 @@ class ScriptedGeneration:
 
 def streamed(pieces: list[str], calling: ToolCalling) -> list[ChatCompletionChunk]:
     async def collect() -> list[str]:
-        return [event async for event in stream_events(ScriptedGeneration(pieces), "m", "chat", False, False,
+        return [event async for event in stream_events(ScriptedGeneration(pieces), "m", "chat", False, None,
                                                        calling.parser)]
 
     events = asyncio.run(collect())

@@ -9,14 +9,15 @@ leave the executor, only the top-N rows observers asked for.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvscope.backend.engine.sampler import constrain, distributions, mask_effect, penalised, sample
 from kvscope.backend.engine.rejection import verify
 from kvscope.backend.engine.step_input import RowSampling, StepInput
 from kvscope.backend.engine.step_output import RowOutput, StepOutput, TopLogprobs
+
+
+MIN_LOGPROB = -9999.0
 
 
 def sample_step(logits: torch.Tensor, inp: StepInput) -> StepOutput:
@@ -52,7 +53,8 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
                     [h.uniforms[s] if h.uniforms else 0.0 for h, (_, _, s) in zip(how, streams, strict=True)],
                     inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how], masks)
     effect = mask_effect(rows, masks, inp.dist_top_n) if masks is not None else None
-    tops = top_rows(result.raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
+    raw_probs = result.raw_probs
+    tops = top_rows(raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
     outs, start = [], 0
     for i, _ in drawn:
         js = list(range(start, start + inp.sampling[i].streams))  # a row's streams sit side by side
@@ -60,9 +62,9 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
         asks = inp.sampling[i].params.logprobs
         outs.append(RowOutput(
             token_ids=[result.token_ids[j] for j in js], logprobs=[result.logprobs[j] for j in js],
-            top_logprobs=[top_logprobs(result.raw_probs[j], asks) for j in js] if asks else None,
+            top_logprobs=[top_logprobs(result.raw_logprobs[j], asks) for j in js] if asks else None,
             tops=[tops[j] for j in js] if tops is not None else None,
-            raw_probs=result.raw_probs[js] if inp.keep_raw else None,
+            raw_probs=raw_probs[js] if inp.keep_raw else None,
             grammar=[effect[j] for j in js] if effect and inp.sampling[i].allowed is not None else None))
     return outs
 
@@ -82,7 +84,7 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOu
                     source=verdict.source, draft_p=p[range(k), drafts].tolist(), draft_q=q[range(k), drafts].tolist(),
                     expected_accept=torch.minimum(p[:k], q).sum(-1).tolist() if k else [])
     if how.params.logprobs:
-        out.top_logprobs = [top_logprobs(raw[j], how.params.logprobs) for j in range(len(new))]
+        out.top_logprobs = [top_logprobs(raw_log[j], how.params.logprobs) for j in range(len(new))]
     if how.allowed is not None:
         out.grammar = mask_effect(logits[:len(new)], how.allowed[:len(new)], inp.dist_top_n)
     out.tops = top_rows(raw, p[:len(new)], new, inp.dist_top_n, inp.eos_ids)
@@ -116,10 +118,12 @@ def one_hot(tokens: list[int], vocab_size: int) -> torch.Tensor:
     return q
 
 
-def top_logprobs(raw_probs: torch.Tensor, n: int) -> TopLogprobs:
-    """The n likeliest tokens of one raw distribution [V], as OpenAI's `top_logprobs` lists them."""
-    best = raw_probs.topk(n)
-    return tuple((t, math.log(max(p, 1e-45))) for t, p in zip(best.indices.tolist(), best.values.tolist(), strict=True))
+def top_logprobs(raw_logprobs: torch.Tensor, n: int) -> TopLogprobs:
+    """The n likeliest tokens of one raw log-distribution [V], as OpenAI's `top_logprobs` lists them: the
+    same numbers as the chosen token's logprob (a gather of the same row), so one token has one value. A
+    token a mask removed (log 0) is -9999.0, as vLLM writes it: JSON has no -inf."""
+    best = raw_logprobs.topk(n)
+    return tuple((t, max(lp, MIN_LOGPROB)) for t, lp in zip(best.indices.tolist(), best.values.tolist(), strict=True))
 
 
 def top_rows(raw_probs: torch.Tensor, final_probs: torch.Tensor, chosen: list[int], n: int,

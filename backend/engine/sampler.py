@@ -23,8 +23,12 @@ from kvscope.backend.engine.step_output import MaskEffect
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]  # log of the raw (T=1) probability of each chosen token
-    raw_probs: torch.Tensor  # [B, V] softmax of the model's logits at T=1
+    raw_logprobs: torch.Tensor  # [B, V] log_softmax of the model's logits at T=1 (logprobs is a gather of it)
     final_probs: torch.Tensor  # [B, V] the distribution the token was drawn from
+
+    @property
+    def raw_probs(self) -> torch.Tensor:  # [B, V] softmax at T=1
+        return self.raw_logprobs.exp()
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
@@ -186,4 +190,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], uniforms: list[fl
     tokens = adjusted.argmax(dim=-1) if greedy.all() else torch.where(greedy, adjusted.argmax(dim=-1),
                                                                       draw(final, uniforms))
     chosen = raw_log.gather(-1, tokens[:, None]).squeeze(-1)
-    return SamplerOutput(tokens.tolist(), chosen.tolist(), raw_log.exp(), final)
+    return SamplerOutput(tokens.tolist(), chosen.tolist(), raw_log, final)

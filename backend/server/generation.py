@@ -102,6 +102,9 @@ class Generation:
         loop = asyncio.get_running_loop()
         try:
             for rid, (prompt, max_tokens) in zip(self.request_ids, prompts):
+                if isinstance(prompt, list):  # known now: a stream's usage so far has it from its first chunk
+                    for choice in self.choices_of(rid):
+                        choice.prompt_tokens = len(prompt)
                 await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
                                         self._listener(loop, rid), rid)
         except BaseException:
@@ -191,7 +194,9 @@ class Generation:
                 asyncio.get_running_loop().run_in_executor(None, _abort, self.run, rid)
 
     def usage(self) -> dict[str, int]:
-        completion = sum(c.completion_tokens for c in self.choices)
+        """The tokens so far: a finished choice's as the engine counted them (EOS included), a running one's
+        as streamed."""
+        completion = sum(c.completion_tokens if c.finish_reason is not None else len(c.tokens) for c in self.choices)
         prompt = sum(c.prompt_tokens for c in self.choices[::self.n])  # each prompt once
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

@@ -108,6 +108,8 @@ class RunManager:
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
         self._watchdog: threading.Thread | None = None  # started with the first run
         self._closing = threading.Event()
+        self._loader: threading.Thread | None = None  # starts the API run for /health (api_state)
+        self.load_error: str | None = None  # why that start failed last
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -202,6 +204,26 @@ class RunManager:
                     self._forget_locked(run_id)
                     run = None
             return run if run is not None else self._start_api_run(model, run_id)
+
+    def api_state(self) -> str:
+        """"serving" when the server's own model's API run is up, else "loading" or "failed" (then its
+        start is under way in the background: a probe's answer turns to serving without any request)."""
+        run = self.runs.get(API_RUN_ID)
+        if run is not None and run.failure is None:
+            return "serving"
+        with self._lock:
+            if self._loader is None or not self._loader.is_alive():
+                self._loader = threading.Thread(target=self._load_api_run, name="api-run-loader", daemon=True)
+                self._loader.start()
+        return "failed" if run is not None or self.load_error is not None else "loading"
+
+    def _load_api_run(self) -> None:
+        try:
+            self.api_run()
+            self.load_error = None
+        except Exception as e:  # the model cannot load, or the limits refuse it: /health says so
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.warning("the API run could not start: %s", self.load_error)
 
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
         # No requests of its own, which a scenario file may not have: built, not validated.

@@ -24,6 +24,7 @@ from litestar import MediaType, Request, Response, Router, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.params import FromPath, JSONBody
 from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
@@ -72,7 +73,8 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage; the chunks before it carry `usage: null`
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Sampling(_Body):
@@ -146,10 +148,22 @@ class CompletionBody(_Sampling):
 class ContentPart(_Body):
     type: Annotated[str, Field(max_length=32)]
     text: Text | None = None
+    # Parts kvscope's text-only models cannot read: declared so that they are refused by name
+    # (message_dicts), not as fields the body does not know.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+UNREADABLE_PARTS = {"image_url": "images are not supported by this model",
+                    "input_audio": "audio is not supported by this model",
+                    "file": "files are not supported by this model"}
+# The roles OpenAI's chat API defines; "developer" is its newer name for "system" and reaches the template as that.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(_Body):
-    role: Annotated[str, Field(min_length=1, max_length=32)]
+    role: Role
     content: Text | Annotated[list[ContentPart], Field(max_length=64)] | None = None
     name: Name | None = None
     refusal: Text | None = None  # as the client echoes an earlier answer back
@@ -335,11 +349,14 @@ async def set_echo(run: EngineRun, gen: Generation, prompts: list[str | list[int
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages with plain-text content, as chat templates expect them (tools.py adds the tool calls' shape)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         parts = m.content if isinstance(m.content, list) else [ContentPart(type="text", text=m.content or "")]
-        if any(p.type != "text" for p in parts):
-            raise OpenAIError(400, "messages: only text content is supported", "messages")
-        out.append({**m.model_dump(exclude_none=True), "content": "".join(p.text or "" for p in parts)})
+        for j, part in enumerate(parts):
+            if part.type != "text":
+                reason = UNREADABLE_PARTS.get(part.type, f"{part.type!r} parts are not supported; send text parts")
+                raise OpenAIError(400, f"messages.{i}.content.{j}: {reason}", f"messages.{i}.content.{j}.type")
+        role = "system" if m.role == "developer" else m.role
+        out.append({**m.model_dump(exclude_none=True), "role": role, "content": "".join(p.text or "" for p in parts)})
     return out
 
 
@@ -365,11 +382,14 @@ def completion_logprobs(tokens: list[dict], offset: int = 0) -> dict[str, list]:
         offsets.append(offset)
         offset += len(t["text"])
     return {"tokens": [t["text"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [_top_by_text(t.get("top_logprobs", [])) for t in tokens], "text_offset": offsets}
+            "top_logprobs": [_top_by_text(t) for t in tokens], "text_offset": offsets}
 
 
-def _top_by_text(top: list | None) -> dict[str, float] | None:
-    return None if top is None else {text: lp for _, text, lp in top}  # None: an echoed prompt's first token
+def _top_by_text(token: dict) -> dict[str, float] | None:
+    """A token's top_logprobs by text, the token itself among them as vLLM lists them (even outside the
+    top n); None for an echoed prompt's first token, which has no distribution."""
+    top = token.get("top_logprobs", [])
+    return None if top is None else {**{text: lp for _, text, lp in top}, token["text"]: token["logprob"]}
 
 
 def chat_logprobs(tokens: list[dict]) -> dict[str, Any]:
@@ -404,20 +424,40 @@ def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: NewPa
     return {**_envelope(gen, "chat.completion", model, choices), "usage": gen.usage()}
 
 
+def sse(data: AsyncIterator[str]) -> ServerSentEvent:
+    """Server-sent events framed as OpenAI and vLLM frame them: `data: ...` and a blank line, `\n` only
+    (litestar's default `\r\n` leaves a parser that splits on `\n\n` with one blob)."""
+    async def messages() -> AsyncIterator[ServerSentEventMessage]:
+        async for payload in data:
+            yield ServerSentEventMessage(data=payload, sep="\n")
+
+    return ServerSentEvent(messages(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat"], logprobs: bool,
-                        include_usage: bool, new_parser: NewParser) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, one per finished choice, then [DONE]."""
+                        options: StreamOptions | None, new_parser: NewParser) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token, one per finished choice, then [DONE].
+
+    With `include_usage` every chunk has a `usage` key: null until the last chunk, which has no choices
+    and the whole usage (OpenAI's); with vLLM's `continuous_usage_stats` too, each carries the usage so far."""
     obj = "text_completion" if kind == "text" else "chat.completion.chunk"
     calls = {c.index: ToolCallStream(p) for c in gen.choices if (p := new_parser()) is not None}
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options and options.continuous_usage_stats)
+
+    def chunk_of(choices: list[dict]) -> str:
+        usage = {"usage": gen.usage() if continuous else None} if include_usage else {}
+        return json.dumps({**_envelope(gen, obj, model, choices), **usage})
+
     try:
         for opening in _opening_chunks(gen, kind, logprobs):
-            yield json.dumps(_envelope(gen, obj, model, [opening]))
+            yield chunk_of([opening])
         try:
             async for choice, delta, token in gen.updates():
                 chunk = _chunk_choice(choice, delta, token, kind, logprobs, calls.get(choice.index))
                 if token is not None and not logprobs and not chunk["text" if kind == "text" else "delta"]:
                     continue  # held back for now (a possible stop string or tool call); it comes with a later chunk
-                yield json.dumps(_envelope(gen, obj, model, [chunk]))
+                yield chunk_of([chunk])
             if include_usage:
                 yield json.dumps({**_envelope(gen, obj, model, []), "usage": gen.usage()})
         except RunFailed as e:  # the status line is sent: the error goes in the stream (as vLLM's), then [DONE]
@@ -524,9 +564,7 @@ async def _respond(request: Request, gen: Generation, body: _Sampling, model: st
     timeout = request.app.state.manager.limits.request_timeout_s
     gen.limit_time(timeout)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ServerSentEvent(stream_events(gen, model, kind, logprobs, include_usage, new_parser),
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse(stream_events(gen, model, kind, logprobs, body.stream_options, new_parser))
     gone = asyncio.ensure_future(client_gone(request))
     done = asyncio.ensure_future(gen.wait())
     try:
@@ -546,11 +584,11 @@ async def _respond(request: Request, gen: Generation, body: _Sampling, model: st
     return Response(answer, media_type=MediaType.JSON)
 
 
+# Keyed like app.py's handlers, so that these (the nearer layer) win for the routes they are given.
+OPENAI_ERROR_HANDLERS: dict = {exc: _to_openai_error for exc in (
+    OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError, RunFailed,
+    Exception)}
 openai_routes: list = [
     Router(path="/v1", route_handlers=[list_models, retrieve_model, completions, chat_completions],
-           # Keyed like app.py's handlers, so that these (the nearer layer) win for /v1 routes.
-           exception_handlers={exc: _to_openai_error for exc in (
-               OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError,
-               RunFailed, Exception)},
-           tags=["OpenAI-compatible"]),
+           exception_handlers=OPENAI_ERROR_HANDLERS, tags=["OpenAI-compatible"]),
 ]

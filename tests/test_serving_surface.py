@@ -1,0 +1,186 @@
+"""What tools expect of a vLLM-style server beside the completions: probes, tokenize, and the stream's framing.
+
+Against a live server on the demo model: /health (503 while the model loads or after its run failed,
+200 once it serves), /version, /tokenize and /detokenize in vLLM's shapes (the ids the completion and
+chat routes feed the model), server-sent events framed `\\n\\n`, `usage: null` before the usage chunk,
+vLLM's `continuous_usage_stats`, roles and content parts refused by name, and top_logprobs that list
+the sampled token with the same value as its own logprob.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import API_RUN_ID, RunManager
+from kvscope.backend.server.serve import serve_in_thread
+
+MODEL = "demo"
+CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[RunManager]:
+    manager = RunManager(default_model=MODEL)
+    yield manager
+    manager.stop_all()
+
+
+@pytest.fixture(scope="module")
+def url(manager: RunManager) -> Iterator[str]:
+    with serve_in_thread(create_app(manager)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def healthy(url: str) -> int:
+    """/health's status once it stops saying 503 (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while (status := httpx.get(url + "/health").status_code) == 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return status
+
+
+def test_health_is_503_until_the_model_serves_then_200_with_no_body(manager, url) -> None:
+    first = httpx.get(url + "/health")
+    assert first.status_code in (200, 503)
+    if first.status_code == 503:  # nothing has asked for the model yet: the probe started loading it
+        assert first.json()["status"] == "loading" and first.headers["retry-after"]
+    assert healthy(url) == 200 and httpx.get(url + "/health").content == b""
+    assert manager.get(API_RUN_ID) is not None
+
+
+def test_health_is_503_after_the_run_failed_and_200_once_a_fresh_one_serves(manager, url, monkeypatch) -> None:
+    assert healthy(url) == 200
+    manager.get(API_RUN_ID).fail("a test broke it")
+    start = manager._start_api_run
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("no room for the model")
+
+    monkeypatch.setattr(manager, "_start_api_run", refused)
+    answer = httpx.get(url + "/health")
+    assert answer.status_code == 503 and answer.json()["status"] == "failed"
+    deadline = time.monotonic() + WAIT_S
+    while "no room" not in (httpx.get(url + "/health").json().get("error") or "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "no room for the model" in httpx.get(url + "/health").json()["error"]  # why, for the operator
+    monkeypatch.setattr(manager, "_start_api_run", start)
+    assert healthy(url) == 200
+
+
+def test_version_names_the_package(url) -> None:
+    assert httpx.get(url + "/version").json()["version"]
+
+
+def test_tokenize_gives_the_ids_the_completion_and_chat_routes_feed_the_model(url, client) -> None:
+    prompt = httpx.post(url + "/tokenize", json={"prompt": "ROMEO:\n", "return_token_strs": True}).json()
+    completion = client.completions.create(model=MODEL, prompt="ROMEO:\n", max_tokens=1)
+    assert prompt["count"] == len(prompt["tokens"]) == completion.usage.prompt_tokens
+    assert "".join(prompt["token_strs"]) == "ROMEO:\n" and prompt["max_model_len"] > 0
+    chat = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens and chat["token_strs"] is None
+    back = httpx.post(url + "/detokenize", json={"tokens": prompt["tokens"]}).json()
+    assert back == {"prompt": "ROMEO:\n"}
+
+
+def test_developer_is_the_system_role_and_other_roles_are_refused_by_name(url, client) -> None:
+    def ids(role: str) -> list[int]:
+        return httpx.post(url + "/tokenize", json={"messages": [{"role": role, "content": "Be brief."}, *CHAT]}) \
+            .json()["tokens"]
+
+    assert ids("developer") == ids("system")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=1)
+    assert refused.value.body["param"] == "messages.0.role" and "'developer'" in refused.value.body["message"]
+
+
+@pytest.mark.parametrize("part, words", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "images are not supported by this model"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "audio is not supported by this model"),
+    ({"type": "hologram"}, "'hologram' parts are not supported"),
+])
+def test_content_parts_a_text_model_cannot_read_are_refused_saying_so(client, part, words) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert words in refused.value.body["message"] and refused.value.body["param"] == "messages.0.content.1.type"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, None), ({"prompt": "x", "messages": CHAT}, None), ({"prompt": 5}, "prompt"),
+    ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"prompt": "x", "continue_final_message": True}, "continue_final_message"),
+    ({"prompt": "x", "model": "no-such-model"}, "model"), ({"prompt": "x", "wizard": 1}, "wizard"),
+])
+def test_a_tokenize_body_it_cannot_honour_is_a_400_naming_the_field(url, body, param) -> None:
+    answer = httpx.post(url + "/tokenize", json=body)
+    assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("tokens, param", [([10**9], "tokens"), ([-1], "tokens.0"), (["a"], "tokens.0"),
+                                           ("abc", "tokens")])
+def test_detokenize_refuses_ids_outside_the_vocabulary(url, tokens, param) -> None:
+    answer = httpx.post(url + "/detokenize", json={"tokens": tokens})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    assert healthy(url) == 200
+
+
+def events_of(url: str, body: dict) -> tuple[str, list[dict]]:
+    """The raw text of a streamed answer and its chunks."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as answer:
+        raw = answer.read().decode()
+    payloads = [line.removeprefix("data: ") for line in raw.split("\n\n") if line]
+    assert payloads[-1] == "[DONE]"
+    return raw, [json.loads(p) for p in payloads[:-1]]
+
+
+def test_events_end_with_a_blank_line_of_newlines_only(url) -> None:
+    raw, chunks = events_of(url, {"messages": CHAT, "max_tokens": 8, "stream": True})
+    assert "\r" not in raw and raw.endswith("data: [DONE]\n\n") and len(chunks) > 2
+    assert all("usage" not in c for c in chunks)  # no include_usage: no usage key at all
+
+
+def test_with_include_usage_every_chunk_before_the_last_has_usage_null(url) -> None:
+    _, chunks = events_of(url, {"messages": CHAT, "max_tokens": 8, "stream": True,
+                                "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(url) -> None:
+    _, chunks = events_of(url, {"messages": CHAT, "max_tokens": 8, "stream": True, "temperature": 0,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    so_far = [c["usage"]["completion_tokens"] for c in chunks]
+    assert so_far == sorted(so_far) and so_far[0] == 0 and so_far[-2] == so_far[-1] == chunks[-1]["usage"][
+        "completion_tokens"]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    content_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len({c["usage"]["completion_tokens"] for c in content_chunks}) == len(content_chunks), "one token each"
+
+
+def test_top_logprobs_list_the_sampled_token_with_its_own_logprob(client) -> None:
+    completion = client.completions.create(model=MODEL, prompt="ROMEO:\n", max_tokens=12, temperature=1.5, seed=3,
+                                           logprobs=1, extra_body={"ignore_eos": True})
+    lp = completion.choices[0].logprobs
+    outside = 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob  # one token, one value
+        outside += len(top) == 2  # the sampled token was not the likeliest: listed beside the top 1
+    assert outside > 0, "at temperature 1.5 some token is not the likeliest (the check can fail)"
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=3)
+    for entry in chat.choices[0].logprobs.content:
+        same = [t.logprob for t in entry.top_logprobs if t.token == entry.token]
+        assert same in ([], [entry.logprob])
