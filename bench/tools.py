@@ -1,4 +1,4 @@
-"""The benchmark tools people point at vLLM, pointed at `kvscope serve`: guidellm and aiperf beside the server's own figures.
+"""guidellm and aiperf, the benchmark tools people point at vLLM, against `kvscope serve`, beside its own figures.
 
     python -m bench.tools [--requests 24] [--rate 1.0] [--concurrency 4] [--max-tokens 16]
 
@@ -86,7 +86,8 @@ def write_tokenizer_folder(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     # AutoTokenizer picks the class from tokenizer_config.json, else from config.json's model_type.
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tokenizer_config |= {"tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (out / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
     return out
 
@@ -160,8 +161,9 @@ def guidellm_figures(benchmark: dict) -> Figures:
     m = benchmark["metrics"]
     totals = m["request_totals"]
     return Figures(requests=totals["successful"], errors=totals["errored"] + totals["incomplete"],
-                   prompt_tokens=int(m["prompt_token_count"]["successful"]["total_sum"]),
-                   output_tokens=int(m["output_token_count"]["successful"]["total_sum"]),
+                   # guidellm sums floats (420.99999999999994 for 421 tokens)
+                   prompt_tokens=round(m["prompt_token_count"]["successful"]["total_sum"]),
+                   output_tokens=round(m["output_token_count"]["successful"]["total_sum"]),
                    ttft_ms_p50=m["time_to_first_token_ms"]["successful"]["median"],
                    itl_ms_mean=m["inter_token_latency_ms"]["successful"]["mean"],
                    output_tok_s=m["output_tokens_per_second"]["successful"]["mean"])
@@ -172,11 +174,11 @@ def aiperf_report(out_dir: Path) -> dict:
 
 
 def aiperf_figures(report: dict) -> Figures:
-    count = int(report["request_count"]["avg"])
+    count = round(report["request_count"]["avg"])
     errors = round(report["request_error_rate"]["avg"] * count / 100) + len(report.get("error_summary") or [])
     return Figures(requests=count, errors=errors,
-                   prompt_tokens=int(report["total_usage_prompt_tokens"]["avg"]),
-                   output_tokens=int(report["total_output_tokens"]["avg"]),
+                   prompt_tokens=round(report["total_usage_prompt_tokens"]["avg"]),
+                   output_tokens=round(report["total_output_tokens"]["avg"]),
                    ttft_ms_p50=report["time_to_first_token"]["p50"],
                    itl_ms_mean=report["inter_token_latency"]["avg"],
                    output_tok_s=report["output_token_throughput"]["avg"])
@@ -246,7 +248,10 @@ def warm_up(base: str) -> None:
 # ---- the benchmark -------------------------------------------------------------------------------------------------
 
 
-def run_loads(base: str, workdir: Path, load: Load, rate: float, concurrency: int) -> list[tuple[str, Figures, Figures]]:
+Row = tuple[str, Figures, Figures]  # a load, the tool's figures, the server's
+
+
+def run_loads(base: str, workdir: Path, load: Load, rate: float, concurrency: int) -> list[Row]:
     tokenizer = write_tokenizer_folder(workdir / "tokenizer")
     warm_up(base)
     rows = []
@@ -277,7 +282,7 @@ def run_loads(base: str, workdir: Path, load: Load, rate: float, concurrency: in
     return rows
 
 
-def report_rows(rows: list[tuple[str, Figures, Figures]]) -> list[list]:
+def report_rows(rows: list[Row]) -> list[list]:
     out = []
     for load, tool, server in rows:
         for side, f in (("tool", tool), ("kvscope (server)", server)):

@@ -19,8 +19,8 @@ import pytest
 
 from bench.soak import launch
 from bench.tools import (AIPERF_VERSION, GUIDELLM_VERSION, Load, ServedRequest, aiperf_command, aiperf_report,
-                         guidellm_command, guidellm_report, guidellm_requests, last_seq, run_tool, served_requests,
-                         tool_executable, tool_venv, warm_up, write_tokenizer_folder)
+                         guidellm_command, guidellm_figures, guidellm_report, guidellm_requests, last_seq, run_tool,
+                         served_requests, tool_executable, tool_venv, warm_up, write_tokenizer_folder)
 from kvscope.backend.model.loader import SMOLLM2_INSTALL
 from kvscope.backend.server.serve import free_port
 
@@ -80,6 +80,9 @@ def test_guidellm_finishes_without_errors_and_reports_the_tokens_the_engine_serv
     # Request by request (guidellm keeps each response's id): the same requests, no more, and the same
     # prompt and output token counts as the engine's own token ids.
     assert guidellm_requests(benchmark) == by_id(served)
+    totals = guidellm_figures(benchmark)  # and the totals it prints (sums of floats, rounded)
+    assert (totals.prompt_tokens, totals.output_tokens) == (sum(r.prompt_tokens for r in served),
+                                                            sum(r.output_tokens for r in served))
     # guidellm asked for an exact output length (max_completion_tokens with ignore_eos): it got it.
     asked = {r["response_id"]: json.loads(r["request_args"])["body"]["max_completion_tokens"]
              for r in benchmark["requests"]["successful"]}
@@ -103,7 +106,8 @@ def test_aiperf_streaming_chat_with_per_chunk_usage_finishes_without_errors_and_
     assert report["total_output_tokens"]["avg"] == sum(r.output_tokens for r in served)
     assert report["total_usage_completion_tokens"]["avg"] == sum(r.output_tokens for r in served)
     assert report["total_usage_prompt_tokens"]["avg"] == sum(r.prompt_tokens for r in served)
-    records = [json.loads(line)["metrics"] for line in (tmp_path / "out" / "profile_export.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "out" / "profile_export.jsonl").read_text().splitlines()
+    records = [json.loads(line)["metrics"] for line in lines]
     assert sorted(m["output_token_count"]["value"] for m in records) == sorted(r.output_tokens for r in served)
     assert len({r.output_tokens for r in served}) > 1  # lengths differ: a count that ignored them could not pass
     # Every request got the output length aiperf asked for (max_completion_tokens with ignore_eos).
