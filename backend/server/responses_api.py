@@ -39,7 +39,7 @@ from litestar.response.sse import ServerSentEventMessage
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from kvscope.backend.errors import pydantic_reason
-from kvscope.backend.model.chat import encode_chat
+from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.server.generation import Generation
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.openai_api import (DEFAULT_CHAT_MAX_TOKENS, Name, OpenAIError, Text, StrictBody, api_run,
@@ -318,7 +318,10 @@ async def create_response(request: Request, data: JSONBody[ResponsesBody]) -> Re
     model = check_model(request, data)
     run = await api_run(request, model, 1)
     sampling = sampling_for(data, 0, grammar)
-    prompt = await asyncio.to_thread(encode_chat, messages, run.loaded)  # reads the model folder
+    try:
+        prompt = await asyncio.to_thread(encode_chat, messages, run.loaded)  # reads the model folder
+    except ChatTemplateError as e:  # chat's handler would name `messages`: here the client sent `input`
+        raise OpenAIError(400, str(e), "input") from None
     max_tokens = fit_in_context(run, len(prompt), data.max_output_tokens, DEFAULT_CHAT_MAX_TOKENS, "input",
                                 "max_output_tokens")
     gen = Generation(run, 1, [], "resp")
