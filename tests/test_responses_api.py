@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, TypeAdapter
 
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
@@ -152,13 +153,18 @@ def test_a_streamed_answer_cut_by_max_output_tokens_ends_with_response_incomplet
     assert last.output[0].status == "incomplete"
 
 
-def test_each_server_sent_event_is_named_after_its_type(url: str, model_name: str) -> None:
-    body = {"model": model_name, "input": TEXT, "max_output_tokens": 4, "stream": True}
-    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+def test_every_event_and_response_has_every_field_the_sdk_types_require(url: str, model_name: str) -> None:
+    """The client builds its objects without validating them: validate here, strictly, against its types."""
+    body = {"model": model_name, "input": TEXT, "max_output_tokens": 4, "metadata": {"k": "v"}}
+    plain = httpx.post(url + "/v1/responses", json=body, timeout=60).json()
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
-    types = [json.loads(line.removeprefix("data: "))["type"] for line in lines if line.startswith("data: ")]
-    assert names == types and names[0] == "response.created" and "[DONE]" not in "".join(lines)
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+
+    Response.model_validate(plain, strict=False)
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(d) for d in data]
+    assert names == [e.type for e in events] and names[0] == "response.created" and "[DONE]" not in "".join(lines)
 
 
 def test_a_client_that_leaves_mid_stream_aborts_its_request(url: str, manager: RunManager, model_name) -> None:

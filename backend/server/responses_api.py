@@ -243,16 +243,21 @@ def response_object(gen: Generation, body: ResponsesBody, model: str, status: st
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-            "tools": [], "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls
-            is not False, "truncation": "disabled", "store": False, "background": False,
+            "tools": [], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "truncation": "disabled", "store": False, "background": False,
             "previous_response_id": None, "reasoning": None, "usage": None, "user": body.user,
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "service_tier": body.service_tier or "default", **fields}
 
 
 def final_response(gen: Generation, body: ResponsesBody, model: str) -> dict[str, Any]:
-    """The finished response: `incomplete` when max_output_tokens cut the answer (finish reason "length")."""
+    """The finished response: `incomplete` when max_output_tokens cut the answer (finish reason "length"),
+    `failed` when it was aborted (the server's time limit, a shutdown)."""
     choice = gen.choices[0]
+    if choice.finish_reason == "abort":
+        why = "ran past the server's time limit" if gen.timed_out else "was aborted by the server"
+        return failed(gen, body, model, f"the request {why}")
     cut = choice.finish_reason == "length"
     status = "incomplete" if cut else "completed"
     usage = gen.usage()
@@ -265,6 +270,10 @@ def final_response(gen: Generation, body: ResponsesBody, model: str) -> dict[str
                # kvscope does not count prefix-cache hits per request (the dashboard shows them); no reasoning
                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                "output_tokens_details": {"reasoning_tokens": 0}})
+
+
+def failed(gen: Generation, body: ResponsesBody, model: str, message: str) -> dict[str, Any]:
+    return response_object(gen, body, model, "failed", error={"code": "server_error", "message": message})
 
 
 async def stream_events(gen: Generation, body: ResponsesBody, model: str) -> AsyncIterator[ServerSentEventMessage]:
@@ -288,11 +297,10 @@ async def stream_events(gen: Generation, body: ResponsesBody, model: str) -> Asy
         except RunFailed as e:
             yield event("response.failed", response=failed(gen, body, model, run_failed(e).message))
             return
-        if gen.timed_out:
-            yield event("response.failed", response=failed(gen, body, model, "the request ran past the server's "
-                                                                            "time limit and was aborted"))
-            return
         final = final_response(gen, body, model)
+        if final["status"] == "failed":
+            yield event("response.failed", response=final)
+            return
         (item,) = final["output"]
         text = item["content"][0]["text"]
         yield event("response.output_text.done", **where, text=text, logprobs=[])
@@ -301,10 +309,6 @@ async def stream_events(gen: Generation, body: ResponsesBody, model: str) -> Asy
         yield event(f"response.{final['status']}", response=final)  # response.completed or response.incomplete
     finally:
         gen.close()  # a client that disconnected mid-stream lands here: its request is aborted
-
-
-def failed(gen: Generation, body: ResponsesBody, model: str, message: str) -> dict[str, Any]:
-    return response_object(gen, body, model, "failed", error={"code": "server_error", "message": message})
 
 
 # ---- the route --------------------------------------------------------------------------------------------
