@@ -16,6 +16,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
+from kvscope.backend.engine.engine import Engine
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
@@ -193,6 +194,31 @@ def test_past_the_time_limit_a_stream_ends_with_response_failed_and_a_plain_answ
     assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
     assert [e["type"] for e in events] == [*STREAM_OPENING, "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and "time limit" in events[-1]["response"]["error"]["message"]
+
+
+def test_a_run_fault_is_a_409_or_ends_the_stream_with_response_failed(tiny_dir, monkeypatch) -> None:
+    original, calls = Engine.step, []
+
+    def fails_on_its_first_step(self, *args, **kwargs):  # each run's: the next request starts a fresh run
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "step", fails_on_its_first_step)
+    manager = RunManager(default_model=tiny_dir)
+    with serve_in_thread(create_app(manager)) as base:
+        body = {"input": "ab", "max_output_tokens": 8, "stream": True}
+        with httpx.stream("POST", base + "/v1/responses", json=body, timeout=30) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        calls.clear()
+        plain = httpx.post(base + "/v1/responses", json={"input": "ab", "max_output_tokens": 8}, timeout=30)
+    manager.stop_all()
+
+    assert [e["type"] for e in events[:4]] == STREAM_OPENING and events[-1]["type"] == "response.failed"
+    assert "response.completed" not in [e["type"] for e in events]
+    assert "run failed" in events[-1]["response"]["error"]["message"]
+    assert plain.status_code == 409 and plain.json()["error"]["code"] == "run_failed"
 
 
 # ---- what is refused ---------------------------------------------------------------------------------------
