@@ -42,7 +42,7 @@ from kvscope.backend.errors import pydantic_reason
 from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.server.generation import Generation
 from kvscope.backend.server.guards import require_token
-from kvscope.backend.server.openai_api import (DEFAULT_CHAT_MAX_TOKENS, Name, OpenAIError, Text, StrictBody, api_run,
+from kvscope.backend.server.openai_api import (DEFAULT_CHAT_MAX_TOKENS, Name, OpenAIError, StrictBody, Text, api_run,
                                                check_model, fit_in_context, respond, run_failed, sampling_for,
                                                v1_router)
 from kvscope.backend.server.run_errors import RunFailed
