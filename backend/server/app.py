@@ -353,6 +353,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     from kvscope.backend.server.guards import CONNECTION_GUARDS
     from kvscope.backend.server.openai_api import openai_errors_under_v1, openai_routes
     from kvscope.backend.server.probes import probe_routes
+    from kvscope.backend.server.responses_api import responses_routes
     from kvscope.backend.server.serve import is_loopback
     from kvscope.backend.server.ws import SendBudget, run_socket
 
@@ -362,7 +363,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
                         add_request, run_trace, token_dist, library_list, library_entry, library_rename,
-                        library_delete, library_open, run_socket, *openai_routes, *probe_routes],
+                        library_delete, library_open, run_socket, *openai_routes, *responses_routes,
+                        *probe_routes],
         exception_handlers={KvscopeError: user_error, LibraryError: library_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
