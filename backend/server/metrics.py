@@ -128,7 +128,7 @@ class RunFeed:
 
     def __init__(self, metrics: ServerMetrics, model: str, num_spec_tokens: int) -> None:
         self.m, self.labels = metrics, (model, ENGINE)
-        self.arrived: dict[str, Event] = {}  # request -> its request_arrived, until it finishes
+        self.prompt_len: dict[str, int] = {}  # request -> its prompt's tokens, until it finishes
         self.last_token: dict[str, tuple[int, float]] = {}  # request -> (step, t) of its newest tokens
         self.preemptions = 0  # the engine's count so far (metrics events carry a running total)
         self._start_series(num_spec_tokens)
@@ -157,19 +157,18 @@ class RunFeed:
             handler(event)
 
     def _arrived(self, e: Event) -> None:
-        self.arrived[e["request_id"]] = e
+        self.prompt_len[e["request_id"]] = len(e["prompt_token_ids"])
         n = e["sampling"].get("n", 1)
         self.m.n.labels(*self.labels).observe(n if isinstance(n, int) else 1)
         self.m.max_tokens.labels(*self.labels).observe(e["max_tokens"])
 
     def _rejected(self, e: Event) -> None:
-        self.arrived.pop(e["request_id"], None)
+        self.prompt_len.pop(e["request_id"], None)
 
     def _finished(self, e: Event) -> None:
         m, labels = self.m, self.labels
-        arrived = self.arrived.pop(e["request_id"], None)
+        prompt = self.prompt_len.pop(e["request_id"], 0)
         self.last_token.pop(e["request_id"], None)
-        prompt = len(arrived["prompt_token_ids"]) if arrived else 0
         generated = sum(len(o["output_token_ids"]) for o in e.get("outputs") or [e])  # every returned sequence
         m.prompt_tokens.labels(*labels).inc(prompt)
         m.generation_tokens.labels(*labels).inc(generated)
@@ -177,7 +176,7 @@ class RunFeed:
         m.prefix_hits.labels(*labels).inc(e.get("num_cached_prompt_tokens") or 0)
         m.prompt_len.labels(*labels).observe(prompt)
         m.output_len.labels(*labels).observe(generated)
-        m.success.labels(*labels, FINISH_REASONS[e["finish_reason"]]).inc()
+        m.success.labels(*labels, FINISH_REASONS.get(e["finish_reason"], e["finish_reason"])).inc()
         self._times(e)
 
     def _times(self, e: Event) -> None:
