@@ -85,8 +85,8 @@ class Finish:
     """A finished request's latencies in engine time: the sum of the durations of the iterations
     between its arrival and its first token (TTFT), then per later token (TPOT), and before the first
     iteration that ran it (queue). The engine's own ttft_s and tpot_s are wall clock, which a paced run
-    (4 iterations a second) stretches. The API's run (RunState.serves_api) is never paced: its figures
-    are the engine's own, the very numbers GET /metrics observes."""
+    (4 iterations a second) stretches. The API's run (RunState.serves_api) runs unpaced, as clients wait
+    on it: its figures are the engine's own, the very numbers GET /metrics observes."""
 
     step: int
     request_id: str

@@ -132,6 +132,9 @@ class RunFeed:
         self.last_token: dict[str, tuple[int, float]] = {}  # request -> (step, t) of its newest tokens
         self.preemptions = 0  # the engine's count so far (metrics events carry a running total)
         self._start_series(num_spec_tokens)
+        # the series every event, token or iteration touches, looked up once (labels() takes a lock)
+        self.events, self.itl = metrics.events.labels(*self.labels), metrics.itl.labels(*self.labels)
+        self.iteration_tokens = metrics.iteration_tokens.labels(*self.labels)
         self._handlers = {"request_arrived": self._arrived, "request_rejected": self._rejected,
                           "request_finished": self._finished, "token": self._token, "metrics": self._metrics,
                           "iteration": self._iteration, "spec_verify": self._verified}
@@ -151,7 +154,7 @@ class RunFeed:
                 m.accepted_per_pos.labels(*self.labels, str(pos))
 
     def apply(self, event: Event) -> None:
-        self.m.events.labels(*self.labels).inc()
+        self.events.inc()
         handler = self._handlers.get(event["type"])
         if handler is not None:
             handler(event)
@@ -203,7 +206,7 @@ class RunFeed:
         if last is not None and last[0] == step:
             return
         if last is not None:
-            self.m.itl.labels(*self.labels).observe(e["t"] - last[1])
+            self.itl.observe(e["t"] - last[1])
         self.last_token[rid] = (step, e["t"])
 
     def _metrics(self, e: Event) -> None:
@@ -214,7 +217,7 @@ class RunFeed:
 
     def _iteration(self, e: Event) -> None:
         if e["num_batched_tokens"]:
-            self.m.iteration_tokens.labels(*self.labels).observe(e["num_batched_tokens"])
+            self.iteration_tokens.observe(e["num_batched_tokens"])
 
     def _verified(self, e: Event) -> None:
         m, labels = self.m, self.labels

@@ -30,9 +30,10 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
 - **TPOT** (time per output token): engine time from its first token to its last, divided by its
   later tokens: the decode speed a user feels. Bigger batches raise throughput but also TPOT.
 - **queue time**: engine time from a request's arrival to the first iteration that ran it.
-- **The API's run** (`api`, `api-MODEL`: the OpenAI API's requests) is never paced, so its TTFT,
-  TPOT and queue time are each request's own, on the engine's clock (wall time, as a client waits):
-  the very numbers the request_finished events carry and `GET /metrics` reports (docs/api.md).
+- **The API's run** (`api`, `api-MODEL`: the OpenAI API's requests) runs unpaced, as clients wait
+  on it, so its TTFT, TPOT and queue time are each request's own, on the engine's clock (wall time,
+  as a client waits): the very numbers the request_finished events carry and `GET /metrics` reports
+  (docs/api.md).
 - **KV usage**: the share of the cache's blocks held by sequences (a block counts from its first
   token, so 100% can mean full blocks or many part-filled last blocks). The headline is the blocks
   held now, the block pool's own count; the chart, each iteration's end.
