@@ -234,3 +234,27 @@ def test_speculative_counts_add_up_to_the_reducers(model_name: str) -> None:
     per_pos = [scrape.value("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="demo", position=str(i))
                for i in range(4)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_counts_go_on_across_a_replaced_api_run_and_at_events_off(model_name: str) -> None:
+    """A failed API run is replaced by a fresh one: the model's counters keep counting. With
+    --api-events off the request counters and times still come (request_finished is kept)."""
+    from kvscope.backend.server.limits import ServiceLimits
+
+    manager = RunManager(default_model=model_name, limits=ServiceLimits(api_events="off"))
+    body = {"model": model_name, "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    usages = []
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000", timeout=60) as c:
+        usages.append(c.post("/v1/completions", json=body).json()["usage"])
+        first = manager.api_run()
+        first.fail("a test")
+        usages.append(c.post("/v1/completions", json=body).json()["usage"])
+        assert manager.api_run() is not first
+        scrape = Scrape(c.get("/metrics").text)
+    manager.stop_all()
+    assert scrape.value("vllm:generation_tokens_total", model_name=model_name) == \
+        sum(u["completion_tokens"] for u in usages) == 8
+    assert scrape.value("vllm:prompt_tokens_total", model_name=model_name) == sum(u["prompt_tokens"] for u in usages)
+    assert scrape.value("vllm:time_to_first_token_seconds_count", model_name=model_name) == 2
+    assert scrape.value("vllm:request_success_total", model_name=model_name, finished_reason="length") == 2
+    assert scrape.value("vllm:inter_token_latency_seconds_count", model_name=model_name) == 0  # no token events
