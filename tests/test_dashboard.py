@@ -905,3 +905,32 @@ async def test_the_selected_request_stands_out_in_the_batch_chart_and_the_block_
     column.picker.set_value("")  # follow running: nothing singled out
     await until(lambda: pool.picked_sent == [])
     await until(lambda: {item[8] for _, data in batch.segments.all() for item in data} == {0})
+
+
+async def test_the_api_runs_headline_is_what_metrics_reports(dash: Dash, backend_url: str) -> None:
+    """The API's run shows each request's own times (the engine's clock), the numbers GET /metrics
+    observes: the page's means are the scraped histograms' sum over count, its KV usage the gauge."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient(base_url=backend_url, timeout=60) as client:
+        for max_tokens in (6, 9, 4):
+            body = {"model": "demo", "prompt": "ROMEO:\nBut soft, what light", "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            (await client.post("/v1/completions", json=body)).raise_for_status()
+        scraped = {s.name: s.value for f in text_string_to_metric_families((await client.get("/metrics")).text)
+                   for s in f.samples if s.labels.get("model_name") == "demo"}
+    column = (await dash.open("/?run=api")).columns[0]
+    metrics = column.views["metrics"]
+    finished = int(scraped["vllm:e2e_request_latency_seconds_count"])
+    await until(lambda: metrics.kpis["done"] == f"{finished}/{finished}")
+
+    def mean_ms(name: str) -> float:
+        return 1000 * scraped[f"{name}_sum"] / scraped[f"{name}_count"]
+
+    assert metrics.kpis["ttft"] == f"{mean_ms('vllm:time_to_first_token_seconds'):.0f} ms"
+    assert metrics.kpis["tpot"] == f"{mean_ms('vllm:request_time_per_output_token_seconds'):.1f} ms"
+    assert metrics.kpis["queue"] == f"{mean_ms('vllm:request_queue_time_seconds'):.0f} ms"
+    assert metrics.kpis["usage"] == f"{100 * scraped['vllm:kv_cache_usage_perc']:.0f}%"
+    await dash.user.should_see("mean TTFT", marker="kpis")
+    await dash.user.should_not_see("mean TTFT (engine)", marker="kpis")

@@ -232,6 +232,34 @@ def test_ttft_tpot_and_throughput_are_engine_time_whatever_the_pacing(recorded):
     assert fast.last_busy_metrics().num_running > 0 and last.num_running == 0
 
 
+def test_queue_time_is_engine_time_before_the_first_iteration_that_ran_the_request(recorded):
+    from kvscope.backend.events.record import RunRecord
+
+    durations = {e["step"]: e["duration_s"] for e in recorded if e["type"] == "iteration"}
+    arrived = {e["request_id"]: e["step"] for e in recorded if e["type"] == "request_arrived"}
+    ran = {}
+    for e in recorded:
+        for entry in e.get("batch", []) if e["type"] == "iteration" else []:
+            ran.setdefault(entry["request_id"], e["step"])
+    finishes = RunRecord.from_events(recorded).history.finishes
+    for f in finishes:
+        waited = [d for s, d in durations.items() if arrived[f.request_id] < s < ran[f.request_id]]
+        assert f.queue_s == pytest.approx(sum(waited))
+    assert any(f.queue_s > 0 for f in finishes)  # 5 requests, 4 slots: someone waited
+
+
+def test_the_api_runs_latencies_are_its_requests_own_the_numbers_metrics_observes(recorded):
+    """The API's run is unpaced and clients wait on it: its figures are each request_finished's own."""
+    from kvscope.backend.events.record import RunRecord
+
+    header = {**recorded[0], "scenario": {**recorded[0]["scenario"], "name": "api", "requests": [], "generate": None}}
+    record = RunRecord.from_events([header, *recorded[1:]])
+    assert record.state.serves_api and not RunRecord.from_events(recorded).state.serves_api
+    own = {e["request_id"]: (e["ttft_s"], e["tpot_s"], e["queue_s"])
+           for e in recorded if e["type"] == "request_finished"}
+    assert {f.request_id: (f.ttft_s, f.tpot_s, f.queue_s) for f in record.history.finishes} == own
+
+
 def test_a_page_opened_mid_run_has_the_throughput_curves_and_latencies_of_one_that_watched(recorded):
     import json
 

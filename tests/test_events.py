@@ -145,6 +145,7 @@ EXAMPLES: dict[str, dict] = {
         "ttft_s": 0.1,
         "tpot_s": None,
         "e2e_s": 0.2,
+        "queue_s": 0.05,
         "reason": "client disconnected",
         "outputs": [{"seq_id": 0, "output_token_ids": [42], "output_text": "x", "finish_reason": "abort",
                      "cumulative_logprob": -1.5, "score": None}],
@@ -364,7 +365,7 @@ def test_strip_times_removes_wall_clock_fields():
     stripped = strip_times([example(t) for t in ("header", "iteration", "request_finished", "metrics")])
     assert all("t" not in e for e in stripped)
     assert "run_id" not in stripped[0] and "duration_s" not in stripped[1]
-    assert not {"ttft_s", "tpot_s", "e2e_s"} & set(stripped[2]) and "tokens_per_s" not in stripped[3]
+    assert not {"ttft_s", "tpot_s", "e2e_s", "queue_s"} & set(stripped[2]) and "tokens_per_s" not in stripped[3]
     assert stripped[3]["kv_usage"] == 0.5
 
 

@@ -37,7 +37,7 @@ def test_a_scenario_name_too_long_for_the_file_system_is_a_404(client):
 
 
 @pytest.mark.parametrize("path", ["/api/runs", "/api/runs/api/requests", "/api/runs/api/control",
-                                  "/v1/completions", "/v1/chat/completions"])
+                                  "/v1/completions", "/v1/chat/completions", "/v1/responses"])
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 3000])
 def test_a_body_nested_past_the_depth_limit_is_a_400(client, path, depth):
     body = '{"prompt": ' + "[" * depth + "]" * depth + "}"

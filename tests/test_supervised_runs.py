@@ -296,13 +296,26 @@ def test_a_trace_folder_removed_mid_run_stops_the_file_and_the_api_run_goes_on(t
     manager.stop_all()
 
 
+def settled_trace(client) -> str:
+    """The API run's trace once its step is over: the answer comes at request_finished, and the step's
+    metrics event may still be on its way to the file."""
+    text = client.get(f"/api/runs/{API_RUN_ID}/trace").text
+    for _ in range(200):
+        time.sleep(0.01)
+        again = client.get(f"/api/runs/{API_RUN_ID}/trace").text
+        if again == text:
+            return text
+        text = again
+    raise AssertionError("the API run's trace never settled")
+
+
 def test_a_restart_never_overwrites_an_earlier_trace(tiny_dir, tmp_path):
     written = []
     for _ in range(2):  # the same --trace-dir, two servers one after the other
         client, manager = serving(tiny_dir, trace_dir=str(tmp_path))
         with client:
             assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
-            written.append(client.get(f"/api/runs/{API_RUN_ID}/trace").text)
+            written.append(settled_trace(client))
         manager.stop_all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["api-1.jsonl", "api.jsonl"]
     assert [(tmp_path / name).read_text() for name in ("api.jsonl", "api-1.jsonl")] == written

@@ -155,6 +155,7 @@ class Engine:
         started = self.clock()
         self.tracker.abort_impossible(self.cache.num_blocks)
         plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens (and drafts)
+        self.tracker.mark_scheduled(plan.scheduled, started)
         out = self.runner.execute(self._input_for(plan)) if plan.scheduled else StepOutput([])
         now = self.clock()
         self.events.iteration(plan.scheduled, now - started, self.scheduler, self.blocks,

@@ -12,12 +12,17 @@ from kvscope.backend.engine.sequence import Sequence
 @dataclass
 class RequestTimes:
     arrival: float
+    scheduled: float | None = None  # the start of the first iteration that ran it (queueing ends there)
     first_token: float | None = None
     finish: float | None = None
     num_output_tokens: int = 0
 
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    def queue(self) -> float | None:
+        """Time from arrival until an iteration first ran it (vLLM's queue interval, to its first scheduling)."""
+        return None if self.scheduled is None else self.scheduled - self.arrival
 
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""

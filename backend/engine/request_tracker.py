@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from pydantic import ValidationError
@@ -23,7 +23,7 @@ from kvscope.backend.engine.request_output import Arrived, Finished, Forked, Sin
 from kvscope.backend.engine.request import (Request, RequestError, check_fits, check_prompt_ids, check_supported,
                                     check_token_ids, finish_reason_after)
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import Scheduler
+from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
 from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.engine.step_events import StepEvents
 from kvscope.backend.errors import validation_error
@@ -59,6 +59,13 @@ class RequestTracker:
         """Every unfinished sequence of every request (holding blocks or waiting for them)."""
         requests = {id(r): r for r in self.unfinished.values()}.values()
         return [s for r in requests for s in r.seqs if s.seq_id in self.unfinished]
+
+    def mark_scheduled(self, batch: Iterable[ScheduledSeq], started: float) -> None:
+        """The iteration that started at `started` runs these: a request's queueing ends at its first."""
+        for item in batch:
+            req = self.unfinished.get(item.seq.seq_id)
+            if req is not None and req.times.scheduled is None:
+                req.times.scheduled = started
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request (a server that lives forever must not keep them all); unknown ids are fine."""

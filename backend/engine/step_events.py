@@ -66,7 +66,7 @@ class StepEvents:
         self.bus.emit("request_finished", request_id=req.request_id, seq_id=best["seq_id"],
                       finish_reason=req.finish_reason, reason=req.abort_reason,
                       output_token_ids=best["output_token_ids"], output_text=req.output_text,
-                      ttft_s=t.ttft(), tpot_s=t.tpot(), e2e_s=t.e2e(),
+                      ttft_s=t.ttft(), tpot_s=t.tpot(), e2e_s=t.e2e(), queue_s=t.queue(),
                       num_cached_prompt_tokens=req.seq.num_cached_prompt_tokens,
                       **({"outputs": req.outputs} if req.multi else {}))
 

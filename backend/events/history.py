@@ -83,13 +83,16 @@ class MetricPoint:
 @dataclass
 class Finish:
     """A finished request's latencies in engine time: the sum of the durations of the iterations
-    between its arrival and its first token (TTFT), then per later token (TPOT). The engine's own
-    ttft_s and tpot_s are wall clock, which a paced run (4 iterations a second) stretches."""
+    between its arrival and its first token (TTFT), then per later token (TPOT), and before the first
+    iteration that ran it (queue). The engine's own ttft_s and tpot_s are wall clock, which a paced run
+    (4 iterations a second) stretches. The API's run (RunState.serves_api) runs unpaced, as clients wait
+    on it: its figures are the engine's own, the very numbers GET /metrics observes."""
 
     step: int
     request_id: str
     ttft_s: float | None
     tpot_s: float | None
+    queue_s: float | None = None  # arrival to the start of the first iteration that ran it
 
 
 @dataclass
@@ -182,6 +185,9 @@ class RunHistory:
 
     def _finish(self, request_id: str, step: int, num_output_tokens: int, state: RunState) -> None:
         view = state.requests.get(request_id)
+        if state.serves_api and view is not None:  # the engine's clock: what clients wait, what /metrics reports
+            self.finishes.append(Finish(step, request_id, view.ttft_s, view.tpot_s, view.queue_s))
+            return
         ttft = tpot = None
         if view is not None and view.first_token_step is not None:
             ttft = self.engine_ttft(view.arrival_step, view.first_token_step)
@@ -190,7 +196,8 @@ class RunHistory:
             later = num_output_tokens - 1
             if first is not None and end is not None and later > 0:
                 tpot = (end - first) / later
-        self.finishes.append(Finish(step, request_id, ttft, tpot))
+        queue = self.engine_queue(view.arrival_step, view.first_run_step) if view is not None else None
+        self.finishes.append(Finish(step, request_id, ttft, tpot, queue))
 
     def _on_block_free(self, e: Event, state: RunState) -> None:
         if e["seq_id"] not in state.block_tables:
@@ -257,6 +264,13 @@ class RunHistory:
         can serve it is the next one: iteration `arrival_step` itself ran before it existed."""
         first, before = self.engine_s.get(first_token_step), self.engine_before(arrival_step + 1)
         return first - before if first is not None and before is not None else None
+
+    def engine_queue(self, arrival_step: int, first_run_step: int | None) -> float | None:
+        """Engine seconds a request waited: from its arrival to the start of the first iteration that ran it."""
+        if first_run_step is None:
+            return None
+        start, before = self.engine_before(first_run_step), self.engine_before(arrival_step + 1)
+        return start - before if start is not None and before is not None else None
 
     def engine_tokens_per_s(self, step: int) -> float | None:
         """Output tokens per second of engine time over the last THROUGHPUT_WINDOW iterations up to `step`

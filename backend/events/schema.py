@@ -290,6 +290,7 @@ class RequestFinishedEvent(_Event):
     ttft_s: float | None  # null when aborted before its first token
     tpot_s: float | None  # null with fewer than two output tokens
     e2e_s: float
+    queue_s: float | None = None  # arrival to the first iteration that ran it; null when it never ran
     reason: str | None = None  # why it was aborted
     outputs: list[SeqOutput] | None = None  # n > 1 or beam search: every returned sequence, best first
     num_cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache

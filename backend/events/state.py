@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 Event = dict[str, Any]
+API_SCENARIO = "api"  # the name of the scenario the server builds for its OpenAI API runs
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
 
@@ -28,6 +29,7 @@ class RequestView:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     arrival_step: int = -1
+    first_run_step: int | None = None  # the first iteration that ran it (its queueing ended there)
     first_token_step: int | None = None
     finish_step: int | None = None
     finish_reason: str | None = None
@@ -36,6 +38,7 @@ class RequestView:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    queue_s: float | None = None  # arrival to the first iteration that ran it
     seq_ids: list[int] = field(default_factory=list)  # its sequences: the first, then each fork (n > 1, beams)
     outputs: list[dict[str, Any]] | None = None  # every returned sequence, best first (n > 1, beams)
     joined: bool = False  # first seen running: it arrived before the trace began (prompt, first token unknown)
@@ -160,6 +163,26 @@ class RunState(PlainState):
         """Whether the run keeps a KV cache (engine.kv_cache); without one every step recomputes the context."""
         return self.config.get("kv_cache", True) is not False
 
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by a sequence now: the pool less its free blocks (a cached prefix's free block is free).
+        The one count every figure of KV usage reads (the block pool's caption, the metrics' headline, GET
+        /metrics), so at any moment they agree, and at the end of an iteration they equal its metrics
+        event's kv_usage."""
+        return self.num_blocks - len(self._free) if self.kv_cache else 0
+
+    @property
+    def kv_usage(self) -> float:
+        """blocks_in_use over the pool (0 without a cache)."""
+        return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def serves_api(self) -> bool:
+        """The open-ended run that serves the OpenAI API: its scenario, built by the server, has no requests
+        of its own (a scenario file must have some). Its latencies are the engine's own clock (docs/api.md)."""
+        return bool(self.scenario) and (self.scenario.get("name") == API_SCENARIO and not self.scenario.get("requests")
+                                        and not self.scenario.get("generate"))
+
     def apply(self, event: Event) -> None:
         handler = self._handlers.get(event["type"])
         if handler is not None:  # types this reducer does not track are fine
@@ -189,7 +212,7 @@ class RunState(PlainState):
             del self.step_tokens[first]
         for entry in e["batch"]:
             self.seq_request[entry["seq_id"]] = entry["request_id"]
-            self._mark_running(entry["request_id"])
+            self._mark_running(entry["request_id"], e["step"])
 
     def _on_metrics(self, e: Event) -> None:
         self.metrics = e
@@ -231,12 +254,14 @@ class RunState(PlainState):
         self._leave_queues(rid)
         self._retire(rid)
 
-    def _mark_running(self, rid: str) -> None:
+    def _mark_running(self, rid: str, step: int) -> None:
         # A request first named by an iteration arrived before the trace began (the server's windowed
         # /trace): it is running, its prompt unknown. Live runs never get here; finished ones never run again.
         view = self.requests.setdefault(rid, RequestView(id=rid, joined=True))
         if view.status in ("running", "finished", "rejected"):
             return
+        if view.first_run_step is None and not view.joined:
+            view.first_run_step = step
         self._leave_queues(rid)
         self.running.append(rid)
         view.status = "running"
@@ -277,6 +302,7 @@ class RunState(PlainState):
         view.output_token_ids = list(e["output_token_ids"])
         view.output_text = e["output_text"]
         view.ttft_s, view.tpot_s, view.e2e_s = e["ttft_s"], e["tpot_s"], e["e2e_s"]
+        view.queue_s = e.get("queue_s")  # absent in traces older than the field
         view.outputs = e.get("outputs")
         self._leave_queues(rid)
         self._retire(rid)

@@ -36,6 +36,7 @@ from kvscope.backend.server.run_errors import RunBusy, RunError
 from kvscope.backend.server.runs import ServedRun
 
 log = logging.getLogger(__name__)
+PROMETHEUS_TEXT = "text/plain; version=0.0.4"  # the text format Prometheus scrapes
 
 
 # ---- bodies -----------------------------------------------------------------------------------------
@@ -300,6 +301,12 @@ def token_dist(request: Request, run_id: FromPath[str],
             "raw_probs_f32": base64.b64encode(row).decode("ascii")}
 
 
+@get("/metrics", sync_to_thread=True)  # reads each API run's reducer under its lock
+def prometheus_metrics(request: Request) -> Response:
+    """The API runs' numbers in Prometheus' text format, under vLLM's names (metrics.py, docs/api.md)."""
+    return Response(request.app.state.metrics.exposition(), media_type=PROMETHEUS_TEXT)
+
+
 # ---- the run library (library.py) -----------------------------------------------------------------------
 
 
@@ -351,8 +358,10 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     off loopback, watching runs needs no token; `dashboard_origin`: a browser origin trusted like a
     --cors-origin (guards.py)."""
     from kvscope.backend.server.guards import CONNECTION_GUARDS
+    from kvscope.backend.server.metrics import ServerMetrics
     from kvscope.backend.server.openai_api import openai_errors_under_v1, openai_routes
     from kvscope.backend.server.probes import probe_routes
+    from kvscope.backend.server.responses_api import responses_routes
     from kvscope.backend.server.serve import is_loopback
     from kvscope.backend.server.ws import SendBudget, run_socket
 
@@ -362,7 +371,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
                         add_request, run_trace, token_dist, library_list, library_entry, library_rename,
-                        library_delete, library_open, run_socket, *openai_routes, *probe_routes],
+                        library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
+                        *responses_routes, *probe_routes],
         exception_handlers={KvscopeError: user_error, LibraryError: library_error, RunBusy: busy_error,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
@@ -373,6 +383,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         debug=False,
     )
     app.state.manager = manager
+    app.state.metrics = ServerMetrics(manager)
     app.state.viewer_budget = SendBudget(manager.limits.viewer_events_per_s)
     app.state.token = token
     app.state.loopback = is_loopback(host)

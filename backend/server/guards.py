@@ -9,7 +9,8 @@ to any server, a localhost one included, and lets it open websockets anywhere. S
   a DELETE without a body is let through (a browser preflights every DELETE);
 - on a loopback bind the `Host` must be a loopback name (403 otherwise): DNS rebinding points a
   hostile name at 127.0.0.1, and the Host header is what gives it away;
-- off loopback, watching runs needs the token too, unless the server was started to show them publicly;
+- off loopback, watching runs (GET /metrics included) needs the token too, unless the server was
+  started to show them publicly;
 - JSON bodies may nest at most MAX_JSON_DEPTH deep (400): deeper ones overflow the decoder's stack.
 """
 
@@ -31,7 +32,8 @@ from litestar.utils import ensure_async_callable
 MAX_JSON_DEPTH = 32  # an inline scenario nests 4 deep; the decoder's own limit is ~1000
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 HOST_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^:\[\]]+)(?::\d+)?$")  # a name or [IPv6], then a port
-WATCH_PATHS = ("/api/runs", "/ws/runs", "/api/library")  # snapshots, traces, the websocket, saved runs
+# snapshots, traces, the websocket, saved runs, and the API runs' numbers (GET /metrics)
+WATCH_PATHS = ("/api/runs", "/ws/runs", "/api/library", "/metrics")
 
 
 def require_token(connection: ASGIConnection, _: BaseRouteHandler) -> None:

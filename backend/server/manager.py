@@ -27,6 +27,7 @@ from typing import Any
 
 from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.errors import ModelLoadError
+from kvscope.backend.events.state import API_SCENARIO
 from kvscope.backend.events.trace import TraceError, parse_trace
 from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
 from kvscope.backend.model.weights import WeightCache, WeightKey
@@ -110,6 +111,8 @@ class RunManager:
         self._closing = threading.Event()
         self._loader: threading.Thread | None = None  # starts the API run for /health (api_state)
         self.load_error: str | None = None  # why that start failed last
+
+        self._api_run_watchers: list[Callable[[str, EngineRun], None]] = []  # GET /metrics (metrics.py)
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -225,9 +228,17 @@ class RunManager:
             self.load_error = f"{type(e).__name__}: {e}"
             log.warning("the API run could not start: %s", self.load_error)
 
+    def watch_api_runs(self, watcher: Callable[[str, EngineRun], None]) -> None:
+        """Call watcher(model, run) for each API run, held now or started later (before it takes a request)."""
+        with self._api_lock:
+            self._api_run_watchers.append(watcher)
+            held = [r for r in self.runs.values() if isinstance(r, EngineRun) and r.open_ended]
+        for run in held:
+            watcher(run.scenario.model, run)
+
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
         # No requests of its own, which a scenario file may not have: built, not validated.
-        scenario = Scenario.model_construct(name="api", description="Requests from the OpenAI API.", lesson=[],
+        scenario = Scenario.model_construct(name=API_SCENARIO, description="Requests from the OpenAI API.", lesson=[],
                                             model=model, seed=0, engine=api_engine(model, self.limits.api_events),
                                             requests=[], generate=None)
         run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
@@ -235,6 +246,8 @@ class RunManager:
                         self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id,
                         needs=self.weight_needs_of(scenario))
         assert isinstance(run, EngineRun)
+        for watch in self._api_run_watchers:  # under _api_lock: no request reaches the run before they see it
+            watch(model, run)
         return run
 
     # ---- what a client may name -------------------------------------------------------------------

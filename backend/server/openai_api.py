@@ -62,7 +62,7 @@ Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 Name = Annotated[str, Field(max_length=256)]
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
@@ -72,12 +72,12 @@ class _Body(BaseModel):
             if isinstance(data, dict) else data
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False  # a last chunk with the usage; the chunks before it carry `usage: null`
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _Sampling(_Body):
+class _Sampling(StrictBody):
     model: Name | None = None
     max_tokens: int | None = Field(default=None, ge=0, le=100_000)
     temperature: float | None = None  # bounds: SamplingParams, the engine's one definition of them
@@ -145,7 +145,7 @@ class CompletionBody(_Sampling):
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
-class ContentPart(_Body):
+class ContentPart(StrictBody):
     type: Annotated[str, Field(max_length=32)]
     text: Text | None = None
     # Parts kvscope's text-only models cannot read: declared so that they are refused by name
@@ -162,7 +162,7 @@ UNREADABLE_PARTS = {"image_url": "images are not supported by this model",
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Role
     content: Text | Annotated[list[ContentPart], Field(max_length=64)] | None = None
     name: Name | None = None
@@ -273,12 +273,15 @@ def openai_errors_under_v1(handler: Callable[[Request, Exception], Response]) ->
 # ---- from a body to engine requests ---------------------------------------------------------------------
 
 
-def sampling_for(body: _Sampling, logprobs: int, grammar: Grammar | None = None) -> dict[str, Any]:
-    """The engine's sampling dict, checked now so that a bad value is a 400 naming the field."""
+def sampling_for(body: StrictBody, logprobs: int, grammar: Grammar | None = None) -> dict[str, Any]:
+    """The engine's sampling dict, checked now so that a bad value is a 400 naming the field.
+
+    A body without one of these fields (the Responses API has no `stop`, no `seed`) leaves it at its default."""
     names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "ignore_eos", "stop_token_ids", "logit_bias")
-    sampling = {k: getattr(body, k) for k in names if getattr(body, k) is not None}
-    sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sampling = {k: getattr(body, k) for k in names if getattr(body, k, None) is not None}
+    stop = getattr(body, "stop", None)
+    sampling["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
     sampling["logprobs"] = logprobs
     if grammar is not None:
         sampling["structured_outputs"] = grammar.outputs
@@ -290,7 +293,7 @@ def sampling_for(body: _Sampling, logprobs: int, grammar: Grammar | None = None)
     return sampling
 
 
-def check_model(request: Request, body: _Sampling) -> str:
+def check_model(request: Request, body: StrictBody) -> str:
     """The model a request names (the server's own when it names none); 404 for one not served."""
     manager = request.app.state.manager
     name = body.model or manager.default_model
@@ -424,12 +427,15 @@ def chat_response(gen: Generation, model: str, logprobs: bool, new_parser: NewPa
     return {**_envelope(gen, "chat.completion", model, choices), "usage": gen.usage()}
 
 
-def sse(data: AsyncIterator[str]) -> ServerSentEvent:
-    """Server-sent events framed as OpenAI and vLLM frame them: `data: ...` and a blank line, `\n` only
-    (litestar's default `\r\n` leaves a parser that splits on `\n\n` with one blob)."""
+def sse(data: AsyncIterator[str | ServerSentEventMessage]) -> ServerSentEvent:
+    """Server-sent events framed as OpenAI and vLLM frame them: `data: ...` (after `event: ...` for the
+    Responses API's named events) and a blank line, `\n` only (litestar's default `\r\n` leaves a parser
+    that splits on `\n\n` with one blob)."""
     async def messages() -> AsyncIterator[ServerSentEventMessage]:
         async for payload in data:
-            yield ServerSentEventMessage(data=payload, sep="\n")
+            message = payload if isinstance(payload, ServerSentEventMessage) else ServerSentEventMessage(data=payload)
+            message.sep = "\n"
+            yield message
 
     return ServerSentEvent(messages(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -561,10 +567,21 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
 
 async def _respond(request: Request, gen: Generation, body: _Sampling, model: str, kind: Literal["text", "chat"],
                    logprobs: bool, new_parser: NewParser) -> Response:
+    events = stream_events(gen, model, kind, logprobs, body.stream_options, new_parser) if body.stream else None
+    return await respond(request, gen, events, lambda: completion_response(gen, model, logprobs) if kind == "text"
+                         else chat_response(gen, model, logprobs, new_parser))
+
+
+async def respond(request: Request, gen: Generation, events: AsyncIterator[Any] | None,
+                  answer: Callable[[], dict[str, Any]]) -> Response:
+    """A submitted generation's answer: its events as a stream, or `answer()` once every choice has finished.
+
+    Either way the server's time limit and a client that goes away abort it (every route that generates
+    answers through here, so none can leak a request that nobody reads)."""
     timeout = request.app.state.manager.limits.request_timeout_s
     gen.limit_time(timeout)
-    if body.stream:
-        return sse(stream_events(gen, model, kind, logprobs, body.stream_options, new_parser))
+    if events is not None:
+        return sse(events)
     gone = asyncio.ensure_future(client_gone(request))
     done = asyncio.ensure_future(gen.wait())
     try:
@@ -579,16 +596,19 @@ async def _respond(request: Request, gen: Generation, body: _Sampling, model: st
     if gen.timed_out:
         raise OpenAIError(504, f"the request ran past the server's time limit (--request-timeout-s {timeout:g}) "
                                "and was aborted", None, "timeout", "timeout_error")
-    answer = completion_response(gen, model, logprobs) if kind == "text" else \
-        chat_response(gen, model, logprobs, new_parser)
-    return Response(answer, media_type=MediaType.JSON)
+    return Response(answer(), media_type=MediaType.JSON)
 
 
 # Keyed like app.py's handlers, so that these (the nearer layer) win for the routes they are given.
 OPENAI_ERROR_HANDLERS: dict = {exc: _to_openai_error for exc in (
     OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError, RunFailed,
     Exception)}
-openai_routes: list = [
-    Router(path="/v1", route_handlers=[list_models, retrieve_model, completions, chat_completions],
-           exception_handlers=OPENAI_ERROR_HANDLERS, tags=["OpenAI-compatible"]),
-]
+
+
+def v1_router(handlers: list) -> Router:
+    """A router under /v1 whose every failure is answered in OpenAI's shape."""
+    return Router(path="/v1", route_handlers=handlers, exception_handlers=OPENAI_ERROR_HANDLERS,
+                  tags=["OpenAI-compatible"])
+
+
+openai_routes: list = [v1_router([list_models, retrieve_model, completions, chat_completions])]

@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 from kvscope.backend.model.chat import encode_chat, reads_tools
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.openai_api import (OPENAI_ERROR_HANDLERS, ChatMessage, Name, OpenAIError, Text, TokenId,
-                                               _Body, api_run, message_dicts, model_not_found)
+                                               StrictBody, api_run, message_dicts, model_not_found)
 from kvscope.backend.server.tools import ToolCalling, ToolChoice, Tools
 
 
@@ -43,7 +43,7 @@ async def server_version() -> dict[str, str]:
         return {"version": "unknown"}
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(StrictBody):
     """vLLM's two tokenize requests in one: a `prompt` (as /v1/completions reads it) or chat `messages`
     (as /v1/chat/completions renders them)."""
 
@@ -65,7 +65,7 @@ class TokenizeBody(_Body):
         return self
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(StrictBody):
     model: Name | None = None
     tokens: Annotated[list[TokenId], Field(max_length=100_000)]
 

@@ -115,7 +115,7 @@ def grammar_of(body: Any, forced_tool_call: dict[str, Any] | None = None) -> Gra
 
 def _sources(body: Any, forced_tool_call: dict[str, Any] | None) -> list[Grammar | None]:
     guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-    sources = [_response_format(body.response_format),
+    sources = [format_grammar(body.response_format),
                None if body.structured_outputs is None else Grammar("structured_outputs",
                                                                     body.structured_outputs.outputs()),
                None if forced_tool_call is None else Grammar("tool_choice", {"json": forced_tool_call})]
@@ -125,12 +125,13 @@ def _sources(body: Any, forced_tool_call: dict[str, Any] | None) -> list[Grammar
     return sources
 
 
-def _response_format(fmt: ResponseFormat | None) -> Grammar | None:
+def format_grammar(fmt: ResponseFormat | None, source: str = "response_format") -> Grammar | None:
+    """The grammar of an OpenAI output format (chat's `response_format`, the Responses API's `text.format`)."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return Grammar("response_format", {"json_object": True})
-    return Grammar("response_format", {"json": fmt.json_schema.schema_ or {"type": "object"}})
+        return Grammar(source, {"json_object": True})
+    return Grammar(source, {"json": fmt.json_schema.schema_ or {"type": "object"}})
 
 
 def check_size(grammar: Grammar) -> None:

@@ -56,10 +56,8 @@ class BlockPoolCanvas(ui.element, component="block_pool.js"):
 
 
 def blocks_in_use(state: RunState) -> int:
-    """Blocks held by a sequence now: the pool less its free blocks (a cached prefix's free block is free).
-    The one count every view that shows KV usage reads (the pool's caption, the metrics' headline), so at
-    any moment they agree, and at the end of an iteration they equal its metrics event's kv_usage."""
-    return state.num_blocks - len(state.free_blocks) if state.kv_cache else 0
+    """Blocks held by a sequence now (RunState.blocks_in_use: the one count of KV usage)."""
+    return state.blocks_in_use
 
 
 def pool_bytes(state: RunState) -> int:

@@ -29,6 +29,11 @@ the iteration events' `duration_s`), never the wall clock, which the playback sp
   One dot per finished request.
 - **TPOT** (time per output token): engine time from its first token to its last, divided by its
   later tokens: the decode speed a user feels. Bigger batches raise throughput but also TPOT.
+- **queue time**: engine time from a request's arrival to the first iteration that ran it.
+- **The API's run** (`api`, `api-MODEL`: the OpenAI API's requests) runs unpaced, as clients wait
+  on it, so its TTFT, TPOT and queue time are each request's own, on the engine's clock (wall time,
+  as a client waits): the very numbers the request_finished events carry and `GET /metrics` reports
+  (docs/api.md).
 - **KV usage**: the share of the cache's blocks held by sequences (a block counts from its first
   token, so 100% can mean full blocks or many part-filled last blocks). The headline is the blocks
   held now, the block pool's own count; the chart, each iteration's end.
@@ -62,6 +67,7 @@ LINES = [
 ]
 PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate", "spec_acceptance_rate"}
 KPI_TITLES = {"tps": "tokens/s (engine time)", "ttft": "mean TTFT (engine)", "tpot": "mean TPOT (engine)",
+              "queue": "mean queue time (engine)",
               "usage": "KV usage", "waste": "KV waste", "hit": "prefix hits", "saved": "blocks saved by sharing (peak)",
               "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
 
@@ -209,11 +215,13 @@ class MetricsView(FeedView):
         tps = history.run_tokens_per_s() if state.finished else (m.tokens_per_s if m else None)
         ttfts = [f.ttft_s for f in history.finishes if f.ttft_s is not None]
         tpots = [f.tpot_s for f in history.finishes if f.tpot_s is not None]
+        queues = [f.queue_s for f in history.finishes if f.queue_s is not None]
         finished = sum(1 for r in state.requests.values() if r.status == "finished")
         values = {
             "tps": f"{tps:.0f}" if tps is not None else "–",
             "ttft": f"{1000 * statistics.fmean(ttfts):.0f} ms" if ttfts else "–",
             "tpot": f"{1000 * statistics.fmean(tpots):.1f} ms" if tpots else "–",
+            "queue": f"{1000 * statistics.fmean(queues):.0f} ms" if queues else "–",
             "usage": self._usage(m),
             "waste": f"{100 * m.kv_waste:.1f}%" if m and state.kv_cache else "–",
             "hit": f"{100 * m.prefix_hit_rate:.0f}%" if m else "–",
@@ -228,6 +236,8 @@ class MetricsView(FeedView):
         self.memory.set(memory_text(state))
         # a finished run's usage is its last busy iteration's (afterwards every block is free): say which
         titles = {"usage": f"KV usage (iteration {m.step})"} if state.finished and m and state.kv_cache else {}
+        if state.serves_api:  # the engine's own clock per request, the numbers GET /metrics reports
+            titles.update(ttft="mean TTFT", tpot="mean TPOT", queue="mean queue time")
         self.kpi_row.set(kpi_html(values, titles))
         self._modelled()
 
