@@ -238,10 +238,16 @@ def server_figures(served: list[ServedRequest]) -> Figures:
 # ---- the server -------------------------------------------------------------------------------------------------
 
 
-def warm_up(base: str) -> None:
-    """One streamed chat request: the first request after start pays for what the server sets up lazily."""
+def warm_up(base: str, timeout: float = 120) -> None:
+    """Wait until /health answers 200 (the model loads in the background), then send one streamed chat
+    request: the figures should not include what the server does once, on its first request."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base}/health did not answer 200 within {timeout:.0f} s")
+        time.sleep(0.5)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=timeout) as r:
         r.raise_for_status()
         r.read()
 
