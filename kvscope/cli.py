@@ -106,14 +106,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if not args.no_ui:
             _listen(args.host, args.ui_port, "--ui-port").close()  # NiceGUI binds it itself; fail before starting
         manager, run_id = _start_manager(args, events)
-        if events is None:
-            manager.api_state()  # the model starts loading now: /health turns 200 without a first request
         token = None if is_loopback(args.host) else new_token()
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         dashboard = None if args.no_ui else f"http://{local}:{args.ui_port}"
         app = create_app(manager, token=token, max_body_bytes=args.max_body_bytes, cors_origins=args.cors_origin or None,
                          host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard,
                          limits=_limits(args))
+        if events is None:  # after create_app, which gives the manager the limits the run is built under
+            manager.api_state()  # the model starts loading now: /health turns 200 without a first request
         served = f"the API on {args.host}:{args.port}" + ("" if args.no_ui else f" and the dashboard on {dashboard}")
         try:
             if args.no_ui:

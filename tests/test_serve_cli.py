@@ -54,6 +54,26 @@ def test_serve_no_ui_answers_as_soon_as_it_prints_its_address_and_stops_cleanly(
     assert "Bearer" not in out  # loopback: no token needed
 
 
+def test_serve_loads_its_model_at_launch_under_the_limits_it_was_given():
+    """/health turns 200 with no request sent; the API run it started keeps --paused-ttl-s (it was once
+    built before the limits were set: paused by a client, it never resumed)."""
+    port = free_port()
+    proc = start("serve", "--no-ui", "--port", str(port), "--paused-ttl-s", "1")
+    try:
+        read_until(proc, "API on")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        deadline = time.monotonic() + 120
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the model never loaded"
+            time.sleep(0.1)
+        assert client.post("/api/runs/api/control", json={"action": "pause"}).status_code == 200
+        started = time.monotonic()
+        answer = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 1})
+        assert answer.status_code == 200 and time.monotonic() - started < 30  # resumed after ~1 s
+    finally:
+        stop(proc)
+
+
 def test_serve_prints_the_dashboard_address_once_the_dashboard_answers():
     api_port, ui_port = free_port(), free_port()
     proc = start("serve", "--port", str(api_port), "--ui-port", str(ui_port))
