@@ -50,10 +50,20 @@ def tokenizer(tmp_path_factory) -> Path:
 def executable(tool: str, version: str) -> Path:
     exe = tool_executable(tool)
     if exe is None:
-        pytest.skip(f"{tool} is not installed at {tool_venv(tool)} (.ci/run makes it: "
-                    f"python -m venv DIR && DIR/bin/pip install {tool}=={version}; "
-                    f"KVSCOPE_{tool.upper()}_VENV=DIR names it)")
+        pytest.skip(f"{tool} {version} is not installed at {tool_venv(tool)} (.ci/run makes it there; "
+                    f"KVSCOPE_{tool.upper()}_VENV names another virtual environment)")
     return exe
+
+
+# The tests ask for the tool's fixture before the server's: without the tool they skip before a server starts.
+@pytest.fixture(scope="module")
+def guidellm() -> Path:
+    return executable("guidellm", GUIDELLM_VERSION)
+
+
+@pytest.fixture(scope="module")
+def aiperf() -> Path:
+    return executable("aiperf", AIPERF_VERSION)
 
 
 def ran(argv: list[str], workdir: Path) -> None:
@@ -67,11 +77,10 @@ def by_id(served: list[ServedRequest]) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize(("profile", "requests"), [("synchronous", 6), ("constant,rate=2", 10)])
 def test_guidellm_finishes_without_errors_and_reports_the_tokens_the_engine_served(
-        base, tokenizer, tmp_path, profile, requests) -> None:
-    exe = executable("guidellm", GUIDELLM_VERSION)
+        guidellm, base, tokenizer, tmp_path, profile, requests) -> None:
     out = tmp_path / "benchmarks.json"
     mark = last_seq(base)
-    ran(guidellm_command(exe, base, tokenizer, out, profile, Load(requests=requests)), tmp_path)
+    ran(guidellm_command(guidellm, base, tokenizer, out, profile, Load(requests=requests)), tmp_path)
 
     benchmark = guidellm_report(out)
     totals = benchmark["metrics"]["request_totals"]
@@ -96,11 +105,10 @@ def test_guidellm_finishes_without_errors_and_reports_the_tokens_the_engine_serv
 
 
 def test_aiperf_streaming_chat_with_per_chunk_usage_finishes_without_errors_and_counts_what_the_engine_served(
-        base, tokenizer, tmp_path) -> None:
-    exe = executable("aiperf", AIPERF_VERSION)
+        aiperf, base, tokenizer, tmp_path) -> None:
     requests = 12
     mark = last_seq(base)
-    ran(aiperf_command(exe, base, tokenizer, tmp_path / "out", concurrency=4, load=Load(requests=requests)), tmp_path)
+    ran(aiperf_command(aiperf, base, tokenizer, tmp_path / "out", concurrency=4, load=Load(requests=requests)), tmp_path)
 
     report = aiperf_report(tmp_path / "out")
     assert report["error_summary"] == [] and report["request_error_rate"]["avg"] == 0
