@@ -64,8 +64,9 @@ def tool_env() -> dict[str, str]:
 
 
 def run_tool(argv: list[str], workdir: Path, timeout: float = TOOL_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run a tool in `workdir`, never in the checkout: there the repository's top-level `kernels/` folder
-    would shadow the `kernels` package that transformers probes for, and the tools write files where they run."""
+    """Run a tool in `workdir`, never in the checkout, and without it on PYTHONPATH: the tools write files where
+    they run, and the repository's top-level `kernels/` folder on their path shadows the `kernels` package
+    that transformers probes for (loading a tokenizer then fails)."""
     return subprocess.run(argv, cwd=workdir, env=tool_env(), capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
