@@ -142,6 +142,16 @@ def test_a_stream_is_openais_event_sequence_and_its_deltas_make_the_answer(clien
     assert events[0].response.id == final.id and events[0].response.status == "in_progress"
 
 
+def test_what_the_benchmark_tools_send_is_honoured(client, model_name) -> None:
+    """guidellm sends vLLM's ignore_eos to fix the output's length; aiperf sends stream_options.include_usage."""
+    with client.responses.stream(model=model_name, input=TEXT, max_output_tokens=60, temperature=0,
+                                 extra_body={"ignore_eos": True, "stream_options": {"include_usage": True}}) as stream:
+        events = list(stream)
+    final = events[-1].response
+    # without ignore_eos this answer ends by itself within 40 tokens (the test above)
+    assert events[-1].type == "response.incomplete" and final.usage.output_tokens == 60
+
+
 def test_a_streamed_answer_cut_by_max_output_tokens_ends_with_response_incomplete(client, model_name) -> None:
     events = list(client.responses.create(model=model_name, input=TEXT, max_output_tokens=3, temperature=0,
                                           stream=True))

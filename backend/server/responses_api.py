@@ -86,6 +86,7 @@ class TextConfig(StrictBody):
 
 class StreamOptions(StrictBody):
     include_obfuscation: bool | None = None
+    include_usage: bool | None = None  # what benchmark tools send (aiperf): the final event always has the usage
 
 
 class InputPart(StrictBody):
@@ -121,6 +122,7 @@ class ResponsesBody(StrictBody):
     max_output_tokens: int | None = Field(default=None, ge=1, le=100_000)  # OpenAI's minimum is 16
     temperature: float | None = None  # bounds: SamplingParams
     top_p: float | None = None
+    ignore_eos: bool | None = None  # vLLM's extra, as on the other routes (guidellm sends it to fix output lengths)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     text: TextConfig | None = None
