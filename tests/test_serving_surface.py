@@ -10,6 +10,7 @@ the sampled token with the same value as its own logprob.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -184,3 +185,27 @@ def test_top_logprobs_list_the_sampled_token_with_its_own_logprob(client) -> Non
     for entry in chat.choices[0].logprobs.content:
         same = [t.logprob for t in entry.top_logprobs if t.token == entry.token]
         assert same in ([], [entry.logprob])
+
+
+def test_a_request_arrives_when_the_server_receives_it_not_when_the_step_under_way_ends(manager, url, client,
+                                                                                        monkeypatch) -> None:
+    """TTFT counts the wait for the iteration already running, as the client sees it (and vLLM counts it)."""
+    assert healthy(url) == 200
+    engine = manager.get(API_RUN_ID).sim.engine
+    step, in_step = engine.step, threading.Event()
+
+    def slow_step():
+        if not in_step.is_set():
+            in_step.set()
+            time.sleep(1.0)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    first = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=2))
+    first.start()
+    assert in_step.wait(WAIT_S)
+    answer = client.completions.create(model=MODEL, prompt="JULIET:", max_tokens=2)
+    first.join(WAIT_S)
+    trace = httpx.get(url + "/api/runs/api/trace").text.splitlines()
+    done = next(json.loads(line) for line in trace if answer.id in line and '"request_finished"' in line)
+    assert done["ttft_s"] >= 0.8  # it waited for the slow step before the worker could take it

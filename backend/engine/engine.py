@@ -182,11 +182,13 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], max_tokens: int,
-                    sampling: SamplingParams | dict | None = None) -> Request:
-        """Queue a request, or refuse it (RequestError naming the field; a request_rejected event)."""
+                    sampling: SamplingParams | dict | None = None, arrival: float | None = None) -> Request:
+        """Queue a request, or refuse it (RequestError naming the field; a request_rejected event).
+
+        arrival: when it was received, read from `self.clock` (default: now); TTFT and queue time count from it."""
         try:
             return self.tracker.admit(request_id, prompt, max_tokens, sampling, self.cache.num_blocks, self.seed,
-                                      self.step_no)
+                                      self.step_no, arrival)
         except RequestError as e:
             self.events.request_rejected(request_id, e.field, e.reason)
             raise

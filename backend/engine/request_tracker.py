@@ -78,8 +78,10 @@ class RequestTracker:
     # ---- admission --------------------------------------------------------------------------------
 
     def admit(self, request_id: str, prompt: str | list[int], max_tokens: int,
-              sampling: SamplingParams | dict | None, num_blocks: int, seed: int, step_no: int) -> Request:
-        """Queue a request, or raise RequestError naming the field it cannot accept."""
+              sampling: SamplingParams | dict | None, num_blocks: int, seed: int, step_no: int,
+              arrival: float | None = None) -> Request:
+        """Queue a request, or raise RequestError naming the field it cannot accept. arrival: when it was
+        received, on the engine's clock (a server's request waits for the step under way); default now."""
         if request_id in self.requests:
             raise RequestError("id", f"duplicate request id {request_id!r}")
         params = parse_sampling(sampling)
@@ -91,8 +93,9 @@ class RequestTracker:
         check_fits(self.config, num_blocks, len(ids), max_tokens)
         seq = Sequence(self.new_seq_id(), request_id, list(ids), len(ids))
         seed = params.seed if params.seed is not None else seed * 1_000_003 + seq.seq_id
+        times = RequestTimes(self.clock() if arrival is None else arrival)
         req = Request(request_id, ids, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                      max_tokens, params, seed, step_no, RequestTimes(self.clock()), seq,
+                      max_tokens, params, seed, step_no, times, seq,
                       beam=BeamState(params.beam_width, params.length_penalty) if params.beam_width else None,
                       draft_generator=torch.Generator().manual_seed((seed + 0x5EED) % 2**63))
         self.requests[request_id] = req

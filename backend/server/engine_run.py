@@ -100,22 +100,24 @@ class EngineRun(ServedRun):
     def add_request(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
                     listener: Listener | None = None, request_id: str | None = None) -> str:
         """Add a request live (validated on the worker thread; RequestError if refused, RunBusy if the
-        waiting queue is full)."""
+        waiting queue is full). It arrives now, on this thread: its TTFT and queue time include the wait
+        for the worker to finish the step under way, as a client sees them (and vLLM counts them)."""
+        arrival = self.sim.engine.clock()
         with self.lock:
             self.requests.check_room(len(self.state.waiting), 1)
             self.requests.adds_pending += 1
         try:
-            return self.call(lambda: self._add_on_worker(prompt, max_tokens, sampling, listener, request_id))
+            return self.call(lambda: self._add_on_worker(prompt, max_tokens, sampling, listener, request_id, arrival))
         except TimeoutError:
             raise RunBusy(f"run {self.run_id!r} did not take the request in time; try again shortly") from None
 
     def _add_on_worker(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
-                       listener: Listener | None, request_id: str | None) -> str:
+                       listener: Listener | None, request_id: str | None, arrival: float) -> str:
         with self.lock:
             self.requests.adds_pending -= 1
         rid = self.requests.listen(request_id, listener)
         try:
-            self.sim.engine.add_request(rid, prompt, max_tokens, sampling)
+            self.sim.engine.add_request(rid, prompt, max_tokens, sampling, arrival)
         except Exception:
             self.requests.drop(rid)
             raise
