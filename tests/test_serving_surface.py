@@ -209,3 +209,13 @@ def test_a_request_arrives_when_the_server_receives_it_not_when_the_step_under_w
     trace = httpx.get(url + "/api/runs/api/trace").text.splitlines()
     done = next(json.loads(line) for line in trace if answer.id in line and '"request_finished"' in line)
     assert done["ttft_s"] >= 0.8  # it waited for the slow step before the worker could take it
+
+
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(client) -> None:
+    prompt = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun." * 2
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1)
+    twice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens < twice.usage.prompt_tokens_details.cached_tokens
+    assert 0 < twice.usage.prompt_tokens_details.cached_tokens < twice.usage.prompt_tokens  # full blocks, not all
+    answer = client.responses.create(model=MODEL, input=[{"role": "user", "content": prompt}], max_output_tokens=1)
+    assert answer.usage.input_tokens_details.cached_tokens == twice.usage.prompt_tokens_details.cached_tokens

@@ -42,6 +42,7 @@ class Finished:
     finish_reason: str
     # What it returns, best first: seq_id, output_token_ids, output_text, finish_reason, cumulative_logprob, score
     outputs: tuple[dict, ...]
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held (not computed again)
 
 
 RequestOutput = Arrived | Forked | Token | Finished

@@ -198,7 +198,8 @@ class RequestTracker:
         req.output_text = best["output_text"]
         req.times.finish = self.clock()
         self.events.request_finished(req)
-        self.on_output(Finished(req.request_id, req.finish_reason, tuple(req.outputs)))
+        self.on_output(Finished(req.request_id, req.finish_reason, tuple(req.outputs),
+                                req.seq.num_cached_prompt_tokens))
 
     def _outputs(self, req: Request) -> list[dict]:
         """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""

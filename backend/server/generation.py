@@ -65,6 +65,7 @@ class Choice:
     echo: str = ""  # the prompt, when the client asked for it back (echo)
     echo_tokens: list[dict] = field(default_factory=list)  # its token entries, with logprobs
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, those the prefix cache held
     completion_tokens: int = 0
     text: str = ""
     finish_reason: str | None = None
@@ -147,6 +148,8 @@ class Generation:
                 choice.chars += len(entry["text"])
                 yield choice, choice.stream.push(output.token_id), entry
             elif isinstance(output, Finished):
+                for choice in mine:
+                    choice.cached_tokens = output.num_cached_prompt_tokens
                 for out in output.outputs:
                     choice = self.choice_of_seq.get(out["seq_id"], mine[0])  # aborted before a fork
                     choice.text = out["output_text"]
@@ -198,7 +201,9 @@ class Generation:
         as streamed."""
         completion = sum(c.completion_tokens if c.finish_reason is not None else len(c.tokens) for c in self.choices)
         prompt = sum(c.prompt_tokens for c in self.choices[::self.n])  # each prompt once
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(c.cached_tokens for c in self.choices[::self.n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @torch.no_grad()

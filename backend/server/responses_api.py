@@ -269,8 +269,9 @@ def final_response(gen: Generation, body: ResponsesBody, model: str) -> dict[str
         completed_at=None if cut else gen.created,
         usage={"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                "total_tokens": usage["total_tokens"],
-               # kvscope does not count prefix-cache hits per request (the dashboard shows them); no reasoning
-               "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+               # no reasoning; no cache writes to count (the prefix cache keeps every full block anyway)
+               "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                        "cache_write_tokens": 0},
                "output_tokens_details": {"reasoning_tokens": 0}})
 
 
