@@ -67,9 +67,8 @@ def test_serve_loads_its_model_at_launch_under_the_limits_it_was_given():
             assert time.monotonic() < deadline, "the model never loaded"
             time.sleep(0.1)
         assert client.post("/api/runs/api/control", json={"action": "pause"}).status_code == 200
-        started = time.monotonic()
-        answer = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 1})
-        assert answer.status_code == 200 and time.monotonic() - started < 30  # resumed after ~1 s
+        answer = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 1})  # the client waits 60 s
+        assert answer.status_code == 200  # the API run resumed after its second paused (under the default, 15 min)
     finally:
         stop(proc)
 
