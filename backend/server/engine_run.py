@@ -26,6 +26,7 @@ class EngineRun(ServedRun):
     """A scenario (or the API's open-ended run) on a real engine."""
 
     kind = "scenario"
+    records_controls = True
 
     def __init__(self, scenario: Scenario, speed: float = DEFAULT_SPEED, paused: bool = False,
                  run_id: str | None = None, open_ended: bool = False, retention: Retention = Retention(),
@@ -60,9 +61,6 @@ class EngineRun(ServedRun):
         if self.sim.done and not self.open_ended and not self.finished:
             self.finished = True
             self.sim.finish()
-
-    def _emit_control(self, action: str, value: Any) -> None:
-        self.call(lambda: self._record_control(action, value))
 
     def _record_control(self, action: str, value: Any) -> None:
         self.bus.emit("control", action=action, value=value)

@@ -64,11 +64,19 @@ class RunWorker:
 
     # ---- any thread ---------------------------------------------------------------------------------
 
-    def steer(self, change: Callable[[], T]) -> T:
-        """change() (of the pacing, say) under the worker's lock, then wake the worker to obey it."""
+    def steer(self, change: Callable[[], T], then: Callable[[], Any] | None = None, timeout: float = 30.0) -> T:
+        """change() (of the pacing, say) under the worker's lock, then wake the worker to obey it.
+
+        then(): queued in the same breath, so the worker runs it before any iteration the change allows (a
+        resume's control event comes before the iteration it lets run); waited for, as `call` does."""
         with self.wakeup:
+            if then is not None and self.failure is not None:
+                raise RunFailed(self.run_id, self.failure)
             result = change()
+            future = self.submit(then) if then is not None else None
             self.wakeup.notify_all()
+        if future is not None:
+            future.result(timeout=timeout)
         return result
 
     def submit(self, fn: Callable[[], Any]) -> Future:

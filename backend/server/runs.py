@@ -60,6 +60,7 @@ class ServedRun:
 
     kind = "run"
     keeps_trace = True  # a replay hands out the trace it was given instead
+    records_controls = False  # whether a control becomes an event of its own (_record_control)
     dist_rows: DistRows | None = None  # an engine run keeps whole distributions; a replay has only its trace's
 
     def __init__(self, run_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
@@ -161,10 +162,14 @@ class ServedRun:
             raise RunFailed(self.run_id, self.failure)
         with self.lock:
             self.viewers.forget_resyncs()  # they tell paused and speed as they were
-        self.worker.steer(lambda: self.pacing.apply(action, value))
         if action == "seek":  # on the worker thread: it rebuilds the state the worker is using
-            self.call(lambda: self._seek(int(value)))
-        self._emit_control(action, value)
+            self.worker.steer(lambda: self.pacing.apply(action, value))
+            self.call(lambda: (self._seek(int(value)), self._record_control(action, value)))
+        elif self.records_controls:  # recorded before any iteration the change lets run: its replay pauses there too
+            self.worker.steer(lambda: self.pacing.apply(action, value),
+                              then=lambda: self._record_control(action, value))
+        else:
+            self.worker.steer(lambda: self.pacing.apply(action, value))
 
     def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
         """Run fn on the worker thread between two iterations and return its result (RunFailed at once, or
@@ -242,11 +247,9 @@ class ServedRun:
     def _seek(self, step: int) -> None:
         raise RunError("action", "seek works on replays only")
 
-    def _emit_control(self, action: str, value: Any) -> None:
-        """Recorded as an event so that a replay shows when the class paused (from any thread)."""
-
     def _record_control(self, action: str, value: Any) -> None:
-        """The same, on the worker thread. A replay records none: its events are the trace it was given."""
+        """A control recorded as an event (on the worker thread), so that a replay shows when the class paused.
+        A replay records none: its events are the trace it was given."""
 
     def describe(self) -> dict:
         return {"run_id": self.run_id, "kind": self.kind, "scenario": (self.state.scenario or {}).get("name"),
