@@ -448,18 +448,22 @@ def test_a_lesson_pause_scrolls_the_view_it_names_into_sight(page, backend_url, 
     assert page.evaluate("window.scrollY") > 0  # it was below the fold: the page scrolled to it
 
 
-def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_scale(page, backend_url, dashboard_url):
-    """sampling-knobs on the demo: on the log scale the bars grow from its floor (ECharts grows them from 1),
-    each cut named with the mass it removed, the rest of the vocabulary its own bar, computed exactly."""
-    run_id = api(backend_url, "/api/runs", {"scenario": "sampling-knobs", "speed": 0,
-                                            "overrides": {"model": "demo"}})["run_id"]
+def first_token_of(page, backend_url: str, dashboard_url: str, scenario: str, request: str) -> None:
+    """A finished demo run of the scenario, its request picked and the request's first token clicked."""
+    run_id = api(backend_url, "/api/runs", {"scenario": scenario, "speed": 0, "overrides": {"model": "demo"}})["run_id"]
     wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
     page.goto(f"{dashboard_url}/?run={run_id}")
     page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
-    page.get_by_role("option", name="min-p", exact=True).click()
+    page.get_by_role("option", name=request, exact=True).click()
     page.locator("[data-kv=token-strip] [data-i='0']").first.click()
     # the request's last token was drawn (and its row fetched) first: wait for the click's redraw
     page.locator("[data-kv=token-strip] [data-i='0'].kv-tok-selected").first.wait_for()
+
+
+def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_scale(page, backend_url, dashboard_url):
+    """sampling-knobs on the demo: on the log scale the bars grow from its floor (ECharts grows them from 1),
+    each cut named with the mass it removed, the rest of the vocabulary its own bar, computed exactly."""
+    first_token_of(page, backend_url, dashboard_url, "sampling-knobs", "min-p")
     exactness = page.locator("[data-kv=sampling-exactness]")
     page.wait_for_function("(el) => el.innerText.startsWith('exact')", arg=exactness.element_handle())
     assert "(2,048 tokens)" in exactness.inner_text()
@@ -480,18 +484,12 @@ def test_the_sampling_view_shows_every_stage_of_a_demo_distribution_on_a_log_sca
         assert sum(1 for v in s["data"] if v is not None) >= 2, s["name"]
     assert chart["series"][0]["data"][-1] > 0.01  # the raw tail: its own labelled bar
 
+
 def test_the_sampling_view_shows_a_grammars_mask_as_its_first_stage(page, backend_url, dashboard_url, tmp_path):
     """structured-output on the demo: person's first token drawn under a JSON schema. The chart starts
     with the model's own distribution, its favourites marked as masked; the line under it names the
     grammar and the JSON path; the timeline and the picker tag the request with its grammar."""
-    run_id = api(backend_url, "/api/runs", {"scenario": "structured-output", "speed": 0,
-                                            "overrides": {"model": "demo"}})["run_id"]
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
-    page.goto(f"{dashboard_url}/?run={run_id}")
-    page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
-    page.get_by_role("option", name="person · {json}", exact=True).click()
-    page.locator("[data-kv=token-strip] [data-i='0']").first.click()
-    page.locator("[data-kv=token-strip] [data-i='0'].kv-tok-selected").first.wait_for()
+    first_token_of(page, backend_url, dashboard_url, "structured-output", "person · {json}")  # the picker's tag
     grammar = page.locator("[data-kv=sampling-grammar]")
     page.wait_for_function("(el) => el.innerText === 'grammar: JSON schema · writing $'", arg=grammar.element_handle())
     assert re.search(r"the grammar allowed \d+ tokens? and removed \d+(\.\d)?% of the model's mass",
