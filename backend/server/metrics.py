@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,10 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.generation import FINISH_REASONS
 from kvscope.backend.server.manager import RunManager
+
+# No `*_created` series beside each counter and histogram, as vLLM's server (half the scrape, no use to a
+# dashboard); process-wide in prometheus_client, and kvscope's server is the only user in its process.
+disable_created_metrics()
 
 Event = dict[str, Any]
 LABELS = ["model_name", "engine"]  # vLLM's; one engine per model here, "0"
