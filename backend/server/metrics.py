@@ -30,8 +30,8 @@ from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.generation import FINISH_REASONS
 from kvscope.backend.server.manager import RunManager
 
-# No `*_created` series beside each counter and histogram, as vLLM's server (half the scrape, no use to a
-# dashboard); process-wide in prometheus_client, and kvscope's server is the only user in its process.
+# No `*_created` series beside each counter and histogram (they double the scrape and no dashboard reads
+# them); process-wide in prometheus_client, and kvscope's server is its only user in the process.
 disable_created_metrics()
 
 Event = dict[str, Any]
