@@ -72,7 +72,8 @@ def test_quant_linear_stores_packed_bytes_and_computes_with_the_dequantized_weig
     linear = nn.Linear(128, 32, bias=True)
     q = QuantLinear.from_linear(linear, "int4", 32)
     assert q.qweight.dtype == torch.uint8 and q.qweight.shape == (32, 64)
-    assert weight_bytes(q) == 32 * 64 + 32 * 4 * 4 + 32 * 4  # codes, scales [32, 4] fp32, bias
+    # codes, scales with their zeros [4 groups, 32, 2] fp32 (torch's int4 kernel reads them interleaved), bias
+    assert q.kernel == "int4pack" and weight_bytes(q) == 32 * 64 + 4 * 32 * 2 * 4 + 32 * 4
     x = torch.randn(5, 128)
     assert torch.allclose(q(x), nn.functional.linear(x, q.weight, linear.bias), atol=1e-6)
     assert (q(x) - linear(x)).abs().max() < 0.1 * linear(x).abs().max()

@@ -6,8 +6,21 @@ scale, `scale = max|w| / 127` (int8) or `max|w| / 7` (int4, codes in [-8, 7], tw
 single outlier column stretches the grid for every weight; groups confine an outlier's damage to
 its own group (docs/quantization.md).
 
-Only storage shrinks: `QuantLinear.forward` dequantizes to the activation dtype and calls
-F.linear. The embedding stays in full precision; with tied embeddings lm_head gets its own
+What runs quantized: torch's own CPU kernels multiply by the integer weights directly, and no
+float copy of a weight exists at any time:
+- int8 per tensor (group_size 0) or one group per row (group_size = in_features): the scale is one
+  per output channel, which is what `aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])`
+  takes (a per-tensor scale is repeated N times at forward, N floats).
+- int4 groups of 32, 64, 128 or 256 with out_features a multiple of 16:
+  `aten._weight_int4pack_mm_for_cpu(x [M, K], w, group, scales_and_zeros [K / g, N, 2])`, `w` the
+  uint8 [N, K / 2] that `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)` packs (its own
+  nibble order, not pack_int4's). torch's int4 is asymmetric, `w = (q - 8) * scale + zero` with q in
+  0..15, so kvscope's symmetric code c in [-8, 7] is q = c + 8 with zero 0: the same numbers, and a
+  zero (4 bytes) stored per group because the kernel reads them interleaved with the scales.
+Both kernels want the activations and scales in one dtype, float32 or bfloat16. Every other
+setting (int8 with groups smaller than a row, int4 per tensor or with other group sizes, another
+activation dtype) still dequantizes in `forward` and calls F.linear: only storage shrinks there.
+The embedding stays in full precision; with tied embeddings lm_head gets its own
 quantized copy. `quantize_model` never touches the caller's model (the server shares one
 LoadedModel between runs).
 """
@@ -27,6 +40,17 @@ from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group
 
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations (and scales) the kernels take
+
+
+def kernel_for(mode: QuantMode, group_size: int, in_features: int, out_features: int) -> str | None:
+    """Which torch kernel computes a layer with these settings: "int8pack", "int4pack" or None (dequantize)."""
+    if mode == "int8" and group_size in (0, in_features):
+        return "int8pack"  # one scale per output channel (a per-tensor scale repeats)
+    if mode == "int4" and group_size in INT4_KERNEL_GROUPS and out_features % 16 == 0:
+        return "int4pack"  # the packer tiles N by 16
+    return None
 
 
 # ---- the quantizer ----------------------------------------------------------------------------------
@@ -69,19 +93,23 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is stored quantized and dequantized on every forward."""
+    """A linear layer whose weight is stored quantized; torch's int8/int4 kernels compute with it where
+    the settings allow (`kernel`), otherwise it is dequantized on every forward."""
 
     def __init__(self, in_features: int, out_features: int, mode: QuantMode, group_size: int,
                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         assert mode in QMAX, mode
         self.in_features, self.out_features, self.mode, self.group_size = in_features, out_features, mode, group_size
-        self.dtype = dtype  # what forward's dequantized weight (and `.weight`) come back as
-        packed_k = in_features // 2 if mode == "int4" else in_features
-        scale_shape = (out_features, in_features // group_size) if group_size else (1, 1)
-        self.register_buffer("qweight", torch.zeros(out_features, packed_k,
-                                                    dtype=torch.uint8 if mode == "int4" else torch.int8))
-        self.register_buffer("scales", torch.zeros(scale_shape, dtype=torch.float32))
+        self.dtype = dtype  # what the dequantized weight (and `.weight`) come back as
+        self.kernel = kernel_for(mode, group_size, in_features, out_features)
+        n, k = out_features, in_features
+        packed_k = k // 2 if mode == "int4" else k
+        self.register_buffer("qweight", torch.zeros(n, packed_k, dtype=torch.uint8 if mode == "int4" else torch.int8))
+        if self.kernel == "int4pack":  # torch's layout: [K / g, N, (scale, zero)]
+            self.register_buffer("scales_and_zeros", torch.zeros(k // group_size, n, 2, dtype=torch.float32))
+        else:
+            self.register_buffer("scales", torch.zeros((n, k // group_size) if group_size else (1, 1)))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
@@ -90,26 +118,56 @@ class QuantLinear(nn.Module):
         check_group_size(linear.in_features, group_size, mode, name)
         q = cls(linear.in_features, linear.out_features, mode, group_size, linear.bias, linear.weight.dtype)
         codes, scales = quantize_weight(linear.weight.detach(), mode, group_size)
-        q.qweight.copy_(pack_int4(codes) if mode == "int4" else codes)
-        q.scales.copy_(scales)
+        if q.kernel == "int4pack":
+            q.qweight.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32) + 8, 1))
+            q.scales_and_zeros[..., 0] = scales.T  # zeros stay 0: symmetric codes
+        else:
+            q.qweight.copy_(pack_int4(codes) if mode == "int4" else codes)
+            q.scales.copy_(scales)
         return q.to(linear.weight.device)
+
+    def group_scales(self) -> torch.Tensor:
+        """The scales [out_features, in_features / group_size] (or [1, 1] per tensor), float32."""
+        return self.scales_and_zeros[..., 0].T if self.kernel == "int4pack" else self.scales
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out_features, in_features], int8."""
+        if self.kernel == "int4pack":  # torch's packing is opaque: multiply the identity, scale 1, zero 0
+            eye = torch.eye(self.in_features, device=self.qweight.device)  # [K, K]
+            ones = torch.zeros_like(self.scales_and_zeros)
+            ones[..., 0] = 1
+            return self._int4_mm(eye, ones).T.round().to(torch.int8)  # [K, N] -> [N, K]
         return unpack_int4(self.qweight) if self.mode == "int4" else self.qweight
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out_features, in_features] (MLA's absorbed form reads it directly)."""
-        return dequantize_weight(self.codes(), self.scales, self.group_size).to(self.dtype)
+        return dequantize_weight(self.codes(), self.group_scales(), self.group_size).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        if self.kernel is None or x.dtype not in KERNEL_DTYPES:
+            w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
+            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        flat = x.reshape(-1, self.in_features)  # [M, K]: the kernels take 2-D activations only
+        if self.kernel == "int8pack":
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales().to(x.dtype))
+        else:
+            y = self._int4_mm(flat, self.scales_and_zeros.to(x.dtype))  # [M, N]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def row_scales(self) -> torch.Tensor:
+        """int8: one scale per output channel [out_features], a per-tensor scale repeated."""
+        return self.scales.reshape(-1).expand(self.out_features).contiguous() if not self.group_size \
+            else self.scales.reshape(self.out_features)
+
+    def _int4_mm(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, scales_and_zeros)
 
     def extra_repr(self) -> str:
         group = self.group_size or "per-tensor"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, group={group}"
+        kernel = self.kernel or "dequantize"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, group={group}, {kernel}"
 
 
 # ---- whole models ----------------------------------------------------------------------------------
