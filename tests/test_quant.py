@@ -18,6 +18,7 @@ from kvscope.backend.engine.kv_cache import KVCache, quantize_rows_int8
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.attention import DenseCausalBackend
+from kvscope.backend.model import quant
 from kvscope.backend.model.quant import (QuantError, QuantLinear, dequantize_weight, pack_int4, quantize_model,
                                  quantize_weight, unpack_int4, weight_bytes)
 from kvscope.backend.model.transformer import CausalLM
@@ -77,6 +78,48 @@ def test_quant_linear_stores_packed_bytes_and_computes_with_the_dequantized_weig
     x = torch.randn(5, 128)
     assert torch.allclose(q(x), nn.functional.linear(x, q.weight, linear.bias), atol=1e-6)
     assert (q(x) - linear(x)).abs().max() < 0.1 * linear(x).abs().max()
+
+
+KERNEL_CASES = [  # (mode, group_size, in_features, out_features): every setting the torch kernels take
+    ("int8", 0, 128, 32), ("int8", 256, 256, 48), ("int8", 0, 576, 1536),
+    ("int4", 32, 128, 32), ("int4", 64, 256, 48), ("int4", 128, 384, 16), ("int4", 256, 512, 64),
+    ("int4", 64, 576, 1536),
+]
+
+
+@pytest.mark.parametrize("mode, group_size, k, n", KERNEL_CASES)
+def test_torch_kernels_compute_what_the_dequantized_weight_computes(mode, group_size, k, n):
+    torch.manual_seed(k + n)
+    linear = nn.Linear(k, n, bias=True)
+    q = QuantLinear.from_linear(linear, mode, group_size)
+    codes, scales = quantize_weight(linear.weight.detach(), mode, group_size)
+    assert q.kernel == f"{mode}pack" and torch.equal(q.codes(), codes)  # torch's packing loses nothing
+    for shape in ((1, k), (3, 7, k)):  # a decode row; a batch of prefill rows
+        x = torch.randn(shape)
+        want = nn.functional.linear(x, dequantize_weight(codes, scales, group_size), linear.bias)
+        # the same products summed in another order: float32 rounding only (measured <= 1.1e-6 here)
+        assert (q(x) - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("mode, group_size, k, n", [("int8", 32, 128, 32), ("int4", 0, 128, 32),
+                                                    ("int4", 16, 128, 32), ("int4", 32, 128, 24)])
+def test_settings_the_kernels_cannot_express_keep_dequantizing(mode, group_size, k, n):
+    torch.manual_seed(1)
+    linear = nn.Linear(k, n)
+    q = QuantLinear.from_linear(linear, mode, group_size)
+    x = torch.randn(2, k)
+    assert q.kernel is None and torch.equal(q(x), nn.functional.linear(x, q.weight, linear.bias))
+
+
+@pytest.mark.parametrize("mode, group_size", [("int8", 0), ("int4", 32)])
+def test_a_kernel_layer_holds_no_float_weight_and_never_builds_one(mode, group_size, monkeypatch):
+    q = QuantLinear.from_linear(nn.Linear(128, 64, bias=False), mode, group_size)
+    floats = [t for t in q.state_dict().values() if t.is_floating_point()]
+    assert sum(t.numel() for t in floats) <= 128 * 64 // 16  # scales (and zeros) only: no [64, 128] float
+    def no_dequantize(*args):
+        raise AssertionError("forward dequantized the weight")
+    monkeypatch.setattr(quant, "dequantize_weight", no_dequantize)
+    assert q(torch.randn(4, 128)).shape == (4, 64)
 
 
 def test_quantize_model_builds_a_smaller_copy_and_leaves_the_original_untouched():
@@ -265,3 +308,15 @@ def test_bench_quant_smoke(tmp_path, capsys):
     assert len(result["targets"]) == 4
     printed = capsys.readouterr().out
     assert "| setting |" in printed and printed.count("PASS") + printed.count("FAIL") == 4
+
+
+@pytest.mark.parametrize("mode, group_size", [("int8", 0), ("int4", 64)])
+def test_the_kernel_path_gives_the_dequantizing_paths_greedy_tokens(demo, mode, group_size, monkeypatch):
+    config = EngineConfig(weight_quant=mode, quant_group_size=group_size, attention_backend="torch", device="cpu",
+                          num_blocks=32)
+    engine, _, kernel_out = generate(demo, config, PROMPTS)
+    assert isinstance(engine.runner.model.lm_head, QuantLinear) and engine.runner.model.lm_head.kernel
+    monkeypatch.setattr(quant, "kernel_for", lambda *args: None)  # the engine quantizes its own copy each time
+    engine, _, dequantized_out = generate(demo, config, PROMPTS)
+    assert engine.runner.model.lm_head.kernel is None
+    assert kernel_out == dequantized_out
