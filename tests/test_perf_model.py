@@ -113,12 +113,15 @@ def test_quantized_weights_count_codes_plus_float32_group_scales():
     assert stored_bytes(w, "bfloat16", "int8", 4) == 64 + 8 * 2 * 4
     assert stored_bytes(w, "bfloat16", "int4", 4) == 32 + 8 * 2 * 4
     assert stored_bytes(w, "bfloat16", "int8", 0) == 64 + 4  # one scale per tensor
+    w = Linear("w", 64, 16)  # a group torch's int4 kernel takes: a zero per group beside each scale
+    assert stored_bytes(w, "bfloat16", "int4", 32) == 16 * 32 + 16 * 2 * (4 + 4)
 
 
-def test_int4_weights_make_a_memory_bound_decode_about_four_times_faster():
+def test_int4_weights_make_a_memory_bound_decode_about_three_times_faster():
     bf16 = whatif("llama-3-8b", "h100", 1, 128)
     int4 = whatif("llama-3-8b", "h100", 1, 128, weight_quant="int4")
-    assert 3.3 < bf16["time_s"] / int4["time_s"] < 4.0
+    # 2 bytes per weight against 0.5 + (4-byte scale + 4-byte zero) / 64 = 0.625: at most 3.2x
+    assert 2.9 < bf16["time_s"] / int4["time_s"] < 3.2
 
 
 def test_a_group_size_that_does_not_tile_a_layer_is_refused():

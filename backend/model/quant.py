@@ -17,9 +17,9 @@ float copy of a weight exists at any time:
   nibble order, not pack_int4's). torch's int4 is asymmetric, `w = (q - 8) * scale + zero` with q in
   0..15, so kvscope's symmetric code c in [-8, 7] is q = c + 8 with zero 0: the same numbers, and a
   zero (4 bytes) stored per group because the kernel reads them interleaved with the scales.
-Both kernels want the activations and scales in one dtype, float32 or bfloat16. Every other
-setting (int8 with groups smaller than a row, int4 per tensor or with other group sizes, another
-activation dtype) still dequantizes in `forward` and calls F.linear: only storage shrinks there.
+Both kernels are CPU kernels and want the activations and scales in one dtype, float32 or
+bfloat16. Every other setting (int8 with groups smaller than a row, int4 per tensor or with other
+group sizes, another activation dtype, a model moved to a GPU) still dequantizes in `forward` and calls F.linear: only storage shrinks there.
 The embedding stays in full precision; with tied embeddings lm_head gets its own
 quantized copy. `quantize_model` never touches the caller's model (the server shares one
 LoadedModel between runs).
@@ -36,21 +36,11 @@ import torch.nn.functional as F
 
 from kvscope.backend.model.loader import LoadedModel
 # QuantError: engine.py and the tests name it here, beside the quantizer that refuses a setting
-from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group_size  # noqa: F401
+from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group_size, kernel_for  # noqa: F401
 
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
-INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations (and scales) the kernels take
-
-
-def kernel_for(mode: QuantMode, group_size: int, in_features: int, out_features: int) -> str | None:
-    """Which torch kernel computes a layer with these settings: "int8pack", "int4pack" or None (dequantize)."""
-    if mode == "int8" and group_size in (0, in_features):
-        return "int8pack"  # one scale per output channel (a per-tensor scale repeats)
-    if mode == "int4" and group_size in INT4_KERNEL_GROUPS and out_features % 16 == 0:
-        return "int4pack"  # the packer tiles N by 16
-    return None
 
 
 # ---- the quantizer ----------------------------------------------------------------------------------
@@ -133,10 +123,11 @@ class QuantLinear(nn.Module):
     def codes(self) -> torch.Tensor:
         """The integer codes [out_features, in_features], int8."""
         if self.kernel == "int4pack":  # torch's packing is opaque: multiply the identity, scale 1, zero 0
-            eye = torch.eye(self.in_features, device=self.qweight.device)  # [K, K]
-            ones = torch.zeros_like(self.scales_and_zeros)
+            ones = torch.zeros(self.scales_and_zeros.shape)
             ones[..., 0] = 1
-            return self._int4_mm(eye, ones).T.round().to(torch.int8)  # [K, N] -> [N, K]
+            codes_t = torch.ops.aten._weight_int4pack_mm_for_cpu(  # a CPU kernel, wherever the model went
+                torch.eye(self.in_features), self.qweight.cpu(), self.group_size, ones)  # [K, N]
+            return codes_t.T.round().to(torch.int8).to(self.qweight.device)
         return unpack_int4(self.qweight) if self.mode == "int4" else self.qweight
 
     @property
@@ -145,14 +136,15 @@ class QuantLinear(nn.Module):
         return dequantize_weight(self.codes(), self.group_scales(), self.group_size).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None or x.dtype not in KERNEL_DTYPES:
+        if self.kernel is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu":
             w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         flat = x.reshape(-1, self.in_features)  # [M, K]: the kernels take 2-D activations only
         if self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales().to(x.dtype))
         else:
-            y = self._int4_mm(flat, self.scales_and_zeros.to(x.dtype))  # [M, N]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size,
+                                                           self.scales_and_zeros.to(x.dtype))  # [M, N]
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -160,9 +152,6 @@ class QuantLinear(nn.Module):
         """int8: one scale per output channel [out_features], a per-tensor scale repeated."""
         return self.scales.reshape(-1).expand(self.out_features).contiguous() if not self.group_size \
             else self.scales.reshape(self.out_features)
-
-    def _int4_mm(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, scales_and_zeros)
 
     def extra_repr(self) -> str:
         group = self.group_size or "per-tensor"

@@ -28,3 +28,16 @@ def check_group_size(in_features: int, group_size: int, mode: QuantMode, name: s
     if mode == "int4" and in_features % 2:
         raise QuantError("engine.weight_quant", f"int4 packs two weights per byte; {name} has an odd input "
                          f"dimension {in_features}")
+
+
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # what torch's _weight_int4pack_mm_for_cpu accepts
+
+
+def kernel_for(mode: QuantMode, group_size: int, in_features: int, out_features: int) -> str | None:
+    """Which torch CPU kernel computes a layer with these settings: "int8pack", "int4pack" or None
+    (quant.py dequantizes). It also decides the layout: an int4pack layer stores a zero per group."""
+    if mode == "int8" and group_size in (0, in_features):
+        return "int8pack"  # one scale per output channel (a per-tensor scale repeats)
+    if mode == "int4" and group_size in INT4_KERNEL_GROUPS and out_features % 16 == 0:
+        return "int4pack"  # torch's packer tiles the output dimension by 16
+    return None

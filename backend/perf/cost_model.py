@@ -11,7 +11,8 @@ rank's time is the iteration's time.
 
 What is counted (docs/perf_model.md has the formulas):
 - linear layers: 2 FLOPs per weight per token; every weight read once per iteration at its
-  stored dtype (int8/int4 codes plus float32 group scales, the layout of backend/model/quant.py);
+  stored dtype (int8/int4 codes plus float32 group scales, and for int4 at groups 32-256 a zero
+  per group: the layout of backend/model/quant.py);
 - LM head: only on rows that sample (a finishing prefill chunk's last token, every decode and
   verify token), read once when any row samples;
 - attention: QK^T and PV over each row's real context, causal within the row's new tokens; MLA
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.backend.config import DTYPE_BYTES
-from kvscope.backend.model.quant_rules import QuantError, check_group_size
+from kvscope.backend.model.quant_rules import QuantError, check_group_size, kernel_for
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.phase import PHASES
 from kvscope.backend.perf.hardware import HardwareProfile
@@ -162,6 +163,8 @@ def stored_bytes(w: Linear, dtype: str, quant: str, group_size: int) -> float:
         return w.params * DTYPE_BYTES[dtype]
     codes = w.params if quant == "int8" else w.params / 2
     scales = w.out_features * (w.in_features // group_size) if group_size else 1
+    if kernel_for(quant, group_size, w.in_features, w.out_features) == "int4pack":
+        scales *= 2  # torch's int4 kernel reads a (scale, zero) pair per group
     return codes + scales * QUANT_SCALE_BYTES
 
 
