@@ -19,10 +19,11 @@ float copy of a weight exists at any time:
   zero (4 bytes) stored per group because the kernel reads them interleaved with the scales.
 Both kernels are CPU kernels and want the activations and scales in one dtype, float32 or
 bfloat16. Every other setting (int8 with groups smaller than a row, int4 per tensor or with other
-group sizes, another activation dtype, a model moved to a GPU) still dequantizes in `forward` and calls F.linear: only storage shrinks there.
-The embedding stays in full precision; with tied embeddings lm_head gets its own
-quantized copy. `quantize_model` never touches the caller's model (the server shares one
-LoadedModel between runs).
+group sizes, another activation dtype, a model moved to a GPU) still dequantizes in `forward` and
+calls F.linear: only storage shrinks there. `QuantLinear.kernel` names the path a layer takes.
+
+The embedding stays in full precision; with tied embeddings lm_head gets its own quantized copy.
+`quantize_model` never touches the caller's model (the server shares one LoadedModel between runs).
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class QuantLinear(nn.Module):
         q = cls(linear.in_features, linear.out_features, mode, group_size, linear.bias, linear.weight.dtype)
         codes, scales = quantize_weight(linear.weight.detach(), mode, group_size)
         if q.kernel == "int4pack":
-            q.qweight.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32) + 8, 1))
-            q.scales_and_zeros[..., 0] = scales.T  # zeros stay 0: symmetric codes
+            q.qweight.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().to(torch.int32) + 8, 1))
+            q.scales_and_zeros[..., 0].copy_(scales.T)  # zeros stay 0: symmetric codes
         else:
             q.qweight.copy_(pack_int4(codes) if mode == "int4" else codes)
             q.scales.copy_(scales)
