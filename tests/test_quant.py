@@ -3,6 +3,7 @@ arithmetic up to the engine's header, the Triton path and the benchmark."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -320,3 +321,13 @@ def test_the_kernel_path_gives_the_dequantizing_paths_greedy_tokens(demo, mode, 
     engine, _, dequantized_out = generate(demo, config, PROMPTS)
     assert engine.runner.model.lm_head.kernel is None
     assert kernel_out == dequantized_out
+
+
+def test_bench_quant_speed_row_smoke(capsys):
+    from bench.quant_speed import one_row, report
+
+    row = one_row("demo", "int4", 64, "kernel", steps=1)
+    assert row["ms"] > 0 and row["bytes"] == 5264384 and len(row["logits"]) == 2048
+    rows = [{"name": "int4 g64", "path": path} | row for path in ("kernel", "dequantize")]
+    report(rows, argparse.Namespace(model="demo", steps=1, json=None))
+    assert "| int4 g64 | kernel |" in capsys.readouterr().out
