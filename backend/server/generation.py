@@ -196,7 +196,7 @@ class Generation:
             if any(c.finish_reason is None for c in self.choices_of(rid)):
                 asyncio.get_running_loop().run_in_executor(None, _abort, self.run, rid)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """The tokens so far: a finished choice's as the engine counted them (EOS included), a running one's
         as streamed."""
         completion = sum(c.completion_tokens if c.finish_reason is not None else len(c.tokens) for c in self.choices)
