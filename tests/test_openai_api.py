@@ -4,40 +4,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, LoadedModel, load_model
+from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.engine.reference import reference_generate
 from kvscope.backend.server.app import create_app
 from kvscope.backend.model.chat import ChatTemplateError, render_speeches, render_template, special_tokens
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
+from tests.live_server import client, manager, model_name, url  # noqa: F401 (fixtures)
 
 PROMPT = "ROMEO:\n"
 CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
 
 
-@pytest.fixture(scope="module")
-def model_name() -> str:
-    # The shipped demo model is retrained from time to time; an earlier copy stands in meanwhile.
-    return "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
-
-
-@pytest.fixture(scope="module")
-def url(model_name: str) -> Iterator[str]:
-    with serve_in_thread(create_app(RunManager(default_model=model_name))) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,11 +12,10 @@ from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.backend.events.record import RunRecord
-from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.metrics import ServerMetrics
-from kvscope.backend.server.serve import serve_in_thread
+from tests.live_server import manager, model_name, url  # noqa: F401 (fixtures)
 
 # Every metric docs/api.md lists, with its type as the parser names it (counters without `_total`).
 DOCUMENTED = {
@@ -53,15 +51,6 @@ class Scrape:
                    if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-@pytest.fixture(scope="module")
-def model_name() -> str:
-    return "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
-
-
-@pytest.fixture(scope="module")
-def url(model_name: str) -> Iterator[str]:
-    with serve_in_thread(create_app(RunManager(default_model=model_name))) as base:
-        yield base
 
 
 def complete(url: str, body: dict) -> dict:

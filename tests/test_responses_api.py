@@ -17,41 +17,18 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
 from kvscope.backend.engine.engine import Engine
-from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
+from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS
+from tests.live_server import client, manager, model_name, url  # noqa: F401 (fixtures)
 
 TEXT = "Good morrow, fair lady."
 STREAM_OPENING = ["response.created", "response.in_progress", "response.output_item.added",
                   "response.content_part.added"]
 STREAM_CLOSING = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def model_name() -> str:
-    # The shipped demo model is retrained from time to time; an earlier copy stands in meanwhile.
-    return "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
-
-
-@pytest.fixture(scope="module")
-def manager(model_name: str) -> Iterator[RunManager]:
-    manager = RunManager(default_model=model_name)
-    yield manager
-    manager.stop_all()
-
-
-@pytest.fixture(scope="module")
-def url(manager: RunManager) -> Iterator[str]:
-    with serve_in_thread(create_app(manager)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def greedy_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int):

@@ -12,37 +12,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from kvscope.backend.server.app import create_app
-from kvscope.backend.server.manager import API_RUN_ID, RunManager
-from kvscope.backend.server.serve import serve_in_thread
+from kvscope.backend.server.manager import API_RUN_ID
+from tests.live_server import client, manager, model_name, served_model, url  # noqa: F401 (fixtures)
 
-MODEL = "demo"
+MODEL = served_model()
 CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
 WAIT_S = 60
-
-
-@pytest.fixture(scope="module")
-def manager() -> Iterator[RunManager]:
-    manager = RunManager(default_model=MODEL)
-    yield manager
-    manager.stop_all()
-
-
-@pytest.fixture(scope="module")
-def url(manager: RunManager) -> Iterator[str]:
-    with serve_in_thread(create_app(manager)) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def healthy(url: str) -> int:
