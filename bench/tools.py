@@ -71,6 +71,13 @@ def run_tool(argv: list[str], workdir: Path, timeout: float = TOOL_TIMEOUT_S) ->
                           stdin=subprocess.DEVNULL)
 
 
+def run_checked(name: str, argv: list[str], workdir: Path) -> None:
+    """run_tool, and a RuntimeError with the ends of its output when the tool fails."""
+    done = run_tool(argv, workdir)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
 # ---- a tokenizer folder without the hub ---------------------------------------------------------------------
 
 
@@ -271,9 +278,7 @@ def run_loads(base: str, workdir: Path, load: Load, rate: float, concurrency: in
         out = workdir / f"guidellm-{profile.split(',')[0]}.json"
         mark = last_seq(base)
         progress(f"guidellm {name}: {load.requests} requests")
-        done = run_tool(guidellm_command(guidellm, base, tokenizer, out, profile, load), workdir)
-        if done.returncode != 0:
-            raise RuntimeError(f"guidellm failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        run_checked("guidellm", guidellm_command(guidellm, base, tokenizer, out, profile, load), workdir)
         rows.append((f"guidellm {GUIDELLM_VERSION}, {name}", guidellm_figures(guidellm_report(out)),
                      server_figures(served_requests(base, mark))))
     if aiperf is None:
@@ -282,9 +287,7 @@ def run_loads(base: str, workdir: Path, load: Load, rate: float, concurrency: in
         out = workdir / "aiperf"
         mark = last_seq(base)
         progress(f"aiperf concurrency {concurrency}: {load.requests} requests")
-        done = run_tool(aiperf_command(aiperf, base, tokenizer, out, concurrency, load), workdir)
-        if done.returncode != 0:
-            raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        run_checked("aiperf", aiperf_command(aiperf, base, tokenizer, out, concurrency, load), workdir)
         rows.append((f"aiperf {AIPERF_VERSION}, concurrency {concurrency}", aiperf_figures(aiperf_report(out)),
                      server_figures(served_requests(base, mark))))
     return rows
