@@ -27,7 +27,8 @@ class SamplerOutput:
     final_probs: torch.Tensor  # [B, V] the distribution the token was drawn from
 
     @property
-    def raw_probs(self) -> torch.Tensor:  # [B, V] softmax at T=1
+    def raw_probs(self) -> torch.Tensor:
+        """[B, V] softmax at T=1: an exp over the whole batch on every access, so a caller reads it once."""
         return self.raw_logprobs.exp()
 
 
