@@ -10,17 +10,23 @@ What runs quantized: torch's own CPU kernels multiply by the integer weights dir
 float copy of a weight exists at any time:
 - int8 per tensor (group_size 0) or one group per row (group_size = in_features): the scale is one
   per output channel, which is what `aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])`
-  takes (a per-tensor scale is repeated N times at forward, N floats).
+  takes (a per-tensor scale is repeated N times at forward, N numbers).
 - int4 groups of 32, 64, 128 or 256 with out_features a multiple of 16:
   `aten._weight_int4pack_mm_for_cpu(x [M, K], w, group, scales_and_zeros [K / g, N, 2])`, `w` the
   uint8 [N, K / 2] that `aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)` packs (its own
   nibble order, not pack_int4's). torch's int4 is asymmetric, `w = (q - 8) * scale + zero` with q in
-  0..15, so kvscope's symmetric code c in [-8, 7] is q = c + 8 with zero 0: the same numbers, and a
-  zero (4 bytes) stored per group because the kernel reads them interleaved with the scales.
-Both kernels are CPU kernels and want the activations and scales in one dtype, float32 or
-bfloat16. Every other setting (int8 with groups smaller than a row, int4 per tensor or with other
-group sizes, another activation dtype, a model moved to a GPU) still dequantizes in `forward` and
-calls F.linear: only storage shrinks there. `QuantLinear.kernel` names the path a layer takes.
+  0..15, so a code c in [-8, 7] is q = c + 8: kvscope's symmetric codes have zero 0, and a GGUF
+  file's Q4_1 block `d * q + m` is scale d, zero m + 8d (gguf_weights.py). The kernel reads the zeros
+  interleaved with the scales, so a zero is stored per group even where it is 0.
+Both kernels run in bfloat16: the activations are cast to it at the layer's edge, the scales (and
+zeros) are stored in it, and the output comes back in bfloat16 and is cast to the caller's dtype.
+Only that dtype has a vectorized loop in torch's CPU kernels (AVX-512 and AVX2): with float32 or
+float16 activations they fall to a scalar loop 10-500x slower than bfloat16 (docs/quantization.md).
+The price is bfloat16's 8-bit mantissa on each layer's input and output (a relative 2^-9); the
+logits of a whole model stay within the tolerance docs/quantization.md states against the
+dequantized float model. Every other setting (int8 with groups smaller than a row, int4 per tensor
+or with other group sizes, a model moved to a GPU) still dequantizes in `forward` and calls
+F.linear in float32: only storage shrinks there. `QuantLinear.kernel` names the path a layer takes.
 
 The embedding stays in full precision; with tied embeddings lm_head gets its own quantized copy.
 `quantize_model` never touches the caller's model (the server shares one LoadedModel between runs).
@@ -41,30 +47,36 @@ from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group
 
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations (and scales) the kernels take
+KERNEL_DTYPE = torch.bfloat16  # the kernels' activations, scales and zeros: their only vectorized dtype
 
 
 # ---- the quantizer ----------------------------------------------------------------------------------
 
 
-def quantize_weight(w: torch.Tensor, mode: QuantMode, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (codes int8 [N, K] in [QMIN, QMAX], scales float32 [N, K / group_size] or [1, 1])."""
+def quantize_weight(w: torch.Tensor, mode: QuantMode, group_size: int,
+                    scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (codes int8 [N, K] in [QMIN, QMAX], scales [N, K / group_size] or [1, 1] in scale_dtype).
+
+    The codes are rounded against the scales as stored (a bfloat16 scale for a kernel layer), so
+    `code * scale` is the nearest grid point of the grid the layer really computes with."""
     n, k = w.shape
     g = group_size or k * n  # per-tensor: the whole matrix is one group
     groups = w.float().reshape(-1, g)  # [N * K / g, g]
-    scales = groups.abs().amax(dim=1) / QMAX[mode]  # [N * K / g]
+    scales = (groups.abs().amax(dim=1) / QMAX[mode]).to(scale_dtype).float()  # [N * K / g]
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group stays zero
     codes = torch.round(groups / safe[:, None]).clamp(QMIN[mode], QMAX[mode]).to(torch.int8)
     shape = (n, k // group_size) if group_size else (1, 1)
-    return codes.reshape(n, k), scales.reshape(shape)
+    return codes.reshape(n, k), scales.reshape(shape).to(scale_dtype)
 
 
-def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """codes [N, K] int8, scales [N, K / g] (or [1, 1]) -> float32 [N, K]."""
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """codes [N, K] int8, scales (and zeros) [N, K / g] (or [1, 1]) -> float32 [N, K]: code * scale + zero."""
     if not group_size:
-        return codes.float() * scales
+        return codes.float() * scales.float()
     n, k = codes.shape
-    return (codes.float().view(n, k // group_size, group_size) * scales[..., None]).view(n, k)
+    w = codes.float().view(n, k // group_size, group_size) * scales.float()[..., None]
+    return (w if zeros is None else w + zeros.float()[..., None]).view(n, k)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -98,35 +110,52 @@ class QuantLinear(nn.Module):
         packed_k = k // 2 if mode == "int4" else k
         self.register_buffer("qweight", torch.zeros(n, packed_k, dtype=torch.uint8 if mode == "int4" else torch.int8))
         if self.kernel == "int4pack":  # torch's layout: [K / g, N, (scale, zero)]
-            self.register_buffer("scales_and_zeros", torch.zeros(k // group_size, n, 2, dtype=torch.float32))
+            self.register_buffer("scales_and_zeros", torch.zeros(k // group_size, n, 2, dtype=KERNEL_DTYPE))
         else:
-            self.register_buffer("scales", torch.zeros((n, k // group_size) if group_size else (1, 1)))
+            scale_dtype = KERNEL_DTYPE if self.kernel else torch.float32
+            self.register_buffer("scales", torch.zeros((n, k // group_size) if group_size else (1, 1), dtype=scale_dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return KERNEL_DTYPE if self.kernel else torch.float32
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: QuantMode, group_size: int, name: str = "weight") -> "QuantLinear":
         """Quantize a float nn.Linear (which is left as it was)."""
         check_group_size(linear.in_features, group_size, mode, name)
         q = cls(linear.in_features, linear.out_features, mode, group_size, linear.bias, linear.weight.dtype)
-        codes, scales = quantize_weight(linear.weight.detach(), mode, group_size)
-        if q.kernel == "int4pack":
-            q.qweight.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().to(torch.int32) + 8, 1))
-            q.scales_and_zeros[..., 0].copy_(scales.T)  # zeros stay 0: symmetric codes
+        codes, scales = quantize_weight(linear.weight.detach(), mode, group_size, q.scale_dtype)
+        return q.load_codes(codes, scales).to(linear.weight.device)
+
+    def load_codes(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> "QuantLinear":
+        """Store codes int8 [N, K] (int4: in [-8, 7]) and scales [N, K / g] (or [1, 1]) in this layer's layout;
+        `w = code * scale + zero`, zeros [N, K / g] only where the int4 kernel takes them. Returns self."""
+        assert zeros is None or self.kernel == "int4pack", "only torch's int4 layout stores zeros"
+        if self.kernel == "int4pack":
+            self.qweight.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu().to(torch.int32) + 8, 1))
+            self.scales_and_zeros[..., 0].copy_(scales.T)
+            if zeros is not None:
+                self.scales_and_zeros[..., 1].copy_(zeros.T)
         else:
-            q.qweight.copy_(pack_int4(codes) if mode == "int4" else codes)
-            q.scales.copy_(scales)
-        return q.to(linear.weight.device)
+            self.qweight.copy_(pack_int4(codes) if self.mode == "int4" else codes)
+            self.scales.copy_(scales)
+        return self
 
     def group_scales(self) -> torch.Tensor:
-        """The scales [out_features, in_features / group_size] (or [1, 1] per tensor), float32."""
+        """The scales [out_features, in_features / group_size] (or [1, 1] per tensor)."""
         return self.scales_and_zeros[..., 0].T if self.kernel == "int4pack" else self.scales
+
+    def group_zeros(self) -> torch.Tensor | None:
+        """The zeros [out_features, in_features / group_size] of torch's int4 layout (None elsewhere)."""
+        return self.scales_and_zeros[..., 1].T if self.kernel == "int4pack" else None
 
     def codes(self) -> torch.Tensor:
         """The integer codes [out_features, in_features], int8."""
         if self.kernel == "int4pack":  # torch's packing is opaque: multiply the identity, scale 1, zero 0
             ones = torch.zeros(self.scales_and_zeros.shape)
             ones[..., 0] = 1
-            codes_t = torch.ops.aten._weight_int4pack_mm_for_cpu(  # a CPU kernel, wherever the model went
+            codes_t = torch.ops.aten._weight_int4pack_mm_for_cpu(  # float32: exact small integers
                 torch.eye(self.in_features), self.qweight.cpu(), self.group_size, ones)  # [K, N]
             return codes_t.T.round().to(torch.int8).to(self.qweight.device)
         return unpack_int4(self.qweight) if self.mode == "int4" else self.qweight
@@ -134,19 +163,19 @@ class QuantLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out_features, in_features] (MLA's absorbed form reads it directly)."""
-        return dequantize_weight(self.codes(), self.group_scales(), self.group_size).to(self.dtype)
+        w = dequantize_weight(self.codes(), self.group_scales(), self.group_size, self.group_zeros())
+        return w.to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None or x.dtype not in KERNEL_DTYPES or x.device.type != "cpu":
+        if self.kernel is None or x.device.type != "cpu":
             w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        flat = x.reshape(-1, self.in_features)  # [M, K]: the kernels take 2-D activations only
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [M, K]: the kernels take 2-D activations only
         if self.kernel == "int8pack":
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales().to(x.dtype))
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales())
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size,
-                                                           self.scales_and_zeros.to(x.dtype))  # [M, N]
-        y = y.reshape(*x.shape[:-1], self.out_features)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def row_scales(self) -> torch.Tensor:
@@ -158,6 +187,32 @@ class QuantLinear(nn.Module):
         group = self.group_size or "per-tensor"
         kernel = self.kernel or "dequantize"
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.mode}, group={group}, {kernel}"
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding read from int8 codes: row t is `codes[t] * scales[t]`, dequantized for the ids
+    looked up only ([T, hidden] floats per step, never the [vocab, hidden] table). With tied embeddings
+    it reads the output layer's own int8 rows (`tied_to`): one copy of the matrix serves both ends."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = codes.shape
+        self.dtype = dtype
+        self.register_buffer("codes", codes)  # [vocab, hidden] int8
+        self.register_buffer("scales", scales.reshape(-1, 1))  # [vocab, 1]
+
+    @classmethod
+    def tied_to(cls, lm_head: QuantLinear) -> "QuantEmbedding":
+        assert lm_head.kernel == "int8pack" and lm_head.group_size, "a tied embedding reads int8 rows"
+        return cls(lm_head.qweight, lm_head.scales, lm_head.dtype)  # the same tensors: no second copy
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.codes[ids].to(self.dtype) * self.scales[ids].to(self.dtype))  # [..., T, hidden]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized table (tests and the quality bench compare it; the forward never builds it)."""
+        return self.codes.to(self.dtype) * self.scales.to(self.dtype)
 
 
 # ---- whole models ----------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device  # a plain parameter: a quantized lm_head's `.weight` dequantizes
 
 
 def num_parameters(config: ModelConfig) -> int:

@@ -11,8 +11,9 @@ rank's time is the iteration's time.
 
 What is counted (docs/perf_model.md has the formulas):
 - linear layers: 2 FLOPs per weight per token; every weight read once per iteration at its
-  stored dtype (int8/int4 codes plus float32 group scales, and for int4 at groups 32-256 a zero
-  per group: the layout of backend/model/quant.py);
+  stored dtype (int8/int4 codes plus group scales, bfloat16 where torch's kernels read them and
+  float32 elsewhere, and for int4 at groups 32-256 a zero per group: the layout of
+  backend/model/quant.py);
 - LM head: only on rows that sample (a finishing prefill chunk's last token, every decode and
   verify token), read once when any row samples;
 - attention: QK^T and PV over each row's real context, causal within the row's new tokens; MLA
@@ -42,7 +43,8 @@ from kvscope.backend.perf.shapes import Linear, ModelShape
 TP_DEGREES = (1, 2, 4, 8)
 KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTS = ("none", "int8", "int4")
-QUANT_SCALE_BYTES = 4  # quant.py keeps one float32 scale per group
+QUANT_SCALE_BYTES = 4  # quant.py keeps one float32 scale per group where it dequantizes ...
+KERNEL_SCALE_BYTES = 2  # ... and bfloat16 scales (and zeros) where torch's kernels read them
 ALL_REDUCES_PER_LAYER = 2  # Megatron tensor parallelism: after attention's o_proj and after the MLP
 
 
@@ -158,14 +160,15 @@ def rank_bytes(w: Linear, dtype: str, quant: str, group_size: int, tp: int = 1) 
 
 
 def stored_bytes(w: Linear, dtype: str, quant: str, group_size: int) -> float:
-    """Bytes of a weight as stored: dtype, or int8 / packed int4 codes plus float32 scales."""
+    """Bytes of a weight as stored: dtype, or int8 / packed int4 codes plus their scales (quant.py)."""
     if quant == "none":
         return w.params * DTYPE_BYTES[dtype]
     codes = w.params if quant == "int8" else w.params / 2
     scales = w.out_features * (w.in_features // group_size) if group_size else 1
-    if kernel_for(quant, group_size, w.in_features, w.out_features) == "int4pack":
+    kernel = kernel_for(quant, group_size, w.in_features, w.out_features)
+    if kernel == "int4pack":
         scales *= 2  # torch's int4 kernel reads a (scale, zero) pair per group
-    return codes + scales * QUANT_SCALE_BYTES
+    return codes + scales * (KERNEL_SCALE_BYTES if kernel else QUANT_SCALE_BYTES)
 
 
 # ---- results ------------------------------------------------------------------------------------
