@@ -271,6 +271,10 @@ class EngineConfig(BaseModel):
     events: Literal["full", "summary", "off"] = "full"
     dist_top_n: int = Field(default=10, ge=1, le=100, description="tokens kept in each token event's dist")
     speculative: SpeculativeConfig | None = None
+    weights: Literal["native", "float32"] = Field(
+        default="native", description="a GGUF model's weights: native runs them as the file stores them (Q4 "
+                                      "blocks through torch's int4 kernel); float32 de-quantizes them at load. "
+                                      "Other models load as stored either way")
     weight_quant: Literal["none", "int8", "int4"] = "none"
     quant_group_size: int = Field(default=64, ge=0, le=4096,
                                   description="weights sharing one quantization scale along the input dimension; "

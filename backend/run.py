@@ -15,7 +15,7 @@ from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.engine import Engine, Runtime
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.events.bus import EventBus
-from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.loader import LoadedModel, WeightsMode
 from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.simulate import ShapeOnlyModel, simulated_sampling, simulation
@@ -24,9 +24,9 @@ from kvscope.backend.scenario import PlannedRequest, Scenario, ScenarioError, ch
 WEIGHTS = WeightCache()  # the process's weight copies: headless runs, and a server's unless it brings its own
 
 
-def cached_model(name: str) -> LoadedModel:
+def cached_model(name: str, weights: WeightsMode = "native") -> LoadedModel:
     """Models are read-only at inference, so runs in one process share them."""
-    return WEIGHTS.model(name)
+    return WEIGHTS.model(name, weights)
 
 
 class ScenarioRun:
@@ -43,7 +43,8 @@ class ScenarioRun:
             bus.use_clock(runtime.clock)
         else:
             check_available(scenario)
-            self.loaded, config, runtime = shared.model(scenario.model) if shared else loaded, scenario.engine, None
+            self.loaded, config, runtime = (shared.model(scenario.model, scenario.engine.weights) if shared else loaded,
+                                            scenario.engine, None)
         self.engine = Engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime, shared=shared)
         self.bus = self.engine.bus
         planned = plan_requests(scenario, self.loaded)

@@ -34,9 +34,13 @@ class Parser(argparse.ArgumentParser):
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
                   "min_p": "--min-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width",
                   "length_penalty": "--length-penalty"}
+WEIGHTS_CHOICES = ("native", "float32")
+WEIGHTS_HELP = ("a GGUF file's weights: native runs its Q4/Q8 blocks through torch's int4/int8 kernels (default); "
+                "float32 de-quantizes them at load, the reference (docs/quantization.md)")
 ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
                 "engine.speculative.num_tokens": "--num-draft-tokens",
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
+                "engine.weights": "--weights",
                 "engine.kv_cache_dtype": "--kv-cache-dtype", "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
 
 
@@ -55,11 +59,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         error = validation_error(e)
         raise UserError(SAMPLING_FLAGS.get(error.field, error.field), error.reason) from None
     speculative = None if args.speculative == "off" else {"method": args.speculative, "num_tokens": args.num_draft_tokens}
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weights=args.weights)
     context = min(loaded.config.max_position_embeddings, MAX_MODEL_LEN)  # a longer context is the model's, not ours
     try:
         config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
-                              weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype)
+                              weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype, weights=args.weights)
     except ValidationError as e:  # only flags reach the config: name the one that was wrong
         error = validation_error(e, "engine")
         raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
@@ -160,10 +164,10 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     from kvscope.backend.run import cached_model
     from kvscope.backend.server.manager import RunManager
 
-    model = args.model or "demo"
+    model, weights = args.model or "demo", getattr(args, "weights", "native")
     if args.command == "serve" or args.model:
-        cached_model(model)  # a model that cannot load fails now, in one line, not as a 503 on the first request
-    manager = RunManager(default_model=model, library=_library(args))
+        cached_model(model, weights)  # a model that cannot load fails now, in one line, not as a 503 on the first request
+    manager = RunManager(default_model=model, library=_library(args), api_weights=weights)
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
@@ -418,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding with the demo-draft model or n-gram lookup")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
     g.add_argument("--weight-quant", choices=("none", "int8", "int4"), default="none")
+    g.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     g.set_defaults(func=cmd_generate)
 
@@ -432,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--no-ui", action="store_true", help="the API only, no dashboard")
         v.add_argument("--model", default=None if name == "replay" else "demo",
                        help="model of the OpenAI-compatible API (loaded at start; replay: demo, loaded on first use)")
+        if name == "serve":
+            v.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")

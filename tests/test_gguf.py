@@ -5,7 +5,9 @@ demo models' byte-level BPE vocabulary; no download. One file per tensor type: t
 quantize are quantized from random floats with gguf.quants.quantize; the K-quants (which it can only
 de-quantize) are random raw blocks with finite fp16 scales. kvscope's weights must equal
 gguf.quants.dequantize of the same bytes, and logits (1e-4, fp32) and 64 greedy tokens must equal
-transformers' loading of the same file. SmolLM2's real file: tests/test_smollm2.py.
+transformers' loading of the same file: these tests load with weights="float32" (de-quantized);
+the native path, the files' own blocks through torch's int4/int8 kernels, is tests/test_gguf_native.py.
+SmolLM2's real file: tests/test_smollm2.py.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def test_undoing_the_rope_permutation_restores_hugging_face_row_order():
 @pytest.mark.parametrize("qtype", QUANTIZABLE + list(K_QUANTS), ids=lambda q: q.name)
 def test_weights_equal_gguf_dequantize_of_the_same_bytes(qtype, tmp_path):
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype.name}.gguf", qtype)
-    params = dict(load_model(path).model.named_parameters())
+    params = dict(load_model(path, weights="float32").model.named_parameters())
     reader = gguf.GGUFReader(path)
     assert {t.tensor_type for t in reader.tensors} == {Q.F32, qtype}
     for t in reader.tensors:
@@ -153,7 +155,7 @@ def test_weights_equal_gguf_dequantize_of_the_same_bytes(qtype, tmp_path):
 
 def test_weights_are_dequantized_to_the_engine_dtype(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", Q.Q8_0)
-    half = load_model(path, dtype=torch.float16).model.model.layers[0].mlp.up_proj.weight
+    half = load_model(path, dtype=torch.float16, weights="float32").model.model.layers[0].mlp.up_proj.weight
     up = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
     expected = dequantize(up.data, up.tensor_type)
     assert half.dtype == torch.float16
@@ -174,7 +176,7 @@ def test_tiny_gguf_matches_transformers_loading_the_same_file(case, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers loads GGUF files only with accelerate installed")
     options, greedy = CASES[case]
-    ours = load_model(write_tiny_gguf(tmp_path / f"{case}.gguf", **options))
+    ours = load_model(write_tiny_gguf(tmp_path / f"{case}.gguf", **options), weights="float32")
     # transformers with gguf 0.19 fails on a file named "mistral" (it looks for a gguf architecture of
     # that name), so it reads a twin named otherwise: Mistral computes as Llama without a sliding window.
     hf_file = write_tiny_gguf(tmp_path / "twin.gguf", **{**options, "name": "tiny"})

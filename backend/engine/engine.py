@@ -38,7 +38,7 @@ from kvscope.backend.engine.step_output import StepOutput
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import SCHEMA_VERSION
 from kvscope.backend.model.loader import LoadedModel, load_model
-from kvscope.backend.model.quant import QuantError, quantize_loaded
+from kvscope.backend.model.quant import QuantError, gguf_summary, quantize_loaded
 from kvscope.backend.model.weights import WeightCache
 
 
@@ -95,9 +95,13 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
 
     `shared`: the cache `loaded` came from, whose quantized copy runs of the same settings share;
     without it the engine quantizes a copy of its own."""
-    quantize = shared.quantized if shared is not None else quantize_loaded
+    if config.weight_quant != "none" and loaded.gguf_types is not None:
+        raise RequestError("engine.weight_quant", f"{loaded.name} runs the GGUF file's own quantized weights "
+                                                  f"({gguf_summary(loaded.gguf_types)}); to quantize its de-quantized "
+                                                  "floats instead, load it with weights float32 (--weights float32)")
     try:  # weight_quant: run a quantized copy; the caller's LoadedModel (the server shares it) is untouched
-        loaded, weights = quantize(loaded, config.weight_quant, config.quant_group_size)
+        loaded, weights = (shared.quantized(loaded, config.weight_quant, config.quant_group_size, config.weights)
+                           if shared is not None else quantize_loaded(loaded, config.weight_quant, config.quant_group_size))
     except QuantError as e:
         raise RequestError(e.field, e.reason) from None
     dtype = next(loaded.model.parameters()).dtype

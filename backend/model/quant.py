@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.transformer import num_parameters
 # QuantError: engine.py and the tests name it here, beside the quantizer that refuses a setting
 from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group_size, kernel_for  # noqa: F401
 
@@ -251,9 +253,40 @@ def quantize_loaded(loaded: LoadedModel, mode: QuantMode, group_size: int) -> tu
     """(a LoadedModel running the quantized copy, the header's `weights` summary).
 
     mode "none" returns `loaded` itself. The caller's LoadedModel and its model are never changed.
+    A GGUF file loaded natively is already quantized: its summary says how (`gguf`, `layers`).
     """
+    if loaded.gguf_types is not None:
+        return loaded, native_summary(loaded)
     unquantized = weight_bytes(loaded.model)
     model = loaded.model if mode == "none" else quantize_model(loaded.model, mode, group_size)
     summary = {"quant": mode, "group_size": group_size if mode != "none" else None,
                "bytes": weight_bytes(model), "bytes_unquantized": unquantized}
     return (loaded if mode == "none" else dataclasses.replace(loaded, model=model)), summary
+
+
+def layer_kinds(model: nn.Module) -> dict[str, int]:
+    """How many linear layers run each way: {"int4 g32": 210, "int8 per row": 1, "float32": 0}."""
+    kinds: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            kinds[f"{m.mode} " + ("per row" if m.group_size == m.in_features else f"g{m.group_size}" if m.group_size
+                                  else "per tensor")] += 1
+        elif isinstance(m, nn.Linear):
+            kinds[str(m.weight.dtype).removeprefix("torch.")] += 1
+    return dict(kinds)
+
+
+def native_summary(loaded: LoadedModel) -> dict:
+    """The header's `weights` for a GGUF file run as stored: its tensor types, the layers they became, the
+    bytes held, and a float32 copy's bytes to compare with."""
+    kinds = layer_kinds(loaded.model)
+    main = max(kinds, key=kinds.get)  # the perf model prices the run by its most common layer (docs/perf_model.md)
+    quant, _, group = main.partition(" g")
+    return {"quant": quant if quant in QMAX else "none", "group_size": int(group) if group.isdigit() else None,
+            "gguf": loaded.gguf_types, "layers": kinds, "bytes": weight_bytes(loaded.model),
+            "bytes_unquantized": num_parameters(loaded.config) * 4}
+
+
+def gguf_summary(types: dict[str, int]) -> str:
+    """"Q4_1 ×210, Q8_0 ×1": a GGUF file's quantized tensor types (the float norms left out)."""
+    return ", ".join(f"{t} ×{n}" for t, n in sorted(types.items(), key=lambda kv: -kv[1]) if not t.startswith(("F", "BF")))

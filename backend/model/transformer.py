@@ -77,7 +77,10 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Drawn by CausalLM._init_weights: nn.Embedding's own draw would be a second one, and on the meta
+        # device (gguf_weights.py) it imports torch._dynamo (70 MB, a second).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rope_dim = config.mla.qk_rope_head_dim if config.mla else config.head_dim
@@ -107,6 +110,8 @@ class CausalLM(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         # Small normal init (std 0.02, as Llama's initializer_range): PyTorch's default N(0, 1)
         # embedding, tied to the output, would start the loss near 100 instead of ln(vocab).
+        if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.is_meta:
+            return  # a shape only (gguf_weights.py builds on the meta device); nn.init there imports torch._dynamo
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvscope.backend.model.loader import LoadedModel, load_model
+from kvscope.backend.model.loader import LoadedModel, WeightsMode, load_model
 from kvscope.backend.model.quant import QuantMode, quantize_loaded, weight_bytes
 
 LOAD_DTYPE = "float32"  # load_model's default: the dtype of every copy this cache loads
@@ -34,10 +34,11 @@ class WeightKey:
     model: str
     quant: QuantMode = "none"
     group_size: int = 0  # 0 when not quantized: a full-precision copy has no groups
+    weights: WeightsMode = "native"  # a GGUF file as stored, or de-quantized (loader.load_model)
 
     @classmethod
-    def of(cls, model: str, quant: QuantMode, group_size: int) -> "WeightKey":
-        return cls(model, quant, group_size if quant != "none" else 0)
+    def of(cls, model: str, quant: QuantMode, group_size: int, weights: WeightsMode = "native") -> "WeightKey":
+        return cls(model, quant, group_size if quant != "none" else 0, weights)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class WeightCopy:
 class WeightCache:
     """Every weight copy of the process, built on first use and shared; held and released by runs."""
 
-    def __init__(self, load: Callable[[str], LoadedModel] = load_model) -> None:
+    def __init__(self, load: Callable[..., LoadedModel] = load_model) -> None:
         self._load = load
         self._copies: dict[WeightKey, WeightCopy] = {}
         self._lock = threading.Lock()  # the copies and their holders
@@ -60,15 +61,18 @@ class WeightCache:
 
     # ---- the copies -------------------------------------------------------------------------------
 
-    def model(self, name: str) -> LoadedModel:
-        """A model's own weights (full precision), loaded on first use."""
-        return self._get(WeightKey(name), lambda: (self._load(name), None))[0]
+    def model(self, name: str, weights: WeightsMode = "native") -> LoadedModel:
+        """A model's own weights (a GGUF file's as stored, unless `weights` is float32), loaded on first use."""
+        load = (lambda: (self._load(name), None)) if weights == "native" else \
+            (lambda: (self._load(name, weights=weights), None))
+        return self._get(WeightKey(name, weights=weights), load)[0]
 
-    def quantized(self, loaded: LoadedModel, mode: QuantMode, group_size: int) -> tuple[LoadedModel, dict]:
-        """quant.quantize_loaded, once per model and settings: `loaded` is this cache's `model(name)`."""
+    def quantized(self, loaded: LoadedModel, mode: QuantMode, group_size: int,
+                  weights: WeightsMode = "native") -> tuple[LoadedModel, dict]:
+        """quant.quantize_loaded, once per model and settings: `loaded` is this cache's `model(name, weights)`."""
         if mode == "none":  # the model itself: nothing to build
             return quantize_loaded(loaded, mode, group_size)
-        built, summary = self._get(WeightKey.of(loaded.name, mode, group_size),
+        built, summary = self._get(WeightKey.of(loaded.name, mode, group_size, weights),
                                    lambda: quantize_loaded(loaded, mode, group_size))
         assert summary is not None
         return built, summary
@@ -117,6 +121,6 @@ class WeightCache:
     def describe(self) -> list[dict]:
         """Each copy present: its key, bytes, how many runs hold it and whether it is built yet."""
         with self._lock:
-            return [{"model": key.model, "quant": key.quant, "group_size": key.group_size or None,
+            return [{"model": key.model, "weights": key.weights, "quant": key.quant, "group_size": key.group_size or None,
                      "bytes": copy.bytes, "runs": len(copy.holders), "built": copy.built is not None}
                     for key, copy in self._copies.items()]

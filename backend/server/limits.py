@@ -12,7 +12,7 @@ from typing import Literal
 
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.engine.kv_cache import num_blocks_for_budget
-from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, model_facts
+from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
 from kvscope.backend.perf.cost_model import model_bytes
 from kvscope.backend.perf.shapes import shape_from_config
@@ -91,9 +91,11 @@ def weight_needs(scenario: Scenario) -> list[WeightNeed]:
     model's, each sized from its config before anything is loaded."""
     engine, draft = scenario.engine, draft_model(scenario)
     config = model_config(scenario.model)
-    needs = [WeightNeed(WeightKey(scenario.model), weight_copy_bytes(config), "model")]
+    gguf = gguf_file(scenario.model) if engine.weights == "native" else None
+    size = gguf.stat().st_size if gguf is not None else weight_copy_bytes(config)  # a GGUF file's layers: about its size
+    needs = [WeightNeed(WeightKey(scenario.model, weights=engine.weights), size, "model")]
     if engine.weight_quant != "none":
-        key = WeightKey.of(scenario.model, engine.weight_quant, engine.quant_group_size)
+        key = WeightKey.of(scenario.model, engine.weight_quant, engine.quant_group_size, engine.weights)
         needs.append(WeightNeed(key, weight_copy_bytes(config, key.quant, key.group_size), "engine.weight_quant"))
     if draft is not None:
         needs.append(WeightNeed(WeightKey(draft), weight_copy_bytes(model_config(draft)),
