@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
     try:
-        loaded = load_model(SMOLLM2)
+        loaded = load_model(SMOLLM2, weights="float32")  # the fp32 folder transformers reads too
     except ModelLoadError as e:
         print(f"bench.real_model: {e}", file=sys.stderr)
         return 2

@@ -111,5 +111,9 @@ def test_the_api_lists_smollm2_beside_the_servers_model_and_answers_in_its_chat_
     per_block = 2 * 30 * 3 * 64 * 4 * 16  # 2·L·N_kv·D_h·4 bytes (fp32) per token, 16 tokens per block
     assert header["cache"]["bytes_per_block"] == per_block
     assert header["cache"]["num_blocks"] == int(API_KV_CACHE_MB * 1024**2 // per_block)
-    assert (header["model"]["dtype"], header["weights"]["bytes"]) == ("float32", 538_060_032)
+    # The GGUF file's Q4_1 layers as stored (int4 codes, bf16 scales and zeros; Q8_0 lm_head as int8 rows)
+    weights = header["weights"]
+    assert (header["model"]["dtype"], weights["bytes"], weights["bytes_unquantized"]) == ("float32", 94_905_600,
+                                                                                          538_060_032)
+    assert weights["layers"] == {"int4 g32": 210, "int8 per row": 1}
     assert "api" not in manager.runs  # the server's own model was never asked for: never loaded
