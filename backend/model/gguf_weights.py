@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 from gguf import GGML_QUANT_SIZES, ReaderTensor
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, dequantize
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.model.gguf_loader import (PERMUTED_ARCHITECTURES, Q, GGUFFile, dequantize_tensor,
+from kvscope.backend.model.gguf_loader import (PERMUTED_ARCHITECTURES, Q, dequantize_tensor,
                                                hf_tensor_name, open_gguf, unpermute_rope_rows)
 from kvscope.backend.model.quant import QuantEmbedding, QuantLinear, quantize_weight
 from kvscope.backend.model.quant_rules import kernel_for
@@ -85,34 +85,48 @@ def native_linear(t: ReaderTensor, rope_heads: int | None, bias: torch.Tensor | 
         codes, scales, zeros = (rows(x) for x in int4_groups(t))
         return QuantLinear(k, n, "int4", GROUP, bias).load_codes(codes, scales, zeros)
     layer = QuantLinear(k, n, "int8", k, bias)  # one scale per row: torch's int8 kernel
-    return layer.load_codes(*quantize_weight(rows(dequantize_tensor(t)), "int8", k, layer.scale_dtype))
+    return layer.load_codes(*(rows(x) for x in int8_rows(t)))
+
+
+def int8_rows(t: ReaderTensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any quantized tensor [N, K] re-quantized to int8 with one bfloat16 scale per row: (codes [N, K], scales
+    [N, 1]). A few thousand rows at a time, so that a 49,152-row embedding never exists in float32 whole
+    (it would, with its temporaries, take the load's peak memory to several times the model)."""
+    n, k = (int(d) for d in reversed(t.shape))
+    codes, scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, 1, dtype=torch.bfloat16)
+    for start in range(0, n, chunk):  # t.data is [rows, bytes per row]: whole rows of blocks
+        floats = torch.from_numpy(np.array(dequantize(t.data[start:start + chunk], t.tensor_type)).reshape(-1, k))
+        codes[start:start + chunk], scales[start:start + chunk] = quantize_weight(floats, "int8", k, torch.bfloat16)
+    return codes, scales
 
 
 def native_embedding(t: ReaderTensor, lm_head: nn.Module | None) -> nn.Module:
     """token_embd as int8 rows: the tied output layer's own rows where it has them, else re-quantized per row."""
     if isinstance(lm_head, QuantLinear) and lm_head.kernel == "int8pack" and lm_head.group_size:
         return QuantEmbedding.tied_to(lm_head)
-    w = dequantize_tensor(t)  # [vocab, hidden]
     if t.tensor_type in FLOAT_TYPES:
-        return nn.Embedding.from_pretrained(w, freeze=True)
-    return QuantEmbedding(*quantize_weight(w, "int8", w.shape[1], torch.bfloat16))
+        return nn.Embedding.from_pretrained(dequantize_tensor(t), freeze=True)
+    return QuantEmbedding(*int8_rows(t))
 
 
 # ---- the model --------------------------------------------------------------------------------------
 
 
-def load_native_model(path: Path, config: ModelConfig) -> CausalLM:
+def load_native_model(path: Path, config: ModelConfig) -> tuple[CausalLM, dict[str, int]]:
     """CausalLM(config) whose layers are the GGUF file's tensors as stored (the file's config and tensor
-    infos were checked when its folder was made). Built on the meta device, so no float weight is
-    allocated for a layer that is then replaced."""
+    infos were checked when its folder was made), and the file's tensor types with their counts
+    ({"Q4_1": 210, "F32": 61, "Q8_0": 1}). Built on the meta device, so no float weight is allocated
+    for a layer that is then replaced."""
     f = open_gguf(path)
+    permuted = f.get("general.architecture") in PERMUTED_ARCHITECTURES
     tensors = {hf_tensor_name(f, t.name): t for t in f.reader.tensors}
+    f.reader.fields.clear()  # gguf-py's view of every vocabulary entry (~140 MB for 49k tokens): not needed here
     with torch.device("meta"):
         model = CausalLM(config)
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and f"{name}.weight" in tensors:
             bias = tensors.get(f"{name}.bias")
-            layer = native_linear(tensors[f"{name}.weight"], rope_heads(f, config, name),
+            layer = native_linear(tensors[f"{name}.weight"], rope_heads(config, name) if permuted else None,
                                   None if bias is None else dequantize_tensor(bias))
             model.set_submodule(name, layer)
     embed = tensors["model.embed_tokens.weight"]
@@ -124,16 +138,9 @@ def load_native_model(path: Path, config: ModelConfig) -> CausalLM:
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, nn.Parameter(dequantize_tensor(tensors[name]).clone()))
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "a tensor was not loaded"
-    return model.eval()
+    return model.eval(), dict(Counter(t.tensor_type.name for t in tensors.values()))
 
 
-def rope_heads(f: GGUFFile, config: ModelConfig, name: str) -> int | None:
+def rope_heads(config: ModelConfig, name: str) -> int | None:
     """llama files store q_proj / k_proj rows in llama.cpp's RoPE order: the head count to undo it with."""
-    if f.get("general.architecture") not in PERMUTED_ARCHITECTURES:
-        return None
     return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-1])
-
-
-def type_counts(path: Path) -> dict[str, int]:
-    """How many tensors of each GGUF type the file holds ({"Q4_1": 210, "F32": 61, "Q8_0": 1})."""
-    return dict(Counter(t.tensor_type.name for t in open_gguf(path).reader.tensors))

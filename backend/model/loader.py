@@ -175,8 +175,8 @@ def load_model(name_or_path: str | Path = "demo", device: str | torch.device = "
     if gguf is not None:
         from kvscope.backend.model import gguf_weights  # `gguf` only GGUF needs
 
-        model = gguf_weights.load_native_model(gguf, config).to(device)
-        return LoadedModel(str(name_or_path), model_dir, config, model, tokenizer, gguf_weights.type_counts(gguf))
+        model, types = gguf_weights.load_native_model(gguf, config)
+        return LoadedModel(str(name_or_path), model_dir, config, model.to(device), tokenizer, types)
     files = weight_files(model_dir)
     check_weights(config, weight_shapes(files), model_dir)
     model = CausalLM(config).to(dtype)
