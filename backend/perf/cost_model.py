@@ -95,6 +95,9 @@ class Deployment:
     kv_cache_dtype: str = "auto"
     weight_quant: str = "none"
     quant_group_size: int = 64
+    # (quant, group size) of lm_head where it is stored otherwise than the rest: a GGUF file run natively
+    # keeps its Q8_0 embedding, tied to lm_head, as int8 rows beside int4 layers (gguf_weights.py)
+    lm_head_quant: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         check_tp(self.tp, self.shape, self.hardware)
@@ -121,7 +124,9 @@ class Deployment:
 
     def weight_bytes(self, w: Linear) -> float:
         """One rank's stored bytes of a linear layer."""
-        return rank_bytes(w, self.dtype, self.weight_quant, self.quant_group_size, self.tp)
+        quant, group = self.lm_head_quant if self.lm_head_quant and w.name == "lm_head" else \
+            (self.weight_quant, self.quant_group_size)
+        return rank_bytes(w, self.dtype, quant, group, self.tp)
 
     def split(self, w: Linear) -> int:
         return split(w, self.tp)

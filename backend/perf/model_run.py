@@ -143,9 +143,20 @@ def run_deployment(header: dict, hardware: str | HardwareProfile, tp: int = 1) -
     shaped = run_shape(header.get("model") or {}, header.get("weights"))
     config = header.get("config") or {}
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
-    dep = Deployment(shaped.shape, hw, tp, config.get("kv_cache_dtype", "auto"),
-                     config.get("weight_quant", "none"), config.get("quant_group_size", 64))
+    weights = header.get("weights") or {}  # what ran: a GGUF file's own quantization, or weight_quant's
+    quant = weights.get("quant") or config.get("weight_quant", "none")
+    group = weights.get("group_size") or (0 if weights.get("gguf") else config.get("quant_group_size", 64))
+    lm_head = layer_quant(weights["lm_head"]) if weights.get("lm_head") else None
+    dep = Deployment(shaped.shape, hw, tp, config.get("kv_cache_dtype", "auto"), quant, group, lm_head)
     return dep, shaped
+
+
+def layer_quant(kind: str) -> tuple[str, int]:
+    """A header's layer kind as the cost model's (quant, group size): "int4 g32" -> ("int4", 32), "int8 per row"
+    -> ("int8", 0) (one scale per row prices as one per tensor: the scales are a rounding error), "float32" ->
+    ("none", 0)."""
+    mode, _, grouping = kind.partition(" ")
+    return (mode, int(grouping[1:]) if grouping.startswith("g") else 0) if mode in ("int8", "int4") else ("none", 0)
 
 
 # ---- iterations -----------------------------------------------------------------------------------
