@@ -94,7 +94,7 @@ def q8_0_file(source: Path) -> Path:
 # ---- kvscope, in a child process -----------------------------------------------------------------------
 
 
-def kvscope_child(file: str, workload_path: str, profile: bool) -> dict:
+def kvscope_child(file: str, workload_path: str, weights: str, profile: bool) -> dict:
     """Run in `python -m bench.peers --child`: throughput, one sequence's decode rate, peak RSS."""
     import torch
 
@@ -107,15 +107,17 @@ def kvscope_child(file: str, workload_path: str, profile: bool) -> dict:
     from kvscope.backend.model.quant import weight_bytes
 
     torch.set_num_threads(THREADS)
-    loaded = load_model(file)
+    loaded = load_model(file, weights=weights)
     saved = json.loads(Path(workload_path).read_text())
     workload = [BenchRequest(**r) for r in saved["requests"]]
     # The KV pool llama-server gets (-c): every request's longest context, so that peak RSS compares like with like
     blocks = len(workload) * -(-context_tokens(saved["requests"]) // 16)
-    config = engine_config(QUICK if saved["quick"] else FULL).model_copy(update={"num_blocks": blocks})
+    config = engine_config(QUICK if saved["quick"] else FULL).model_copy(update={"num_blocks": blocks,
+                                                                                 "weights": weights})
     run_engine(loaded, config, workload[:2])  # warm-up, untimed
     run = run_engine(loaded, config, workload)
-    engine = Engine(loaded, EngineConfig(num_blocks=64, max_num_seqs=1, max_model_len=256, events="off"))
+    engine = Engine(loaded, EngineConfig(num_blocks=64, max_num_seqs=1, max_model_len=256, events="off",
+                                         weights=weights))
     engine.add_request("single", workload[0].prompt[:SINGLE_PROMPT], SINGLE_TOKENS,
                        SamplingParams(temperature=0.0, ignore_eos=True))
     engine.step()  # the prefill and the first token: not decode
@@ -152,9 +154,9 @@ def peak_rss_mb(pid: str | int) -> float:
     return float("nan")
 
 
-def run_kvscope(file: Path, workload_path: Path, profile: bool) -> dict:
+def run_kvscope(file: Path, workload_path: Path, weights: str = "native", profile: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    done = subprocess.run([sys.executable, "-m", "bench.peers", "--child", str(file), str(workload_path)]
+    done = subprocess.run([sys.executable, "-m", "bench.peers", "--child", str(file), str(workload_path), weights]
                           + (["--profile"] if profile else []), capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"kvscope's run failed:\n{done.stderr[-2000:]}")
@@ -280,7 +282,8 @@ def report(meta: dict, rows: list[dict], roof: dict | None) -> None:
 
     print(f"# {meta['command']}\n\n{meta['workload']}; {THREADS} threads each, {meta['date']}, {meta['machine']}\n")
     lines = []
-    for r in rows:
+    for r in [*rows, *({**r, "type": f"{r['type']}, kvscope --weights float32", "kvscope": r["float32"]}
+                      for r in rows if "float32" in r)]:
         k, ll = r["kvscope"], r.get("llama")
         equal, share = agreement(k["outputs"], ll["outputs"]) if ll else (None, None)
         lines.append([r["type"], f"{k['tokens_per_s']:.1f}", f"{ll['tokens_per_s']:.1f}" if ll else "skipped",
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", default="Q4_1,Q8_0", help="the files to compare (Q4_1, Q8_0)")
     p.add_argument("--llama-server", type=Path, default=DEFAULT_SERVER, help="llama.cpp's server binary")
     p.add_argument("--json", type=Path, help="also write the figures here")
-    p.add_argument("--child", nargs=2, metavar=("FILE", "WORKLOAD"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, metavar=("FILE", "WORKLOAD", "WEIGHTS"), help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -357,6 +360,9 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
         for qtype, file in files.items():
             progress(f"kvscope, {qtype}")
             row = {"type": qtype, "kvscope": run_kvscope(file, workload_path, profile=True)}
+            if qtype == "Q4_1":  # the same file de-quantized: what --weights float32 gives
+                progress("kvscope, Q4_1 de-quantized to float32")
+                row["float32"] = run_kvscope(file, workload_path, "float32")
             if server is not None:
                 progress(f"llama.cpp, {qtype}")
                 row["llama"] = run_llama(Path(server), file, workload)
