@@ -6,8 +6,11 @@ Each row runs in a fresh process (so its RSS is its own): load the model, quanti
 (backend/model/quant.py), drop the float model, then time `--steps` forwards of one token (context 1,
 the dense backend: the step is the linear layers and lm_head, which is what quantization changes)
 after 3 warm-up steps, and report the median. "kernel" rows run torch's int8pack / int4pack CPU
-kernels; "dequantize" rows force the old path (dequantize each weight, then F.linear) for the same
-codes, and their logits are the reference the kernel rows are compared with.
+kernels (in bfloat16, quant.py); "dequantize" rows force the old path (dequantize each weight in
+float32, then F.linear), whose scales stay float32, so its codes may differ by one step where a
+bfloat16 scale rounds across a boundary; their logits are the reference the kernel rows are
+compared with. A GGUF model (the default, SmolLM2) is de-quantized to float32 first for every row
+but the last, which runs the file as it stores it (backend/model/gguf_weights.py).
 Columns: weight bytes (state_dict), the process's RSS once the float model is dropped (and glibc
 has returned its pages; a bare `python -c "import torch, kvscope"` is the floor), and the
 RSS the first forward leaves behind (the dequantizing path's float copy of each weight is
@@ -37,6 +40,7 @@ ROWS = [  # (name, mode, group_size, path); SmolLM2's 576 refuses g128
     ("int4 g32", "int4", 32, "kernel"),
     ("int4 g64", "int4", 64, "kernel"),
     ("int4 g64", "int4", 64, "dequantize"),
+    ("GGUF file as stored", "native", 0, "kernel"),  # SmolLM2's Q4_1 blocks as int4 g32, Q8_0 as int8 rows
 ]
 
 
@@ -61,8 +65,12 @@ def one_row(model_name: str, mode: str, group_size: int, path: str, steps: int) 
 
     if path == "dequantize":
         quant.kernel_for = lambda *args: None  # quant.py reads it from its own module: every layer dequantizes
-    loaded = load_model(model_name)
-    model = loaded.model if mode == "none" else quant.quantize_model(loaded.model, mode, group_size)
+    if mode == "native":  # the GGUF file's own blocks (a folder model loads as stored: its floats)
+        loaded = load_model(model_name)
+        model = loaded.model
+    else:  # every other row quantizes the float32 weights (a GGUF file de-quantized)
+        loaded = load_model(model_name, weights="float32")
+        model = loaded.model if mode == "none" else quant.quantize_model(loaded.model, mode, group_size)
     del loaded
     gc.collect()
     release_freed_memory()

@@ -41,12 +41,22 @@ AXES = {
                            "int8"),
     "weight_quant": Axis("weights", "engine.weight_quant", {"none": "none", "int8": "int8", "int4": "int4"}, "none",
                          "int4"),
+    "weight_storage": Axis("GGUF weights", "engine.weights",
+                           {"float32": "float32", "int8": "int8 per tensor", "native": "as stored (Q4: int4)"},
+                           "float32", "native"),
     "block_size": Axis("block size", "engine.block_size", {}, 8, 32),
     "num_blocks": Axis("blocks", "engine.num_blocks", {}, 24, 256),
     "spec_num_tokens": Axis("draft tokens k", "engine.speculative.num_tokens", {}, 1, 8),
     "arrival_rate": Axis("arrival rate", "generate.arrival.rate_per_step", {}, 0.05, 1.0),
 }  # fmt: skip
 SPEC_VALUES = {"off": None, "draft": SPEC_DRAFT, "ngram": SPEC_NGRAM}
+# A GGUF model's weights three ways (docs/quantization.md): de-quantized to float32; those floats quantized
+# to int8 with one scale per tensor (torch's int8 kernel); the file's own blocks (Q4_1: torch's int4 kernel).
+WEIGHT_STORAGE = {
+    "float32": {"engine.weights": "float32", "engine.weight_quant": "none"},
+    "int8": {"engine.weights": "float32", "engine.weight_quant": "int8", "engine.quant_group_size": 0},
+    "native": {"engine.weights": "native", "engine.weight_quant": "none"},
+}
 
 
 def override_of(axis: Axis, value: Any, form: dict[str, Any] | None = None,
@@ -58,6 +68,8 @@ def override_of(axis: Axis, value: Any, form: dict[str, Any] | None = None,
     that both runs get the same KV bytes and differ in the granularity only."""
     if axis.path == "engine.speculative":
         return {axis.path: SPEC_VALUES[value]}
+    if axis.path == "engine.weights":
+        return dict(WEIGHT_STORAGE[value])
     if not axis.values and float(value).is_integer() and axis.path != "generate.arrival.rate_per_step":
         value = int(value)
     if axis.path == "engine.block_size" and not hold_blocks:

@@ -31,6 +31,7 @@ LESSONS |= {"speculative-draft", "speculative-ngram"}
 LESSONS |= {"real-chat", "real-sampling"}
 LESSONS |= {"roofline"}
 LESSONS |= {"structured-output"}
+LESSONS |= {"quantized-weights"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -526,6 +527,35 @@ def test_real_chat_writes_chatml_shares_a_repeated_exchange_and_stops_at_end_of_
     assert done["france"]["output_token_ids"][-1] in eos and tokenizer.token_text(eos[0]) == "<|im_end|>"
     assert done["france"]["output_text"] == "The capital of France is Paris."
     assert "Rome" in done["follow-up"]["output_text"]
+
+
+def test_quantized_weights_holds_the_files_int4_layers_and_the_comparison_states_bytes_and_steps():
+    """As the lesson says: 91 MB as stored, 513 MB in float32, 245 MB in int8 per tensor (MiB, as the page
+    prints them); one sequence decoding alone, so every step after the prefill is a decode step the
+    row of differences times; and the file's own int4 codes keep the float32 run's greedy tokens for
+    the most part (bfloat16 and a different rounding may flip a near-tie)."""
+    from kvscope.backend.events.compare import compare_rows
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.frontend.compare import AXES, override_of
+
+    axis = AXES["weight_storage"]
+    native, floats, int8 = (run("quantized-weights", *(f"{k}={v}" for k, v in override_of(axis, value).items()))
+                            for value in ("native", "float32", "int8"))
+    weights = {name: t.header["weights"] for name, t in (("native", native), ("float32", floats), ("int8", int8))}
+    assert weights["native"]["layers"] == {"int4 g32": 210, "int8 per row": 1}
+    assert weights["native"]["gguf"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
+    assert weights["int8"]["layers"] == {"int8 per tensor": 211} and weights["float32"]["quant"] == "none"
+    assert {k: round(w["bytes"] / 2**20) for k, w in weights.items()} == {"native": 91, "float32": 513, "int8": 245}
+    assert all(len(b["batch"]) == 1 for b in native.iterations)  # max_num_seqs 1: one sequence at a time
+    assert [b["batch"][0]["phase"] for b in native.iterations[1:]] == ["decode"] * 47
+
+    rows = {r.label: (r.a, r.b) for r in compare_rows(RunRecord.from_events(floats.events),
+                                                       RunRecord.from_events(native.events))}
+    assert rows["weights"] == (513.1, 90.5)
+    assert all(ms is not None and ms > 0 for ms in rows["median decode step (engine)"])
+    story_f, story_n = floats.outputs["story"], native.outputs["story"]
+    same = next((i for i, (a, b) in enumerate(zip(story_f, story_n)) if a != b), len(story_f))
+    assert same >= 8, f"the file's own codes diverge from its floats after {same} tokens"
 
 
 def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature():

@@ -53,6 +53,21 @@ def kv_bytes_per_token(record: RunRecord) -> int:
     return bytes_per_block(record) // block_size if block_size else 0
 
 
+def weight_mb(record: RunRecord) -> float | None:
+    """The weights the run held, as stored (quantized, or a GGUF file's own blocks): what every decode
+    step reads once. None where the header does not say (old traces, simulate mode's shapes)."""
+    weights = record.state.weights or {}
+    return round(weights["bytes"] / 2**20, 1) if weights.get("bytes") else None
+
+
+def median_decode_step_ms(record: RunRecord) -> float | None:
+    """The median engine time of the iterations that only decoded (one token per sequence): the step the
+    weights' bytes bound. Prefill chunks are left out, their time grows with their tokens."""
+    times = [c.duration_s for c in record.history.columns
+             if c.scheduled and all(cell.kind == "decode" for cell in c.scheduled)]
+    return round(1000 * statistics.median(times), 2) if times else None
+
+
 def mean_ms(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return round(1000 * statistics.fmean(known), 2) if known else None
@@ -65,12 +80,14 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
     peak_mb = [round(peak_blocks(r) * bytes_per_block(r) / 2**20, 2) for r in (ra, rb)]
     tokens_per_s = [r.history.run_tokens_per_s() for r in (ra, rb)]
     return [  # what the settings change first (the cache's bytes), then what that did
+        Row("weights", weight_mb(ra), weight_mb(rb), "MiB"),
         Row("KV bytes per token", kv_bytes_per_token(ra), kv_bytes_per_token(rb)),
         Row("bytes per block", bytes_per_block(ra), bytes_per_block(rb)),
         Row("peak KV blocks", peak_blocks(ra), peak_blocks(rb)),
         Row("peak KV", *peak_mb, "MB"),
         Row("iterations", ra.state.step + 1, rb.state.step + 1),
         Row("preemptions", ra.state.num_preemptions, rb.state.num_preemptions),
+        Row("median decode step (engine)", median_decode_step_ms(ra), median_decode_step_ms(rb), "ms"),
         Row("mean TTFT (engine)", mean_ms(ttft_a), mean_ms(ttft_b), "ms"),
         Row("mean TPOT (engine)", mean_ms(tpot_a), mean_ms(tpot_b), "ms"),
         Row("tokens/s (engine)", *(round(t, 1) if t is not None else None for t in tokens_per_s)),

@@ -121,7 +121,9 @@ class HeaderEvent(_Event):
     config: dict[str, Any]
     model: ModelInfo
     cache: CacheInfo
-    weights: dict[str, Any] | None = None  # {quant, group_size, bytes, bytes_unquantized} (docs/quantization.md)
+    # {quant, group_size, layers, bytes, bytes_unquantized}; a GGUF file run natively adds gguf and lm_head
+    # (docs/quantization.md)
+    weights: dict[str, Any] | None = None
     attention_backend: str | None = None  # which attention implementation ran (torch, triton, ...)
     device: str | None = None
     draft_model: DraftModelInfo | None = None  # speculative decoding with a draft model

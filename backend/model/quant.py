@@ -259,7 +259,7 @@ def quantize_loaded(loaded: LoadedModel, mode: QuantMode, group_size: int) -> tu
         return loaded, native_summary(loaded)
     unquantized = weight_bytes(loaded.model)
     model = loaded.model if mode == "none" else quantize_model(loaded.model, mode, group_size)
-    summary = {"quant": mode, "group_size": group_size if mode != "none" else None,
+    summary = {"quant": mode, "group_size": group_size if mode != "none" else None, "layers": layer_kinds(model),
                "bytes": weight_bytes(model), "bytes_unquantized": unquantized}
     return (loaded if mode == "none" else dataclasses.replace(loaded, model=model)), summary
 

@@ -87,11 +87,14 @@ def weights_text(weights: dict | None) -> str:
     if not weights:
         return ""
     quant = weights.get("quant") or "none"
+    size, full = weights.get("bytes", 0), weights.get("bytes_unquantized", 0)
+    ratio = f", {full / size:.1f}× smaller" if size else ""
+    if weights.get("gguf"):  # a GGUF file run as it stores its weights (docs/quantization.md)
+        layers = ", ".join(f"{n} {kind}" for kind, n in weights.get("layers", {}).items())
+        return f"weights as the GGUF file stores them ({layers}): {human(size)} (float32 {human(full)}{ratio})"
     if quant == "none":
         return f"weights unquantized: {human(weights.get('bytes', 0))}"
     group = f" in groups of {weights['group_size']}" if weights.get("group_size") else " per tensor"
-    size, full = weights.get("bytes", 0), weights.get("bytes_unquantized", 0)
-    ratio = f", {full / size:.1f}× smaller" if size else ""
     return f"weights {quant}{group}: {human(size)} (unquantized {human(full)}{ratio})"
 
 
