@@ -31,6 +31,7 @@ from kvscope.frontend.views.live_text import LiveText
 
 SCALE_GROUP = "side-by-side"  # the block pools' common scale (block_pool.js)
 LABELS = {axis.path: axis.label for axis in AXES.values()}
+VALUE_NAMES = {axis.path: axis.values for axis in AXES.values() if axis.values and axis.path != "engine.speculative"}
 TICK_S = 0.5
 HOLD_TICK_S = 0.05  # as often as the lesson cards look for moments: the other run is held within a tick
 
@@ -49,7 +50,7 @@ def value_name(path: str, value: Any) -> str:
         return f"{drafter}, k = {value.get('num_tokens')}"
     if isinstance(value, bool) or value is None:
         return "on" if value else "off"
-    return str(value)
+    return VALUE_NAMES.get(path, {}).get(value, str(value))  # the compare form's words ("model dtype")
 
 
 def side_titles(a: RunRecord, b: RunRecord) -> tuple[str, str]:

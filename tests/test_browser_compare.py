@@ -94,3 +94,30 @@ def test_a_lesson_side_by_side_has_both_cards_and_holds_the_other_run(page, back
     page.locator("[data-kv=lesson-continue]").first.click()
     wait_until(lambda: not api(backend_url, f"/api/runs/{ids[1]}")["paused"] or
                api(backend_url, f"/api/runs/{ids[1]}")["finished"], WAIT_S, "continue did not resume the held run")
+
+
+def test_gguf_weights_compared_state_each_runs_weights_and_median_decode_step(page, backend_url, dashboard_url):
+    """quantized-weights, float32 against as stored, as the compare drawer's "GGUF weights" starts them:
+    the row of differences says 513.1 MiB against 90.5 MiB and a median decode step for each side."""
+    from kvscope.backend.model.loader import missing_package
+    from kvscope.frontend.compare import AXES, override_of
+
+    if missing_package("smollm2"):
+        pytest.skip(missing_package("smollm2"))
+    ids = [api(backend_url, "/api/runs", {"scenario": "quantized-weights", "speed": 0, "paused": False,
+                                          "overrides": override_of(AXES["weight_storage"], value)})["run_id"]
+           for value in ("float32", "native")]
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    table = page.locator(".kv-side-table")
+
+    wait_until(lambda: table.count() and "90.5 MiB" in table.inner_text() and "513.1 MiB" in table.inner_text()
+               and table.inner_text().count(" ms") >= 6, WAIT_S, "no weights or decode steps in the row")
+    heads = table.locator("tr").nth(0).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)")
+    column = heads.index("median decode step (engine)")
+    cells = [table.locator("tr").nth(i).evaluate(f"(tr) => tr.cells[{column}].innerText") for i in (1, 2)]
+    assert all(c.endswith(" ms") and float(c.split()[0]) > 0 for c in cells), cells
+    titles = page.locator(".kv-side-run").all_inner_texts()
+    assert "GGUF weights: float32" in titles[0] and "GGUF weights: as stored (Q4: int4)" in titles[1]
+    if SHOTS.is_dir():
+        table.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "gguf-weights.png"), full_page=False)

@@ -60,7 +60,7 @@ def test_a_run_without_a_kv_cache_compares_with_no_kv_and_the_bytes_lead(tiny_di
     on = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=true"))
     off = RunRecord.from_events(_trace(tiny_dir, "engine.kv_cache=false"))
     rows = compare_rows(on, off)
-    assert [r.label for r in rows[:4]] == ["KV bytes per token", "bytes per block", "peak KV blocks", "peak KV"]
+    assert [r.label for r in rows[:5]] == ["weights", "KV bytes per token", "bytes per block", "peak KV blocks", "peak KV"]
     figures = {r.label: (r.a, r.b) for r in rows}
     per_block, block_size = on.state.cache["bytes_per_block"], on.state.cache["block_size"]
     assert figures["KV bytes per token"] == (per_block // block_size, 0)

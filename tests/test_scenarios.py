@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -530,10 +531,9 @@ def test_real_chat_writes_chatml_shares_a_repeated_exchange_and_stops_at_end_of_
 
 
 def test_quantized_weights_holds_the_files_int4_layers_and_the_comparison_states_bytes_and_steps():
-    """As the lesson says: 91 MB as stored, 513 MB in float32, 245 MB in int8 per tensor (MiB, as the page
-    prints them); one sequence decoding alone, so every step after the prefill is a decode step the
-    row of differences times; and the file's own int4 codes keep the float32 run's greedy tokens for
-    the most part (bfloat16 and a different rounding may flip a near-tie)."""
+    """As the lesson says: 91 MiB as stored, 513 in float32, 236 in int8 per tensor; one sequence decoding
+    alone, so every step after the prefill is a decode step the row of differences times; and the
+    file's own int4 codes tell the float32 run's story for its first sentences, int8 per tensor another."""
     from kvscope.backend.events.compare import compare_rows
     from kvscope.backend.events.record import RunRecord
     from kvscope.frontend.compare import AXES, override_of
@@ -545,7 +545,7 @@ def test_quantized_weights_holds_the_files_int4_layers_and_the_comparison_states
     assert weights["native"]["layers"] == {"int4 g32": 210, "int8 per row": 1}
     assert weights["native"]["gguf"] == {"Q8_0": 1, "F32": 61, "Q4_1": 210}
     assert weights["int8"]["layers"] == {"int8 per tensor": 211} and weights["float32"]["quant"] == "none"
-    assert {k: round(w["bytes"] / 2**20) for k, w in weights.items()} == {"native": 91, "float32": 513, "int8": 245}
+    assert {k: round(w["bytes"] / 2**20) for k, w in weights.items()} == {"native": 91, "float32": 513, "int8": 236}
     assert all(len(b["batch"]) == 1 for b in native.iterations)  # max_num_seqs 1: one sequence at a time
     assert [b["batch"][0]["phase"] for b in native.iterations[1:]] == ["decode"] * 47
 
@@ -553,9 +553,10 @@ def test_quantized_weights_holds_the_files_int4_layers_and_the_comparison_states
                                                        RunRecord.from_events(native.events))}
     assert rows["weights"] == (513.1, 90.5)
     assert all(ms is not None and ms > 0 for ms in rows["median decode step (engine)"])
-    story_f, story_n = floats.outputs["story"], native.outputs["story"]
-    same = next((i for i, (a, b) in enumerate(zip(story_f, story_n)) if a != b), len(story_f))
-    assert same >= 8, f"the file's own codes diverge from its floats after {same} tokens"
+    story = {name: t.of("request_finished")[0]["output_text"] for name, t in
+             (("native", native), ("float32", floats), ("int8", int8))}
+    common = {name: len(os.path.commonprefix([story[name], story["float32"]])) for name in ("native", "int8")}
+    assert common["native"] >= 100 and common["int8"] < 40, common  # measured: 127 and 13 characters
 
 
 def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature():
