@@ -8,6 +8,8 @@ outside the repo, never in CI (20-50 minutes on 2 cores); without it its rows ar
 command to build it is printed (BUILD). Each system runs in a fresh process, so that its peak RSS
 (VmHWM) is its own; kvscope runs the file natively (backend/model/gguf_weights.py).
 
+kvscope also runs the Q4_1 file de-quantized (`--weights float32`) and with an int8 KV cache (the
+cache read as int8 codes times their scales, only the sequence's own blocks: backend/engine/kv_cache.py).
 Per file and system: output tokens/s with all 32 requests at once (prompts 16-192 tokens, outputs
 8-96, greedy, EOS ignored), one sequence's decode tokens/s (after a 16-token prompt: llama.cpp's
 own timing of 128 tokens, kvscope's of 64 steps; the prefill left out on both sides), peak RSS, and greedy agreement with llama.cpp (requests whose
@@ -94,7 +96,7 @@ def q8_0_file(source: Path) -> Path:
 # ---- kvscope, in a child process -----------------------------------------------------------------------
 
 
-def kvscope_child(file: str, workload_path: str, weights: str, profile: bool) -> dict:
+def kvscope_child(file: str, workload_path: str, weights: str, kv_dtype: str, profile: bool) -> dict:
     """Run in `python -m bench.peers --child`: throughput, one sequence's decode rate, peak RSS."""
     import torch
 
@@ -112,12 +114,12 @@ def kvscope_child(file: str, workload_path: str, weights: str, profile: bool) ->
     workload = [BenchRequest(**r) for r in saved["requests"]]
     # The KV pool llama-server gets (-c): every request's longest context, so that peak RSS compares like with like
     blocks = len(workload) * -(-context_tokens(saved["requests"]) // 16)
-    config = engine_config(QUICK if saved["quick"] else FULL).model_copy(update={"num_blocks": blocks,
-                                                                                 "weights": weights})
+    config = engine_config(QUICK if saved["quick"] else FULL).model_copy(update={
+        "num_blocks": blocks, "weights": weights, "kv_cache_dtype": kv_dtype})
     run_engine(loaded, config, workload[:2])  # warm-up, untimed
     run = run_engine(loaded, config, workload)
     engine = Engine(loaded, EngineConfig(num_blocks=64, max_num_seqs=1, max_model_len=256, events="off",
-                                         weights=weights))
+                                         weights=weights, kv_cache_dtype=kv_dtype))
     engine.add_request("single", workload[0].prompt[:SINGLE_PROMPT], SINGLE_TOKENS,
                        SamplingParams(temperature=0.0, ignore_eos=True))
     engine.step()  # the prefill and the first token: not decode
@@ -128,7 +130,8 @@ def kvscope_child(file: str, workload_path: str, weights: str, profile: bool) ->
     peak = peak_rss_mb("self")  # before the profiler, whose records are not the engine's memory
     return {"tokens_per_s": run.output_tokens / run.seconds, "seconds": run.seconds, "outputs": run.outputs,
             "single_tokens_per_s": 1 / decode_s, "step_ms": 1000 * decode_s, "peak_rss_mb": peak,
-            "weight_bytes": weight_bytes(loaded.model), "profile": profile_steps(engine, 16) if profile else None}
+            "weight_bytes": weight_bytes(loaded.model), "kv_bytes_per_token": engine.cache.bytes_per_token,
+            "profile": profile_steps(engine, 16) if profile else None}
 
 
 def profile_steps(engine, steps: int) -> dict:
@@ -154,9 +157,11 @@ def peak_rss_mb(pid: str | int) -> float:
     return float("nan")
 
 
-def run_kvscope(file: Path, workload_path: Path, weights: str = "native", profile: bool = False) -> dict:
+def run_kvscope(file: Path, workload_path: Path, weights: str = "native", kv_dtype: str = "auto",
+                profile: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    done = subprocess.run([sys.executable, "-m", "bench.peers", "--child", str(file), str(workload_path), weights]
+    done = subprocess.run([sys.executable, "-m", "bench.peers", "--child", str(file), str(workload_path), weights,
+                           kv_dtype]
                           + (["--profile"] if profile else []), capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"kvscope's run failed:\n{done.stderr[-2000:]}")
@@ -282,19 +287,20 @@ def report(meta: dict, rows: list[dict], roof: dict | None) -> None:
 
     print(f"# {meta['command']}\n\n{meta['workload']}; {THREADS} threads each, {meta['date']}, {meta['machine']}\n")
     lines = []
-    for r in [*rows, *({**r, "type": f"{r['type']}, kvscope --weights float32", "kvscope": r["float32"]}
-                      for r in rows if "float32" in r)]:
+    variants = {"float32": "kvscope --weights float32", "kv_int8": "kvscope with an int8 KV cache"}
+    for r in [*rows, *({**r, "type": f"{r['type']}, {label}", "kvscope": r[key]}
+                      for r in rows for key, label in variants.items() if key in r)]:
         k, ll = r["kvscope"], r.get("llama")
         equal, share = agreement(k["outputs"], ll["outputs"]) if ll else (None, None)
         lines.append([r["type"], f"{k['tokens_per_s']:.1f}", f"{ll['tokens_per_s']:.1f}" if ll else "skipped",
                       ratio(k["tokens_per_s"], ll and ll["tokens_per_s"]),
                       f"{k['single_tokens_per_s']:.1f}", f"{ll['single_tokens_per_s']:.1f}" if ll else "skipped",
                       ratio(k["single_tokens_per_s"], ll and ll["single_tokens_per_s"]),
-                      f"{k['peak_rss_mb']:.0f}", f"{ll['peak_rss_mb']:.0f}" if ll else "-",
+                      f"{k['peak_rss_mb']:.0f}", f"{ll['peak_rss_mb']:.0f}" if ll else "-", f"{k['kv_bytes_per_token']:,}",
                       f"{equal}/{len(k['outputs'])}, {100 * share:.0f}% of tokens" if ll else "-"])
     print(table(["file", "kvscope tok/s (32 req)", "llama.cpp tok/s", "ratio (target >= 1.0x)",
                  "kvscope 1-seq decode tok/s", "llama.cpp", "ratio (target >= 0.6x)", "kvscope peak RSS MB",
-                 "llama.cpp peak RSS MB", "greedy outputs equal"], lines))
+                 "llama.cpp peak RSS MB", "kvscope KV bytes/token", "greedy outputs equal"], lines))
     if roof:
         print()
         print(table(["kvscope int4 decode step, one sequence", "value"], [
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", default="Q4_1,Q8_0", help="the files to compare (Q4_1, Q8_0)")
     p.add_argument("--llama-server", type=Path, default=DEFAULT_SERVER, help="llama.cpp's server binary")
     p.add_argument("--json", type=Path, help="also write the figures here")
-    p.add_argument("--child", nargs=3, metavar=("FILE", "WORKLOAD", "WEIGHTS"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, metavar=("FILE", "WORKLOAD", "WEIGHTS", "KV_DTYPE"), help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -360,9 +366,11 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
         for qtype, file in files.items():
             progress(f"kvscope, {qtype}")
             row = {"type": qtype, "kvscope": run_kvscope(file, workload_path, profile=True)}
-            if qtype == "Q4_1":  # the same file de-quantized: what --weights float32 gives
+            if qtype == "Q4_1":  # the same file de-quantized (--weights float32), and with an int8 KV cache
                 progress("kvscope, Q4_1 de-quantized to float32")
                 row["float32"] = run_kvscope(file, workload_path, "float32")
+                progress("kvscope, Q4_1 with an int8 KV cache")
+                row["kv_int8"] = run_kvscope(file, workload_path, kv_dtype="int8")
             if server is not None:
                 progress(f"llama.cpp, {qtype}")
                 row["llama"] = run_llama(Path(server), file, workload)

@@ -198,7 +198,7 @@ def test_reading_an_int8_cache_allocates_floats_for_the_sequences_blocks_only():
     cache.write(0, torch.arange(16 * 256)[:64], torch.randn(64, 2, 64), torch.randn(64, 2, 64))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         keys = cache.gather_keys(0, blocks)
-    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     values = keys.numel()  # 4 blocks x 16 tokens x 2 heads x 64
     assert keys.dtype == torch.float32 and keys.shape == (4, 16, 2, 64)
     # codes (1 B), their scales (4 B a row of 64) and the floats (4 B): 5.06 B a value. A float32 copy
@@ -252,12 +252,12 @@ def demo_runs(demo):
 def test_engine_runs_quantized_weights_and_the_header_reports_their_bytes(demo_runs):
     _, base_header, base_out = demo_runs[("none", "auto")]
     assert base_header["weights"] == {"quant": "none", "group_size": None, "bytes": base_header["weights"]["bytes"],
-                                      "bytes_unquantized": base_header["weights"]["bytes"]}
+                                      "bytes_unquantized": base_header["weights"]["bytes"], "layers": {"float32": 43}}
     sizes = {}
     for mode in ("int8", "int4"):
         engine, header, out = demo_runs[(mode, "auto")]
         w = header["weights"]
-        assert w["quant"] == mode and w["group_size"] == 64
+        assert w["quant"] == mode and w["group_size"] == 64 and w["layers"] == {f"{mode} g64": 43}
         assert w["bytes_unquantized"] == base_header["weights"]["bytes"]
         sizes[mode] = w["bytes"]
         assert isinstance(engine.runner.model.lm_head, QuantLinear)
