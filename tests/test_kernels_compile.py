@@ -50,11 +50,12 @@ def record_launches() -> list[tuple]:
     """Call every host wrapper on CPU tensors with kernel launches swapped for a recorder."""
     import torch
 
-    from kvscope.kernels import cache_write, mla_decode, paged_decode, paged_prefill
+    from kvscope.kernels import cache_write, mla_decode, paged_decode, paged_prefill, weight_matmul
 
     launches = []
     for kernel in (paged_decode._decode_split_kernel, paged_decode.combine_splits_kernel,
-                   paged_prefill._prefill_kernel, mla_decode._mla_decode_split_kernel, cache_write._write_kv_kernel):
+                   paged_prefill._prefill_kernel, mla_decode._mla_decode_split_kernel, cache_write._write_kv_kernel,
+                   weight_matmul._weight_only_kernel):
         kernel.run = lambda *args, grid, warmup, _k=kernel, **kw: launches.append((_k, args, kw))
     tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
     starts = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -65,6 +66,11 @@ def record_launches() -> list[tuple]:
         paged_decode.paged_decode_attention(q, kv, kv, tables, lens, 0.1, ks, ks, num_splits=2)
         paged_prefill.paged_prefill_attention(q, kv, kv, tables, starts, lens, 0.1, ks, ks)
         cache_write.write_kv_cache(q[:, :hkv], q[:, :hkv], kv, kv, torch.zeros(2, dtype=torch.long), ks, ks)
+    for m, k, n, group in [(1, 4096, 14336, 32), (16, 576, 1536, 576), (64, 1536, 576, 64)]:  # weight-only matmuls
+        x, scales = torch.zeros(m, k, dtype=torch.bfloat16), torch.ones(n, k // group, dtype=torch.bfloat16)
+        weight_matmul.weight_only_matmul(x, torch.zeros(n, k // 2, dtype=torch.uint8), scales, group, scales.clone(),
+                                         int4=True)
+        weight_matmul.weight_only_matmul(x, torch.zeros(n, k, dtype=torch.int8), scales, group)
     for dtype, heads, rank, rope in [(torch.bfloat16, 128, 512, 64), (torch.float32, 4, 16, 8)]:
         latent = torch.zeros(8, 4, 1, rank + rope, dtype=dtype)
         q = torch.zeros(2, heads, rank + rope, dtype=dtype)
@@ -79,7 +85,7 @@ def compile_launch(kernel, args, kwargs, arch: int):
     from triton.compiler import ASTSource
 
     types = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
-             torch.int32: "i32", torch.int64: "i64"}
+             torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
     bound = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constants = {}, {}
     for param in kernel.params:

@@ -24,9 +24,11 @@ Only that dtype has a vectorized loop in torch's CPU kernels (AVX-512 and AVX2):
 float16 activations they fall to a scalar loop 10-500x slower than bfloat16 (docs/quantization.md).
 The price is bfloat16's 8-bit mantissa on each layer's input and output (a relative 2^-9); the
 logits of a whole model stay within the tolerance docs/quantization.md states against the
-dequantized float model. Every other setting (int8 with groups smaller than a row, int4 per tensor
-or with other group sizes, a model moved to a GPU) still dequantizes in `forward` and calls
-F.linear in float32: only storage shrinks there. `QuantLinear.kernel` names the path a layer takes.
+dequantized float model. On CUDA the same layers run kernels/weight_matmul.py's Triton kernel
+instead (`triton_forward`: the codes read as integers, each tile dequantized in registers). Every
+other setting (int8 with groups smaller than a row, int4 per tensor or with other group sizes)
+still dequantizes in `forward` and calls F.linear: only storage shrinks there. `QuantLinear.kernel`
+names the layout a layer keeps.
 
 The embedding stays in full precision; with tied embeddings lm_head gets its own quantized copy.
 `quantize_model` never touches the caller's model (the server shares one LoadedModel between runs).
@@ -169,6 +171,8 @@ class QuantLinear(nn.Module):
         return w.to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.device.type == "cuda":
+            return self.triton_forward(x)
         if self.kernel is None or x.device.type != "cpu":
             w = self.weight.to(x.dtype)  # [out, in]: a transient full-precision copy, freed after the matmul
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
@@ -178,6 +182,23 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def triton_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The CUDA path: kernels/weight_matmul.py reads the codes and dequantizes each tile in registers.
+        int8 codes are device-neutral; torch's int4 packing is a CPU layout, so an int4 layer packs its
+        codes once more, two a byte in pack_int4's order, on first use (N * K / 2 bytes beside it)."""
+        from kvscope.kernels.weight_matmul import weight_only_matmul  # triton: only where it runs
+
+        flat = x.reshape(-1, self.in_features)  # [M, K]
+        if self.kernel == "int8pack":
+            y = weight_only_matmul(flat, self.qweight, self.row_scales()[:, None], self.in_features)
+        else:
+            if getattr(self, "portable_int4", None) is None:
+                self.register_buffer("portable_int4", pack_int4(self.codes()), persistent=False)
+            y = weight_only_matmul(flat, self.portable_int4, self.group_scales(), self.group_size,
+                                   self.group_zeros(), int4=True)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def row_scales(self) -> torch.Tensor:
