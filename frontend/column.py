@@ -90,6 +90,8 @@ class RunColumn:
         self.views["timeline"] = TimelineView(feed, sel, self.hardware, height="260px")
         self.views["batch"] = BatchView(feed, sel, height="240px")
         self.views["metrics"] = MetricsView(feed, self.hardware, height="240px")
+        # Each column's roofline also draws the other run's points (side_by_side.py): one pair of roofs
+        self.views["roofline"] = RooflineView(feed, self.hardware, height="240px")
 
     def _show_selection(self) -> None:
         """A request picked in any view is the picker's value too."""

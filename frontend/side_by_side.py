@@ -113,6 +113,7 @@ class SideBySide:
     def __init__(self, backend: Backend, feeds: list[RunFeed]) -> None:
         self.feeds = feeds
         self.sent: dict[int, tuple] = {}  # chart id -> the x range it was last given
+        self.rooflines_sent: list[tuple] = [(), ()]  # per column: what it last got of the other's points
         with ui.element("div").classes("kv-compare w-full"):
             self.titles = [LiveText(f.run_id).classes("kv-side-title").mark(f"side-title-{i}")
                            for i, f in enumerate(feeds)]
@@ -195,6 +196,16 @@ class SideBySide:
         for column, note in zip(self.columns, scale_notes(*records)):
             column.views["blocks"].set_scale_note(note)
         self._share_x(shared_x(records))
+        self._share_rooflines(titles)
+
+    def _share_rooflines(self, titles: tuple[str, str]) -> None:
+        """Each roofline also draws the other run's points (hollow), so both stand against the same roofs."""
+        for i, column in enumerate(self.columns):
+            other = self.columns[1 - i].views["roofline"]
+            key = (len(other.points), other.hardware.label, titles[1 - i])
+            if self.rooflines_sent[i] != key:
+                self.rooflines_sent[i] = key
+                column.views["roofline"].show_other(list(other.points), titles[1 - i], other.hardware.label)
 
     def _share_x(self, x: dict[str, Any]) -> None:
         """Give every per-iteration chart the shared range (the timeline only while in iterations)."""

@@ -118,6 +118,22 @@ def test_gguf_weights_compared_state_each_runs_weights_and_median_decode_step(pa
     assert all(c.endswith(" ms") and float(c.split()[0]) > 0 for c in cells), cells
     titles = page.locator(".kv-side-run").all_inner_texts()
     assert "GGUF weights: float32" in titles[0] and "GGUF weights: as stored (Q4: int4)" in titles[1]
+    # Each roofline also draws the other run's points, hollow: both runs against one pair of roofs.
+    def rooflines() -> list[list[int]]:  # per chart: [the other run's points, its own]
+        return page.evaluate("""() => Array.from(document.querySelectorAll('[data-kv=roofline]')).map((el) => {
+            const series = getElement(el.id.slice(1)).chart.getOption().series;
+            const other = series.find((s) => s.id === 'other-run');
+            return [other ? other.data.length : -1, series.filter((s) => s.type === 'scatter' && s.id !== 'other-run')
+                .reduce((n, s) => n + s.data.length, 0)];
+        })""")
+
+    wait_until(lambda: (r := rooflines()) and len(r) == 2 and r[0][0] == r[1][1] > 40 and r[1][0] == r[0][1] > 40,
+               WAIT_S, "the rooflines do not each draw the other run's points")
+    captions = page.locator("[data-kv=roofline]").evaluate_all(
+        "(els) => els.map((el) => el.closest('.kv-card').querySelector('.kv-caption').innerText)")
+    assert "hollow ◇: GGUF weights: as stored (Q4: int4)" in captions[0] and "GGUF weights: float32" in captions[1]
     if SHOTS.is_dir():
         table.scroll_into_view_if_needed()
         page.screenshot(path=str(SHOTS / "gguf-weights.png"), full_page=False)
+        page.locator("[data-kv=roofline]").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(SHOTS / "gguf-roofline.png"), full_page=False)

@@ -587,7 +587,8 @@ def test_structured_output_follows_each_grammar_and_its_tokens_say_what_the_mask
         assert all(t["num_allowed"] >= 1 and ("masked" in t["dist"]) == (t["masked_mass"] > 0) for t in tokens)
         assert tokens[-1]["num_allowed"] == 1, "at the end only EOS is left"
     first = trace.tokens("person")[0]
-    assert first["masked_mass"] > 0.5 and first["text"].strip() == "{", "the model wanted prose; the schema an object"
+    # "{" or '{"' (the model's choice among the object's openings: the file as stored picks the latter)
+    assert first["masked_mass"] > 0.5 and first["text"].strip().startswith("{"), "the model wanted prose; the schema an object"
     allowed = [t["num_allowed"] for t in trace.tokens("person")]
     assert max(allowed) > 1000 and min(allowed) == 1, "inside the name's string almost anything; around it, one"
 

@@ -16,7 +16,6 @@ import functools
 import importlib.util
 import json
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +27,7 @@ from kvscope.backend.config import ModelConfig
 from kvscope.backend.errors import ModelLoadError
 # re-exported: the server and the CLI import these names from the loader
 from kvscope.backend.model import packages
+from kvscope.backend.model.loaded import LoadedModel
 from kvscope.backend.model.packages import (SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL,  # noqa: F401
                                             SMOLLM2_PACKAGE, missing_package, read_config)
 from kvscope.backend.model.tokenizer import Tokenizer, read_chat_template
@@ -35,16 +35,6 @@ from kvscope.backend.model.transformer import CausalLM, check_weights
 
 
 WeightsMode = Literal["native", "float32"]  # a GGUF file's weights as stored, or de-quantized at load
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    path: Path
-    config: ModelConfig
-    model: CausalLM
-    tokenizer: Tokenizer
-    gguf_types: dict[str, int] | None = None  # a GGUF file loaded natively: its tensor types and counts
 
 
 def gguf_file(name_or_path: str | Path) -> Path | None:

@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvscope.backend.model.loader import LoadedModel
+from kvscope.backend.model.loaded import LoadedModel
 from kvscope.backend.model.transformer import num_parameters
 # QuantError: engine.py and the tests name it here, beside the quantizer that refuses a setting
 from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group_size, kernel_for  # noqa: F401

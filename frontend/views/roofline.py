@@ -35,6 +35,7 @@ fast), so its decode points sit further below the slanted roof.
 
 LEGEND = [(PHASE_COLORS[p], p) for p in SHOWN_PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s")]
 ROOF_COLOR = "#111827"
+OTHER_COLOR = "#6b7280"  # the other run of a side-by-side comparison
 
 
 def roofline_point(s: ModelledStep) -> list[Any]:
@@ -70,6 +71,9 @@ class RooflineView(FeedView):
         self.last_step = -(10**9)
         self.roof_sent: list[list[float]] = []
         self.span = (1.0, 1.0)  # the intensities drawn so far (the roofs span them)
+        self.points: list[list[Any]] = []  # every point drawn, in step order (the other column of a comparison reads them)
+        self.other_note = ""  # side by side: what the hollow points are
+        self.other_series: dict | None = None  # side by side: the other run's points (redrawn by `full`)
         with view_card("Roofline on the chosen hardware", EXPLANATION, "w-full"):
             legend(LEGEND)
             self.caption = LiveText().classes("kv-caption").mark("roofline-caption")
@@ -89,13 +93,16 @@ class RooflineView(FeedView):
 
     def full(self) -> bool:
         run = self.hardware.modelled()
-        self.caption.set(caption(run, self.hardware.label, self.hardware.problem()))
+        self.caption.set(caption(run, self.hardware.label, self.hardware.problem()) + self.other_note)
         for chunks in self.chunks.values():
             chunks.clear()
-        self.last_step, self.roof_sent, self.span = -(10**9), [], (1.0, 1.0)
+        self.last_step, self.roof_sent, self.span, self.points = -(10**9), [], (1.0, 1.0), []
         if run is not None:
             self._new_points(run)
         series = [self._points(phase, sid, data) for phase, chunks in self.chunks.items() for sid, data in chunks.all()]
+        if self.other_series is not None:
+            self._widen(self.other_series["data"])
+            series.append(self.other_series)
         series.append(self._roof(run, force=True))
         self.push(self.chart, {"series": series}, replace_series=True)
         return True
@@ -113,7 +120,7 @@ class RooflineView(FeedView):
         series += [roof] if roof else []
         if not series:
             return False
-        self.caption.set(caption(run, self.hardware.label, None))
+        self.caption.set(caption(run, self.hardware.label, None) + self.other_note)
         self.push(self.chart, {"series": series})
         return True
 
@@ -122,8 +129,30 @@ class RooflineView(FeedView):
         for step in sorted(s for s in run.steps if s > self.last_step):
             priced = run.steps[step]
             self.chunks[priced.phase].add(step, roofline_point(priced))
+            self.points.append(roofline_point(priced))
             lo, hi = min(lo, priced.intensity), max(hi, priced.intensity)
             self.last_step = step
+        self.span = (lo, hi)
+
+    def show_other(self, points: list[list[Any]], title: str, hardware: str) -> None:
+        """Side by side: the other run's points, hollow and grey, on this chart, so that both runs sit
+        against one pair of roofs (each priced on its own column's hardware, which the note names)."""
+        self._widen(points)
+        self.other_note = f" · hollow ◇: {title}, priced on {hardware}" if points else ""
+        self.other_series = {"id": "other-run", "name": title, "type": "scatter", "data": points,
+                             "symbol": "emptyDiamond", "symbolSize": 8, "z": 1,
+                             "itemStyle": {"color": OTHER_COLOR, "opacity": 0.9}}
+        run = self.hardware.modelled()
+        roof = self._roof(run) if run is not None else None
+        if run is not None:
+            self.caption.set(caption(run, self.hardware.label, None) + self.other_note)
+        self.push(self.chart, {"series": [self.other_series] + ([roof] if roof else [])})
+
+    def _widen(self, points: list[list[Any]]) -> None:
+        """The roofs span these intensities too."""
+        lo, hi = self.span
+        for intensity, *_ in points:
+            lo, hi = min(lo, intensity), max(hi, intensity)
         self.span = (lo, hi)
 
     def _points(self, phase: str, sid: str, data: list) -> dict:
