@@ -1,6 +1,7 @@
 """Quantization benchmark: what int8/int4 weights and an int8 KV cache cost in quality, and save in bytes.
 
     python -m bench.quant [--windows N] [--chunk C] [--json OUT.json] [--model demo|smollm2|FILE.gguf]
+                          [--only none,gguf-native]
 
 Every setting is scored on the same validation windows (backend/model/quality.py: non-overlapping
 256-token windows of the held-out 10% of the corpus) against the unquantized model:
@@ -160,10 +161,12 @@ def dense_model(loaded: LoadedModel, setting: Setting) -> torch.nn.Module:
         else loaded.model
 
 
-def score_all(loaded: LoadedModel, rows: torch.Tensor, chunk: int) -> tuple[dict[str, Score], dict[str, dict]]:
-    """Score every setting on the windows rows [N, context + 1]; also their byte counts."""
+def score_all(loaded: LoadedModel, rows: torch.Tensor, chunk: int,
+              only: set[str] | None = None) -> tuple[dict[str, Score], dict[str, dict]]:
+    """Score every setting (or those named in `only`, the reference always) on the windows rows
+    [N, context + 1]; also their byte counts."""
     context = rows.shape[1] - 1
-    settings = settings_for(loaded)
+    settings = [s for s in settings_for(loaded) if only is None or s.name in only | {"none"}]
     dense = {s.name: dense_model(loaded, s) for s in settings if not s.engine}
     scorers = {s.name: EngineScorer(loaded, engine_config(s, chunk, context)) for s in settings if s.engine}
     scores = {s.name: Score() for s in settings}
@@ -248,7 +251,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=64, help="validation windows to score (default 64; 0 = all)")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk size of the engine rows (default 64)")
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write every number to this file")
-    p.add_argument("--model", default="demo", help="shipped model name or model folder (default: demo)")
+    p.add_argument("--model", default="demo", help="shipped model name, model folder or .gguf file (default: demo)")
+    p.add_argument("--only", help="score only these settings (comma-separated names, e.g. gguf-native); "
+                                  "the float reference always, the targets never")
     args = p.parse_args(argv)
     if args.windows < 0 or args.chunk < 1:
         p.error("--windows must be >= 0 and --chunk >= 1")
@@ -266,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = validation_windows(loaded.tokenizer)
     rows = rows[: args.windows] if args.windows else rows
     started = time.perf_counter()
-    scores, sizes = score_all(loaded, rows, args.chunk)
+    scores, sizes = score_all(loaded, rows, args.chunk, set(args.only.split(",")) if args.only else None)
     table_rows = results(scores, sizes)
-    verdicts = targets(table_rows)
+    verdicts = [] if args.only else targets(table_rows)  # the targets compare settings a partial run lacks
     meta = {"command": command_line("bench.quant", argv),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
