@@ -335,6 +335,15 @@ def test_bench_quant_smoke(tmp_path, capsys):
     assert "| setting |" in printed and printed.count("PASS") + printed.count("FAIL") == 4
 
 
+def test_bench_quant_scores_only_the_settings_named_beside_the_reference(tmp_path):
+    from bench.quant import main
+
+    out = tmp_path / "only.json"
+    assert main(["--windows", "1", "--chunk", "128", "--only", "int8-g64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["name"] for r in result["rows"]] == ["none", "int8-g64"] and result["targets"] == []
+
+
 @pytest.mark.parametrize("mode, group_size", [("int8", 0), ("int4", 64)])
 def test_the_kernel_path_gives_the_dequantizing_paths_greedy_tokens(demo, mode, group_size, monkeypatch):
     config = EngineConfig(weight_quant=mode, quant_group_size=group_size, attention_backend="torch", device="cpu",
