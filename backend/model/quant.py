@@ -1,4 +1,4 @@
-"""Weight-only quantization: every linear layer stored as int8 or packed int4 plus float32 scales.
+"""Weight-only quantization: every linear layer stored as int8 or packed int4 codes plus their scales.
 
 Symmetric absmax: a group of `group_size` consecutive weights along the input dimension shares one
 scale, `scale = max|w| / 127` (int8) or `max|w| / 7` (int4, codes in [-8, 7], two per byte), and
@@ -30,8 +30,10 @@ other setting (int8 with groups smaller than a row, int4 per tensor or with othe
 still dequantizes in `forward` and calls F.linear: only storage shrinks there. `QuantLinear.kernel`
 names the layout a layer keeps.
 
-The embedding stays in full precision; with tied embeddings lm_head gets its own quantized copy.
-`quantize_model` never touches the caller's model (the server shares one LoadedModel between runs).
+`quantize_model` keeps the embedding in full precision; with tied embeddings lm_head gets its own
+quantized copy. (A GGUF file run as stored reads its embedding as int8 rows instead: QuantEmbedding,
+gguf_weights.py.) `quantize_model` never touches the caller's model (the server shares one
+LoadedModel between runs).
 """
 
 from __future__ import annotations
