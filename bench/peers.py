@@ -12,8 +12,8 @@ kvscope also runs the Q4_1 file de-quantized (`--weights float32`) and with an i
 cache read as int8 codes times their scales, only the sequence's own blocks: backend/engine/kv_cache.py).
 Per file and system: output tokens/s with all 32 requests at once (prompts 16-192 tokens, outputs
 8-96, greedy, EOS ignored), one sequence's decode tokens/s (after a 16-token prompt: llama.cpp's
-own timing of 128 tokens, kvscope's of 64 steps; the prefill left out on both sides), peak RSS, and greedy agreement with llama.cpp (requests whose
-tokens are all equal; llama.cpp quantizes activations to 8 bits, kvscope rounds them to bfloat16, so
+own timing of 128 tokens, kvscope's of 64 steps; the prefill left out on both sides), peak RSS,
+and greedy agreement with llama.cpp (requests whose tokens are all equal; llama.cpp quantizes activations to 8 bits, kvscope rounds them to bfloat16, so
 near-ties may flip). Then kvscope's int4 decode step against the weight bytes divided by this
 machine's measured weight-stream rate, and where a target is missed, torch.profiler's top ops of
 kvscope's single-sequence decode steps.

@@ -306,11 +306,13 @@ def native_summary(loaded: LoadedModel) -> dict:
     main = max(kinds, key=kinds.get)  # the perf model prices the run by its most common layer (docs/perf_model.md)
     mode, _, grouping = main.partition(" ")  # "int4 g32", "int8 per row", "float32"
     group = int(grouping[1:]) if grouping.startswith("g") else None
-    return {"quant": mode if mode in QMAX else "none", "group_size": group, "lm_head": next(iter(layer_kinds(loaded.model.lm_head))),
+    lm_head = next(iter(layer_kinds(loaded.model.lm_head)))  # "int8 per row": SmolLM2's Q8_0 embedding
+    return {"quant": mode if mode in QMAX else "none", "group_size": group, "lm_head": lm_head,
             "gguf": loaded.gguf_types, "layers": kinds, "bytes": weight_bytes(loaded.model),
             "bytes_unquantized": num_parameters(loaded.config) * 4}
 
 
 def gguf_summary(types: dict[str, int]) -> str:
     """"Q4_1 ×210, Q8_0 ×1": a GGUF file's quantized tensor types (the float norms left out)."""
-    return ", ".join(f"{t} ×{n}" for t, n in sorted(types.items(), key=lambda kv: -kv[1]) if not t.startswith(("F", "BF")))
+    quantized = sorted(((t, n) for t, n in types.items() if not t.startswith(("F", "BF"))), key=lambda tn: -tn[1])
+    return ", ".join(f"{t} ×{n}" for t, n in quantized)

@@ -71,7 +71,7 @@ class RooflineView(FeedView):
         self.last_step = -(10**9)
         self.roof_sent: list[list[float]] = []
         self.span = (1.0, 1.0)  # the intensities drawn so far (the roofs span them)
-        self.points: list[list[Any]] = []  # every point drawn, in step order (the other column of a comparison reads them)
+        self.points: list[list[Any]] = []  # every point drawn, in step order (side by side: the other column's)
         self.other_note = ""  # side by side: what the hollow points are
         self.other_series: dict | None = None  # side by side: the other run's points (redrawn by `full`)
         with view_card("Roofline on the chosen hardware", EXPLANATION, "w-full"):
