@@ -34,7 +34,7 @@ def int8(model: str, group_size: int) -> dict:
 def serving(model: str, **limits) -> tuple[TestClient, RunManager, WeightCache, list[str]]:
     """A server on its own weight cache, and the list of model names that cache loaded from disk."""
     loads: list[str] = []
-    cache = WeightCache(load=lambda name: loads.append(name) or load_model(name))
+    cache = WeightCache(load=lambda name, weights: loads.append(name) or load_model(name, weights=weights))
     manager = RunManager(default_model=model, limits=ServiceLimits(**limits), weights=cache)
     return TestClient(create_app(manager), base_url=LOCAL), manager, cache, loads
 

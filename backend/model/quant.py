@@ -118,12 +118,13 @@ class QuantLinear(nn.Module):
         if self.kernel == "int4pack":  # torch's layout: [K / g, N, (scale, zero)]
             self.register_buffer("scales_and_zeros", torch.zeros(k // group_size, n, 2, dtype=KERNEL_DTYPE))
         else:
-            scale_dtype = KERNEL_DTYPE if self.kernel else torch.float32
-            self.register_buffer("scales", torch.zeros((n, k // group_size) if group_size else (1, 1), dtype=scale_dtype))
+            shape = (n, k // group_size) if group_size else (1, 1)
+            self.register_buffer("scales", torch.zeros(shape, dtype=self.scale_dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @property
     def scale_dtype(self) -> torch.dtype:
+        """What the scales are stored in: the kernels' bfloat16, or float32 where forward dequantizes."""
         return KERNEL_DTYPE if self.kernel else torch.float32
 
     @classmethod

@@ -63,9 +63,7 @@ class WeightCache:
 
     def model(self, name: str, weights: WeightsMode = "native") -> LoadedModel:
         """A model's own weights (a GGUF file's as stored, unless `weights` is float32), loaded on first use."""
-        load = (lambda: (self._load(name), None)) if weights == "native" else \
-            (lambda: (self._load(name, weights=weights), None))
-        return self._get(WeightKey(name, weights=weights), load)[0]
+        return self._get(WeightKey(name, weights=weights), lambda: (self._load(name, weights=weights), None))[0]
 
     def quantized(self, loaded: LoadedModel, mode: QuantMode, group_size: int,
                   weights: WeightsMode = "native") -> tuple[LoadedModel, dict]:
