@@ -282,3 +282,10 @@ class EngineConfig(BaseModel):
                                               "linear layer's input size")
     kv_cache_dtype: Literal["auto", "int8"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensor_parallel: int = Field(default=1, ge=1, le=64,
+                                 description="ranks (processes) the model is sharded over: it must divide the "
+                                             "attention heads and the MLP's size (docs/engine.md#tensor-parallelism); "
+                                             "kv_cache_memory_mb is then each rank's")
+    tensor_parallel_timeout_s: float = Field(default=60.0, gt=0, le=3600,
+                                             description="how long a collective waits for a rank before the run "
+                                                         "fails naming it")

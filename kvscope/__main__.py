@@ -4,4 +4,5 @@ import sys
 
 from kvscope.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned tensor-parallel rank re-imports the parent's main module
+    sys.exit(main())

@@ -20,7 +20,7 @@ import torch
 
 from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.block_manager import BlockManager
-from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_formula, num_blocks_for_budget
+from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_dtype_name, kv_formula, num_blocks_for_budget
 from kvscope.backend.engine.metrics import MetricsTracker
 from kvscope.backend.engine.output_processor import OutputProcessor
 from kvscope.backend.engine.request import Request, RequestError
@@ -35,10 +35,13 @@ from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer
 from kvscope.backend.engine.step_events import StepEvents
 from kvscope.backend.engine.step_input import StepInput, row_sampling, step_input
 from kvscope.backend.engine.step_output import StepOutput
+from kvscope.backend.engine.tp_runner import start_tensor_parallel
+from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.schema import SCHEMA_VERSION
 from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.model.quant import QuantError, gguf_summary, quantize_loaded
+from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import WeightCache
 
 
@@ -88,6 +91,7 @@ class Runtime:
     clock: Callable[[], float] = time.perf_counter  # times iterations and requests (TTFT, TPOT)
     header: dict = field(default_factory=dict)  # extra header fields (simulate mode: `simulated`)
     iteration_fields: Callable[[], dict] = dict  # extra fields of the next `iteration` event
+    close: Callable[[], None] = lambda: None  # frees what outlives the engine object (tensor-parallel ranks)
 
 
 def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache | None = None) -> Runtime:
@@ -108,14 +112,25 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
     device = pick_device(config)
     attention_backend = pick_attention_backend(config, device)
     check_kv_dtype(config.kv_cache_dtype, loaded.config, attention_backend)
-    kv_dtype = "int8" if config.kv_cache_dtype == "int8" else DTYPE_NAMES[dtype]
+    world = config.tensor_parallel
+    try:
+        check_tensor_parallel(loaded.config, world)
+    except KvscopeError as e:
+        raise RequestError(e.field, e.reason) from None
+    rank_config = shard_config(loaded.config, shard_plan(loaded.config, 0, world))  # what rank 0's KV pool holds
     num_blocks = config.num_blocks or num_blocks_for_budget(
-        loaded.config, config.block_size, config.kv_cache_memory_mb, kv_dtype)
+        rank_config, config.block_size, config.kv_cache_memory_mb, kv_dtype_name(config.kv_cache_dtype, dtype))
     if num_blocks > MAX_NUM_BLOCKS:  # what num_blocks may say, and the pool every trace of the run is read with
         raise RequestError("engine.kv_cache_memory_mb", f"{config.kv_cache_memory_mb:g} MB holds {num_blocks:,} blocks "
                                                         f"of {config.block_size} tokens; an engine has at most "
                                                         f"{MAX_NUM_BLOCKS:,} (raise engine.block_size, or set "
                                                         "engine.num_blocks)")
+    if world > 1:
+        runner, cache = start_tensor_parallel(loaded.model, {"num_blocks": num_blocks, "block_size": config.block_size,
+                                                             "dtype": dtype, "kv_dtype": config.kv_cache_dtype},
+                                              attention_backend, device, world, config.tensor_parallel_timeout_s)
+        return Runtime(cache, runner, str(device), attention_backend, weights, header={"tensor_parallel": runner.layout},
+                       iteration_fields=runner.allreduce_fields, close=runner.close)
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     return Runtime(cache, ModelRunner(loaded.model.to(device), cache, attention_backend), str(device),
                    attention_backend, weights)
@@ -236,6 +251,11 @@ class Engine:
 
     def token_text(self, token: int) -> str:
         return self.events.token_text(token)
+
+    def close(self) -> None:
+        """Free what the engine holds outside this process's memory: a tensor-parallel engine's other ranks.
+        Idempotent; an engine that is never closed frees them when it is collected, or when this process ends."""
+        self.runtime.close()
 
     # ---- wiring between the parts -------------------------------------------------------------------
 

@@ -34,6 +34,11 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
+def kv_dtype_name(kv_dtype: str, dtype: torch.dtype) -> str:
+    """The dtype a cache stores: int8, or the model's own ("auto")."""
+    return "int8" if kv_dtype == "int8" else DTYPE_NAMES[dtype]
+
+
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, kv_dtype: str = "auto") -> None:

@@ -199,7 +199,11 @@ class ModelRunner:
     @torch.no_grad()
     def logits(self, inp: StepInput) -> torch.Tensor:
         """The forward alone: logits [len(inp.logit_rows), vocab], a row per sampling sequence, k + 1 per verify."""
+        return self.model.logits(self.forward(inp)[inp.logit_rows])
+
+    @torch.no_grad()
+    def forward(self, inp: StepInput) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden], the step's K/V written (all a tensor-parallel worker does)."""
         self.cache.copy_blocks(inp.block_copies)
         ids, positions, meta = self.prepare(inp)
-        hidden = self.model(ids, positions, self.backend(self.cache, meta))  # [num_tokens, hidden]
-        return self.model.logits(hidden[inp.logit_rows])
+        return self.model(ids, positions, self.backend(self.cache, meta))

@@ -113,6 +113,37 @@ class _Event(_Exact):
     t: float
 
 
+class RankInfo(_Exact):
+    """What one tensor-parallel rank holds: [start, end) of the heads, KV heads and MLP units, and bytes."""
+
+    rank: int
+    heads: list[int]
+    kv_heads: list[int]
+    intermediate: list[int]
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # its KV pool: every rank has num_blocks blocks of its own heads
+
+
+class TensorParallelInfo(_Exact):
+    size: int
+    backend: Literal["gloo", "nccl"]
+    launcher: Literal["spawn", "torchrun"]
+    timeout_s: float
+    embedding: str  # "replicated"
+    lm_head: str  # "rank 0": only rank 0 computes logits
+    kv_heads_replicated: bool  # fewer KV heads than ranks: each is held by world / n_kv_heads ranks
+    ranks: list[RankInfo]
+
+
+class AllReduceInfo(_Exact):
+    """One iteration's all-reduces: how many, the bytes each rank sent in, rank 0's time in them."""
+
+    count: int
+    bytes: int
+    ms: float
+
+
 class HeaderEvent(_Event):
     type: Literal["header"]
     schema_version: int
@@ -128,6 +159,7 @@ class HeaderEvent(_Event):
     device: str | None = None
     draft_model: DraftModelInfo | None = None  # speculative decoding with a draft model
     simulated: SimulationInfo | None = None  # simulate mode: modelled time, stand-in tokens
+    tensor_parallel: TensorParallelInfo | None = None  # the model sharded over ranks (docs/engine.md)
 
 
 class RequestArrivedEvent(_Event):
@@ -163,6 +195,7 @@ class IterationEvent(_Event):
     # memory traffic, and which roof it sits under (the cost model's IterationCost).
     intensity: float | None = None
     bound: Literal["memory", "compute"] | None = None
+    allreduce: AllReduceInfo | None = None  # a tensor-parallel run's, measured on rank 0
 
 
 class BlockAllocEvent(_Event):

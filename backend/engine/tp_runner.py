@@ -1,0 +1,199 @@
+"""Rank 0 of a tensor-parallel engine: it starts the other ranks, hands each its shard, and runs the step.
+
+`start_tensor_parallel` shards the model (model/sharding.py), opens a group (tp_group.py) either by
+spawning world - 1 local processes (tp_worker.spawned_worker) or with the ranks torchrun started,
+and sends every worker its shard and KV pool size. `TensorParallelRunner` is a ModelRunner whose
+forward first posts the step's input to the workers: every rank then runs the same forward on its
+shard, and the all-reduces inside meet. Rank 0 alone computes logits and samples.
+
+A rank that dies or hangs fails the step: the collective raises (gloo's peer closed, or the group's
+timeout), and the runner names the rank (a spawned process that exited, or the ranks whose last
+finished step lags), stops the rest, and raises RankFailed. The engine's run fails; the process
+that hosts it (a server) goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from kvscope.backend.engine.kv_cache import KVCache, kv_dtype_name
+from kvscope.backend.engine.runner import ModelRunner
+from kvscope.backend.engine.step_input import StepInput
+from kvscope.backend.engine.tp_group import RankFailed, TPGroup, local_store, torchrun_env, torchrun_store
+from kvscope.backend.engine.tp_worker import SESSIONS, Session, WorkerSpec, spawned_worker
+from kvscope.backend.model.quant import weight_bytes
+from kvscope.backend.model.sharding import ShardPlan, connect, shard_config, shard_model, shard_plan
+from kvscope.backend.model.transformer import CausalLM
+
+JOIN_S = 5.0  # how long a stopping worker gets before it is killed
+
+
+@dataclass
+class Ranks:
+    """The other ranks' processes when kvscope spawned them (None under torchrun: torchrun owns them),
+    and the store they met at: a spawned group's TCPStore (and its port) lives as long as the ranks."""
+
+    processes: list[subprocess.Popen] | None
+    store: dist.Store
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every spawned rank that has exited; a negative code is the signal."""
+        return [(r + 1, p.poll()) for r, p in enumerate(self.processes or []) if p.poll() is not None]
+
+    def stop(self) -> None:
+        for p in self.processes or []:
+            try:
+                p.wait(JOIN_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(JOIN_S)
+        if self.processes is None:
+            _torchrun["lock"].release()  # the next engine may open a session
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: the same forward as every worker's, after posting them the step's input."""
+
+    def __init__(self, model: CausalLM, cache: KVCache, attention: str, group: TPGroup, ranks: Ranks,
+                 layout: dict) -> None:
+        super().__init__(model, cache, attention)
+        self.group, self.ranks, self.layout = group, ranks, layout
+        self.failure: str | None = None
+        self._finalizer = weakref.finalize(self, _close, group, ranks)  # an engine dropped unclosed frees its ranks
+
+    @torch.no_grad()
+    def forward(self, inp: StepInput) -> torch.Tensor:
+        if self.failure is not None:
+            raise RankFailed(self.failure)
+        step = self.group.step
+        self.group.post(replace(inp, sampling=[], eos_ids=[]))  # workers need the batch, not how it samples
+        try:
+            return super().forward(inp)
+        except RuntimeError as e:  # a collective failed: find the rank, stop the others
+            self.failure = self._diagnose(step, e)
+            self.close()
+            raise RankFailed(self.failure) from None
+
+    def _diagnose(self, step: int, error: RuntimeError) -> str:
+        for rank, code in self.ranks.dead():
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return f"tensor-parallel rank {rank} {how} during step {step}"
+        late = self.group.laggards(step)
+        if late:
+            return (f"tensor-parallel rank {late[0]} did not finish step {step - 1} in time: no answer within the "
+                    f"collective timeout ({self.layout['timeout_s']:g} s)")
+        return f"a collective of step {step} failed: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+    def allreduce_fields(self) -> dict:
+        """The iteration event's `allreduce`: what this step's all-reduces moved and cost on rank 0."""
+        return {"allreduce": self.group.stats.take()}
+
+    def close(self) -> None:
+        """Tell the workers to stop, and wait for them (killed after JOIN_S)."""
+        self._finalizer()
+
+
+def _close(group: TPGroup, ranks: Ranks) -> None:
+    try:
+        group.post(None)
+    except Exception:  # noqa: BLE001 - the store's host is gone: the workers stop on their own
+        pass
+    ranks.stop()
+
+
+def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, device: torch.device,
+                          world: int, timeout_s: float) -> tuple[TensorParallelRunner, KVCache]:
+    """Shard `model` over `world` ranks, start them, and return rank 0's runner and KV cache.
+
+    cache_args: KVCache's arguments but the config (num_blocks, block_size, dtype, kv_dtype)."""
+    config = model.config
+    plans = [shard_plan(config, r, world) for r in range(world)]
+    group, ranks = _open_group(world, device, timeout_s)
+    layout_ranks = []
+    try:
+        for plan in plans[1:]:
+            shard = shard_model(model, plan)
+            layout_ranks.append(_rank_layout(plan, shard, config, cache_args))
+            group.send_object(WorkerSpec(shard, shard_config(config, plan), cache_args["num_blocks"],
+                                         cache_args["block_size"], cache_args["dtype"], cache_args["kv_dtype"],
+                                         attention), plan.rank)
+            del shard
+    except Exception:
+        _close(group, ranks)
+        raise
+    own = shard_model(model, plans[0]).to(device)
+    connect(own, group.all_reduce)
+    cache = KVCache(shard_config(config, plans[0]), device=device, **cache_args)
+    layout = {"size": world, "backend": group.backend, "launcher": "spawn" if ranks.processes is not None else "torchrun",
+              "timeout_s": timeout_s, "embedding": "replicated", "lm_head": "rank 0",
+              "kv_heads_replicated": plans[0].kv_replicated,
+              "ranks": [_rank_layout(plans[0], own, config, cache_args), *layout_ranks]}
+    return TensorParallelRunner(own, cache, attention, group, ranks, layout), cache
+
+
+def _rank_layout(plan: ShardPlan, shard: CausalLM, config, cache_args: dict) -> dict:
+    """What the header says one rank holds."""
+    kv_token = shard_config(config, plan).kv_bytes_per_token(kv_dtype_name(cache_args["kv_dtype"], cache_args["dtype"]))
+    return {"rank": plan.rank, "heads": list(plan.heads), "kv_heads": list(plan.kv_heads),
+            "intermediate": list(plan.intermediate), "weight_bytes": weight_bytes(shard),
+            "kv_bytes_per_token": kv_token,
+            "kv_bytes": kv_token * cache_args["block_size"] * cache_args["num_blocks"]}
+
+
+# ---- opening a group ------------------------------------------------------------------------------
+
+_torchrun = {"next": 0, "lock": threading.Lock()}  # torchrun's worker ranks serve one session at a time
+JOIN_POLL_S = 0.05
+
+
+def _open_group(world: int, device: torch.device, timeout_s: float) -> tuple[TPGroup, Ranks]:
+    threads = max(1, torch.get_num_threads() // world)
+    launched = torchrun_env()
+    if launched is None:
+        store = local_store(world)
+        processes = [subprocess.Popen([sys.executable, "-m", "kvscope.backend.engine.tp_worker", str(store.port),
+                                       str(r), str(world), str(os.getpid())]) for r in range(1, world)]
+        session, ranks = Session(0, device.type, timeout_s, threads), Ranks(processes, store)
+    else:
+        rank, size = launched
+        if rank != 0 or size != world:
+            raise RankFailed(f"torchrun started {size} ranks (this is rank {rank}); tensor_parallel is {world}: "
+                             "launch with --nproc-per-node (times nodes) equal to --tensor-parallel")
+        if not _torchrun["lock"].acquire(blocking=False):
+            raise RankFailed("under torchrun one tensor-parallel engine runs at a time (its ranks serve one session)")
+        store = torchrun_store()
+        session, ranks = Session(_torchrun["next"], device.type, timeout_s, threads), Ranks(None, store)
+        _torchrun["next"] += 1
+        if session.number == 0:
+            atexit.register(lambda: store.set(f"{SESSIONS}/{_torchrun['next']}", "exit"))
+    key = f"{SESSIONS}/{session.number}"
+    store.set(key, f"{session.device} {session.timeout_s} {session.threads}")
+    try:
+        _wait_joined(store, key, ranks, world, timeout_s)
+        return TPGroup(dist.PrefixStore(session.prefix(), store), 0, world, device, timeout_s), ranks
+    except Exception:
+        ranks.stop()
+        raise
+
+
+def _wait_joined(store: dist.Store, key: str, ranks: Ranks, world: int, timeout_s: float) -> None:
+    """Until every rank said it joined the session: a rank that exits first (a broken install, no memory)
+    or never comes is named now, not after the group's own wait."""
+    deadline = time.monotonic() + timeout_s
+    for r in range(1, world):
+        while not store.check([f"{key}/joined/{r}"]):
+            for rank, code in ranks.dead():
+                raise RankFailed(f"tensor-parallel rank {rank} exited with status {code} before it joined")
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel rank {r} did not join within {timeout_s:g} s")
+            time.sleep(JOIN_POLL_S)
