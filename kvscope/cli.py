@@ -41,7 +41,10 @@ ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft
                 "engine.speculative.num_tokens": "--num-draft-tokens",
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
                 "engine.weights": "--weights",
-                "engine.kv_cache_dtype": "--kv-cache-dtype", "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
+                "engine.kv_cache_dtype": "--kv-cache-dtype", "engine.tensor_parallel": "--tensor-parallel",
+                "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
+TP_HELP = ("shard the model over N ranks, processes on torch.distributed (gloo on CPU, NCCL on CUDA); N must divide "
+           "the attention heads; under torchrun give the same N as its ranks (docs/engine.md#tensor-parallelism)")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -49,6 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from kvscope.backend.engine.engine import Engine
     from kvscope.backend.engine.request import RequestError
     from kvscope.backend.engine.sampling_params import SamplingParams
+    from kvscope.backend.engine.tp_group import RankFailed
     from kvscope.backend.model.loader import load_model
 
     try:
@@ -63,7 +67,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     context = min(loaded.config.max_position_embeddings, MAX_MODEL_LEN)  # a longer context is the model's, not ours
     try:
         config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
-                              weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype, weights=args.weights)
+                              weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
+                              tensor_parallel=args.tensor_parallel)
     except ValidationError as e:  # only flags reach the config: name the one that was wrong
         error = validation_error(e, "engine")
         raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
@@ -79,6 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         raise Interrupted(f"stopped by Ctrl-C after {len(req.seq.output_token_ids)} of {args.max_tokens} "
                           "tokens") from None
+    except RankFailed as e:
+        raise UserError("--tensor-parallel", str(e)) from None
+    finally:
+        engine.close()
     if not req.multi:
         print(req.output_text)
         return
@@ -161,13 +170,19 @@ def positive(kind: type):
 
 def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     """The server's runs: the --model loaded (serve, or replay given --model), the replay run opened."""
+    from kvscope.backend.model.sharding import check_tensor_parallel
     from kvscope.backend.run import cached_model
     from kvscope.backend.server.manager import RunManager
 
     model, weights = args.model or "demo", getattr(args, "weights", "native")
+    tp = getattr(args, "tensor_parallel", 1)
     if args.command == "serve" or args.model:
-        cached_model(model, weights)  # a model that cannot load fails now, in one line, not as a 503 on the first request
-    manager = RunManager(default_model=model, library=_library(args), api_weights=weights)
+        loaded = cached_model(model, weights)  # a model that cannot load fails now, not as a 503 on the first request
+        try:
+            check_tensor_parallel(loaded.config, tp)
+        except KvscopeError as e:
+            raise UserError(f"--tensor-parallel {tp}", e.reason) from None
+    manager = RunManager(default_model=model, library=_library(args), api_weights=weights, api_tensor_parallel=tp)
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
@@ -276,13 +291,16 @@ def cmd_run(args: argparse.Namespace) -> None:
     import json
 
     from kvscope.backend.events.bus import EventBus
+    from kvscope.backend.engine.tp_group import RankFailed
     from kvscope.backend.events.trace import TraceWriter
     from kvscope.backend.run import ScenarioRun
     from kvscope.backend.scenario import load_scenario
     from kvscope.backend.report import print_replies, print_summary, progress_bar
     from kvscope.backend.server.run_errors import build_run
 
-    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args))
+    tp = [] if args.tensor_parallel is None else [("engine.tensor_parallel", args.tensor_parallel,
+                                                   f"--tensor-parallel {args.tensor_parallel}")]
+    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args) + tp)
     if args.simulate and scenario.simulate is None:
         raise UserError("--simulate", f"needs --model-shape ({args.scenario} has no simulate section)")
     bus = EventBus(level=scenario.engine.events)
@@ -296,9 +314,13 @@ def cmd_run(args: argparse.Namespace) -> None:
             summary = run.run(on_step=lambda r: advance(r.num_finished))
     except KeyboardInterrupt:
         raise Interrupted(_run_stopped(run, args.trace)) from None
+    except RankFailed as e:
+        raise UserError("--tensor-parallel", str(e)) from None
     finally:
         if writer:
             writer.close()
+        if run is not None:
+            run.engine.close()
     print_summary(summary)
     print_replies(summary, [r.id for r in scenario.requests if r.messages is not None])
     if summary["simulated"]:
@@ -424,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-quant", choices=("none", "int8", "int4"), default="none")
     g.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
     g.set_defaults(func=cmd_generate)
 
     for name, helptext in (("serve", "start the backend (and the dashboard)"),
@@ -439,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model of the OpenAI-compatible API (loaded at start; replay: demo, loaded on first use)")
         if name == "serve":
             v.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
+            v.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")
@@ -484,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--report", help="write the summary to this JSON file")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
+    r.add_argument("--tensor-parallel", type=int, metavar="N", help=TP_HELP + "; the same as --set engine.tensor_parallel=N")
     r.add_argument("--simulate", action="store_true",
                    help="no weights: the scheduler runs, each iteration is priced by the roofline cost model")
     r.add_argument("--model-shape", help="simulate: e.g. llama-3-8b, llama-3-70b, deepseek-v2-lite")
@@ -563,5 +588,9 @@ def run_command(func: Callable[[argparse.Namespace], None], args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("RANK", "0") != "0":  # torchrun starts every rank with the command; rank 0 runs it
+        from kvscope.backend.engine.tp_worker import torchrun_worker
+
+        return torchrun_worker()
     args = build_parser().parse_args(argv)
     return run_command(args.func, args)

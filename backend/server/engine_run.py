@@ -80,6 +80,9 @@ class EngineRun(ServedRun):
         self.bus.emit("control", action="resume", value=None)
         return False
 
+    def release(self) -> None:
+        self.sim.engine.close()  # a tensor-parallel engine's other ranks stop
+
     def abort_in_flight(self, reason: str) -> None:
         with self.lock:
             in_flight = [*self.state.waiting, *self.state.running]

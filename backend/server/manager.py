@@ -51,12 +51,13 @@ API_RUN_ID = "api"  # the server's own model; another model named by an API requ
 API_KV_CACHE_MB = 256.0
 
 
-def api_engine(model: str, events: str = "full", weights: str = "native") -> EngineConfig:
+def api_engine(model: str, events: str = "full", weights: str = "native", tensor_parallel: int = 1) -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
     if model in SHIPPED_MODELS:
-        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512, events=events)
+        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512, events=events,
+                            tensor_parallel=tensor_parallel)
     return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
-                        max_num_batched_tokens=512, events=events, weights=weights)
+                        max_num_batched_tokens=512, events=events, weights=weights, tensor_parallel=tensor_parallel)
 
 
 def describe_config(config: ModelConfig) -> str:
@@ -97,9 +98,10 @@ def describe_copy(need: WeightNeed) -> str:
 class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
                  limits: ServiceLimits | None = None, weights: WeightCache | None = None,
-                 library: RunLibrary | None = None, api_weights: str = "native") -> None:
+                 library: RunLibrary | None = None, api_weights: str = "native", api_tensor_parallel: int = 1) -> None:
         self.default_model = default_model
         self.api_weights = api_weights  # `kvscope serve --weights`: how the API runs load a GGUF file
+        self.api_tensor_parallel = api_tensor_parallel  # `kvscope serve --tensor-parallel`: the API runs' ranks
         self.library = library  # finished runs saved to disk; None: none kept (tests, --no-library)
         self.watcher_queue_limit = watcher_queue_limit
         self.limits = limits or ServiceLimits()
@@ -240,7 +242,8 @@ class RunManager:
     def _start_api_run(self, model: str, run_id: str) -> EngineRun:
         # No requests of its own, which a scenario file may not have: built, not validated.
         scenario = Scenario.model_construct(name=API_SCENARIO, description="Requests from the OpenAI API.", lesson=[],
-                                            model=model, seed=0, engine=api_engine(model, self.limits.api_events, self.api_weights),
+                                            model=model, seed=0, engine=api_engine(model, self.limits.api_events, self.api_weights,
+                                                                             self.api_tensor_parallel),
                                             requests=[], generate=None)
         run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
                                             retention=self.retention(open_ended=True), weights=self.weights),

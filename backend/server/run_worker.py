@@ -42,6 +42,9 @@ class DrivenRun(Protocol):
 
     def fail(self, cause: str, error: BaseException | None = None) -> None: ...
 
+    def release(self) -> None:
+        """What the run holds outside memory (a tensor-parallel engine's ranks), freed as its worker ends."""
+
 
 class RunWorker:
     """The thread, the commands waiting for it, and its deadline; `wakeup` guards them and the Pacing."""
@@ -134,6 +137,8 @@ class RunWorker:
             self._work()
         except Exception as e:  # the edge of the worker thread: the run fails, the server goes on
             self.run.fail(describe_fault(e), e)
+        finally:  # on this thread, which alone touches the engine: no step can be under way
+            self.run.release()
 
     def _work(self) -> None:
         next_due = time.monotonic()

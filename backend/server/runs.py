@@ -188,6 +188,9 @@ class ServedRun:
     def abort_in_flight(self, reason: str) -> None:
         """Ask the worker to end every unfinished request (shutdown); does not wait. A replay has none."""
 
+    def release(self) -> None:
+        """Free what the run holds outside memory, on its worker thread as it ends (a replay holds nothing)."""
+
     @property
     def failure(self) -> str | None:
         """Why the run failed (then it is finished and stopped too), or None."""
