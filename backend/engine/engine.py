@@ -126,9 +126,12 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
                                                         f"{MAX_NUM_BLOCKS:,} (raise engine.block_size, or set "
                                                         "engine.num_blocks)")
     if world > 1:
-        runner, cache = start_tensor_parallel(loaded.model, {"num_blocks": num_blocks, "block_size": config.block_size,
-                                                             "dtype": dtype, "kv_dtype": config.kv_cache_dtype},
-                                              attention_backend, device, world, config.tensor_parallel_timeout_s)
+        try:
+            runner, cache = start_tensor_parallel(loaded.model, {"num_blocks": num_blocks, "block_size": config.block_size,
+                                                                 "dtype": dtype, "kv_dtype": config.kv_cache_dtype},
+                                                  attention_backend, device, world, config.tensor_parallel_timeout_s)
+        except KvscopeError as e:  # a quantization group a rank's slice would cut
+            raise RequestError(e.field, e.reason) from None
         return Runtime(cache, runner, str(device), attention_backend, weights, header={"tensor_parallel": runner.layout},
                        iteration_fields=runner.allreduce_fields, close=runner.close)
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)

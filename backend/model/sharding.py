@@ -161,7 +161,7 @@ def _columns(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
         zeros = linear.group_zeros()
         q = QuantLinear(linear.in_features, len(rows), linear.mode, linear.group_size, bias, linear.dtype)
         return q.load_codes(linear.codes()[rows], linear.group_scales()[rows] if linear.group_size else
-                            linear.group_scales(), None if zeros is None else zeros[rows]).to(bias_device(linear))
+                            linear.group_scales(), None if zeros is None else zeros[rows]).to(_device(linear))
     out = nn.Linear(linear.in_features, len(rows), bias=bias is not None, device="meta")
     out.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
     if bias is not None:
@@ -175,21 +175,21 @@ def _rows(linear: nn.Module, span: tuple[int, int]) -> RowParallelLinear:
     bias = None if linear.bias is None else linear.bias.detach().clone()
     if isinstance(linear, QuantLinear):
         g = linear.group_size
-        if g and start % g:
+        grouped = g and g != linear.in_features  # not per tensor, nor one group a row (int8 per channel)
+        if grouped and start % g:
             raise KvscopeError(FIELD, f"a rank's slice of a layer's {linear.in_features} inputs starts at {start}, "
                                       f"inside a quantization group of {g}; use fewer ranks or a smaller group")
-        # one group a row (int8 per channel): the slice keeps the row's scale, now over end - start inputs
-        group = end - start if g == linear.in_features else g
+        group = g if grouped or not g else end - start  # a row's one scale now covers the slice's inputs
         scales, zeros = linear.group_scales(), linear.group_zeros()
-        cols = slice(start // g, end // g) if g and g != linear.in_features else slice(None)
+        cols = slice(start // g, end // g) if grouped else slice(None)
         q = QuantLinear(end - start, linear.out_features, linear.mode, group, None, linear.dtype)
         inner = q.load_codes(linear.codes()[:, start:end], scales[:, cols],
-                             None if zeros is None else zeros[:, cols]).to(bias_device(linear))
+                             None if zeros is None else zeros[:, cols]).to(_device(linear))
     else:
         inner = nn.Linear(end - start, linear.out_features, bias=False, device="meta")
         inner.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone(), requires_grad=False)
     return RowParallelLinear(inner, bias)
 
 
-def bias_device(linear: nn.Module) -> torch.device:
+def _device(linear: nn.Module) -> torch.device:
     return linear.qweight.device if isinstance(linear, QuantLinear) else linear.weight.device
