@@ -6,8 +6,8 @@ Two channels, as vLLM keeps them apart:
 - the step's input goes from rank 0 to the others through the rendezvous store (a TCPStore), not a
   collective: a worker may wait for the next step as long as a server stays idle, where a
   collective would time out.
-Each worker also writes the last step it finished to the store, so a failed step can name the rank
-that never got there.
+Each worker also beats on the store (a counter a thread of its own raises), so a failed step can name
+a rank that stopped or wedged apart from the ranks that only waited for it.
 
 Rendezvous: `kvscope` spawning its own ranks hosts a TCPStore on 127.0.0.1 (port 0: the OS picks a
 free one, closed with the process); under `torchrun` the store is the one torchrun's environment
@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+HEARTBEAT_S = 0.2  # a worker's heartbeat period
+SILENCE_BEATS = 5  # a rank whose heartbeat is still for this many periods is named as the one that hangs
 WAIT_FOREVER = timedelta(days=365)  # a worker waits for its next step as long as rank 0 lives
 STORE_TIMEOUT = timedelta(seconds=60)  # connecting to the store
 
@@ -126,18 +128,19 @@ class TPGroup:
         self.step += 1
         return pickle.loads(self.store.get(key))
 
-    def finished(self, step: int) -> None:
-        """A worker: record that it finished this step (what `laggards` reads)."""
-        self.store.set(f"done/{self.rank}", str(step))
+    def beat(self) -> None:
+        """A worker's heartbeat thread: one more beat."""
+        self.store.add(f"beat/{self.rank}", 1)
 
-    def laggards(self, step: int) -> list[int]:
-        """Rank 0, after a failed step: the ranks that had not finished the step before it."""
-        behind = []
-        for r in range(1, self.world):
-            try:
-                done = int(self.store.get(f"done/{r}")) if self.store.check([f"done/{r}"]) else -1
-            except RuntimeError:  # the store is gone with the rank that hosted it
-                done = -1
-            if done < step - 1:
-                behind.append(r)
-        return behind
+    def silent(self) -> list[int]:
+        """Rank 0, after a failed step: the ranks whose heartbeat did not move over a few beats (stopped,
+        wedged, or gone with their machine), where a healthy rank keeps beating while it waits."""
+        def beats() -> list[int]:
+            return [self.store.add(f"beat/{r}", 0) for r in range(1, self.world)]
+        try:
+            before = beats()
+            time.sleep(SILENCE_BEATS * HEARTBEAT_S)
+            after = beats()
+        except RuntimeError:  # the store is unreachable: nothing to tell apart
+            return []
+        return [r for r, b, a in zip(range(1, self.world), before, after, strict=True) if a == b]

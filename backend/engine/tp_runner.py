@@ -7,8 +7,8 @@ forward first posts the step's input to the workers: every rank then runs the sa
 shard, and the all-reduces inside meet. Rank 0 alone computes logits and samples.
 
 A rank that dies or hangs fails the step: the collective raises (gloo's peer closed, or the group's
-timeout), and the runner names the rank (a spawned process that exited, or the ranks whose last
-finished step lags), stops the rest, and raises RankFailed. The engine's run fails; the process
+timeout), and the runner names the rank (a spawned process that exited, or one whose heartbeat on
+the store stopped), stops the rest, and raises RankFailed. The engine's run fails; the process
 that hosts it (a server) goes on.
 """
 
@@ -35,7 +35,7 @@ from kvscope.backend.model.quant import weight_bytes
 from kvscope.backend.model.sharding import ShardPlan, connect, shard_config, shard_model, shard_plan
 from kvscope.backend.model.transformer import CausalLM
 
-JOIN_S = 5.0  # how long a stopping worker gets before it is killed
+JOIN_S = 5.0  # how long a worker told to stop gets before it is killed
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Ranks:
 
     processes: list[subprocess.Popen] | None
     store: dist.Store
+    grace_s: float = JOIN_S  # how long a stopping worker gets before it is killed
 
     def dead(self) -> list[tuple[int, int]]:
         """(rank, exit code) of every spawned rank that has exited; a negative code is the signal."""
@@ -53,7 +54,7 @@ class Ranks:
     def stop(self) -> None:
         for p in self.processes or []:
             try:
-                p.wait(JOIN_S)
+                p.wait(self.grace_s)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(JOIN_S)
@@ -80,18 +81,20 @@ class TensorParallelRunner(ModelRunner):
         try:
             return super().forward(inp)
         except RuntimeError as e:  # a collective failed: find the rank, stop the others
+            e.__traceback__ = None  # its frames hold the failed collective, which holds the group's sockets
             self.failure = self._diagnose(step, e)
+            self.ranks.grace_s = 0.0  # a hung rank is not waited for
             self.close()
             raise RankFailed(self.failure) from None
 
     def _diagnose(self, step: int, error: RuntimeError) -> str:
+        silent = self.group.silent()  # first: the beats it waits for also give a killed rank time to be reaped
         for rank, code in self.ranks.dead():
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             return f"tensor-parallel rank {rank} {how} during step {step}"
-        late = self.group.laggards(step)
-        if late:
-            return (f"tensor-parallel rank {late[0]} did not finish step {step - 1} in time: no answer within the "
-                    f"collective timeout ({self.layout['timeout_s']:g} s)")
+        if silent:
+            return (f"tensor-parallel rank {silent[0]} stopped answering during step {step} (its heartbeat stopped; "
+                    f"collectives wait {self.layout['timeout_s']:g} s)")
         return f"a collective of step {step} failed: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
     def allreduce_fields(self) -> dict:
@@ -109,6 +112,7 @@ def _close(group: TPGroup, ranks: Ranks) -> None:
     except Exception:  # noqa: BLE001 - the store's host is gone: the workers stop on their own
         pass
     ranks.stop()
+    group.pg = group.store = ranks.store = None  # the last references: the store's port and gloo's sockets close
 
 
 def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, device: torch.device,

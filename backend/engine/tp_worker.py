@@ -3,7 +3,8 @@
 Rank 0 (tp_runner.py) hosts the scheduler, the block manager, the sampler and the events; a worker
 holds only its shard of the weights (sharding.py) and its share of the KV pool, and loops: read the
 step's input from the store, run the forward (the same ModelRunner as rank 0, its all-reduces meeting
-rank 0's), say it finished. The block table in each input drives every rank's pool alike.
+rank 0's). The block table in each input drives every rank's pool alike. A thread beats on the store
+meanwhile, so rank 0 can tell a hung rank from a waiting one.
 
 Sessions: a worker kvscope spawned serves one engine and exits. Under torchrun the worker processes
 outlive engines (a server makes a new one per run), so they serve one session after another, each
@@ -16,6 +17,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.engine.kv_cache import KVCache
 from kvscope.backend.engine.runner import ModelRunner
-from kvscope.backend.engine.tp_group import WAIT_FOREVER, TPGroup, torchrun_env, torchrun_store
+from kvscope.backend.engine.tp_group import HEARTBEAT_S, WAIT_FOREVER, TPGroup, torchrun_env, torchrun_store
 from kvscope.backend.model.sharding import connect
 from kvscope.backend.model.transformer import CausalLM
 
@@ -106,9 +108,23 @@ def run_session(store: dist.Store, rank: int, world: int, session: Session) -> N
     connect(model, group.all_reduce)
     cache = KVCache(spec.cache_config, spec.num_blocks, spec.block_size, spec.dtype, device, spec.kv_dtype)
     runner = ModelRunner(model, cache, spec.attention)
-    while (inp := group.receive()) is not None:
-        runner.forward(inp)
-        group.finished(group.step - 1)
+    beating = threading.Event()
+    threading.Thread(target=_heartbeat, args=(group, beating), daemon=True).start()
+    try:
+        while (inp := group.receive()) is not None:
+            runner.forward(inp)
+    finally:
+        beating.set()
+
+
+def _heartbeat(group: TPGroup, stop: threading.Event) -> None:
+    """Count up on the store while this process runs: a rank that is stopped or wedged stops counting,
+    which is how rank 0 tells it from a rank that only waits in the same failed collective."""
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            group.beat()
+        except Exception:  # noqa: BLE001 - the store went with rank 0: the step loop ends on its own
+            return
 
 
 def _die_with_parent(parent: int) -> None:

@@ -160,10 +160,10 @@ class QuantLinear(nn.Module):
     def codes(self) -> torch.Tensor:
         """The integer codes [out_features, in_features], int8."""
         if self.kernel == "int4pack":  # torch's packing is opaque: multiply the identity, scale 1, zero 0
-            ones = torch.zeros(self.scales_and_zeros.shape)
+            ones = torch.zeros(self.scales_and_zeros.shape, dtype=KERNEL_DTYPE)
             ones[..., 0] = 1
-            codes_t = torch.ops.aten._weight_int4pack_mm_for_cpu(  # float32: exact small integers
-                torch.eye(self.in_features), self.qweight.cpu(), self.group_size, ones)  # [K, N]
+            codes_t = torch.ops.aten._weight_int4pack_mm_for_cpu(  # bfloat16 holds -8..7 exactly, and is fast
+                torch.eye(self.in_features, dtype=KERNEL_DTYPE), self.qweight.cpu(), self.group_size, ones)  # [K, N]
             return codes_t.T.round().to(torch.int8).to(self.qweight.device)
         return unpack_int4(self.qweight) if self.mode == "int4" else self.qweight
 

@@ -1,0 +1,171 @@
+"""A tensor-parallel rank that dies or hangs fails its run by name, and nothing outlives it.
+
+Ranks are real processes here (gloo on 127.0.0.1): a test kills or stops one with a signal, as the
+kernel's OOM killer or a wedged driver would, and checks what the user is told, that the other ranks
+are gone, and that no port stays bound. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from litestar.testing import TestClient
+
+from kvscope.backend.config import EngineConfig
+from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.tp_group import RankFailed
+from kvscope.backend.server.app import create_app
+from kvscope.backend.server.manager import RunManager
+
+WAIT_S = 30.0
+
+
+def listening_ports() -> set[int]:
+    """The TCP ports in LISTEN state on this machine."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def rank_pids(parent: int) -> list[int]:
+    """Processes whose parent is `parent` and that run a tensor-parallel worker."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == parent and b"tp_worker" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig, says", [(signal.SIGKILL, "tensor-parallel rank 1 was killed by signal 9 during step 3"),
+                                       (signal.SIGSTOP, "tensor-parallel rank 1 stopped answering during step 3")])
+def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(demo, sig, says):
+    before = listening_ports()
+    engine = Engine(demo, EngineConfig(tensor_parallel=2, tensor_parallel_timeout_s=3, events="off"))
+    engine.add_request("long", "ROMEO:\n", 500, SamplingParams(temperature=0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    [worker] = engine.runner.ranks.processes
+    os.kill(worker.pid, sig)
+    with pytest.raises(RankFailed, match=says):
+        for _ in range(100):
+            engine.step()
+    assert worker.poll() is not None, "the failed rank is stopped (a stopped one killed)"
+    with pytest.raises(RankFailed, match=says):
+        engine.step()  # the engine stays failed: no step runs on half a model
+    engine.close()
+    eventually(lambda: listening_ports() <= before, "the group's ports closed")
+
+
+def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
+    before = listening_ports()
+    engine = Engine(demo, EngineConfig(tensor_parallel=2, events="off"))
+    assert listening_ports() - before, "the store and gloo listen while the ranks run"
+    workers = engine.runner.ranks.processes
+    engine.close()
+    engine.close()  # twice is fine
+    assert all(p.poll() == 0 for p in workers), "told to stop, the ranks exit cleanly"
+    eventually(lambda: listening_ports() <= before, "the group's ports closed")
+
+
+def test_a_served_run_whose_rank_dies_fails_and_the_server_serves_the_next_run():
+    manager = RunManager(default_model="demo")
+    client = TestClient(create_app(manager), base_url="http://127.0.0.1:8000")
+    scenario = {"name": "tp", "model": "demo", "seed": 0,
+                "engine": {"tensor_parallel": 2, "tensor_parallel_timeout_s": 3, "num_blocks": 64},
+                "requests": [{"id": "r", "prompt": "ROMEO:\n", "max_tokens": 40,
+                              "sampling": {"temperature": 0, "ignore_eos": True}}]}
+    with client:
+        run_id = client.post("/api/runs", json={"scenario": scenario, "paused": True}).json()["run_id"]
+        eventually(lambda: rank_pids(os.getpid()), "the run's rank started")
+        [pid] = rank_pids(os.getpid())
+        os.kill(pid, signal.SIGKILL)
+        client.post(f"/api/runs/{run_id}/control", json={"action": "resume"})
+        eventually(lambda: client.get(f"/api/runs/{run_id}").json()["failed"], "the run failed")
+        error = client.get(f"/api/runs/{run_id}").json()["error"]
+        assert "RankFailed: tensor-parallel rank 1 was killed by signal 9" in error
+        again = {**scenario, "engine": {"num_blocks": 64}}
+        next_id = client.post("/api/runs", json={"scenario": again, "speed": 0}).json()["run_id"]
+        eventually(lambda: client.get(f"/api/runs/{next_id}").json()["finished"], "the next run finished")
+        assert not client.get(f"/api/runs/{next_id}").json()["failed"]
+        assert client.get("/api/runs").status_code == 200
+    manager.stop_all()
+
+
+def test_sigterm_stops_every_rank_of_a_command(tmp_path):
+    """`kvscope run` killed by SIGTERM (a container stopping): its ranks die with it (PR_SET_PDEATHSIG)."""
+    scenario = tmp_path / "long.yaml"
+    scenario.write_text("name: long\nmodel: demo\nengine: {tensor_parallel: 2, num_blocks: 128}\n"
+                        "requests:\n  - {id: r, prompt: 'ROMEO:', max_tokens: 1000, "
+                        "sampling: {temperature: 0, ignore_eos: true}}\n")
+    before = listening_ports()
+    cmd = subprocess.Popen([sys.executable, "-m", "kvscope", "run", str(scenario)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
+    try:
+        eventually(lambda: rank_pids(cmd.pid), "the rank started")
+        [rank] = rank_pids(cmd.pid)
+        cmd.send_signal(signal.SIGTERM)
+        cmd.wait(WAIT_S)
+        eventually(lambda: not Path(f"/proc/{rank}").exists() or
+                   Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", "the rank is gone")
+        eventually(lambda: listening_ports() <= before, "no port left bound")
+    finally:
+        cmd.kill()
+        cmd.wait()
+
+
+def kvscope(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvscope", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+@pytest.mark.parametrize("command, says", [
+    (["generate", "--prompt", "hi", "--tensor-parallel", "0"], "--tensor-parallel: Input should be greater than or "
+                                                                "equal to 1"),
+    (["generate", "--prompt", "hi", "--tensor-parallel", "3"], "--tensor-parallel: 3 does not divide the model's 8 "
+                                                                "attention heads"),
+    (["generate", "--prompt", "hi", "--tensor-parallel", "65"], "--tensor-parallel: Input should be less than or "
+                                                                 "equal to 64"),
+    (["serve", "--no-ui", "--port", "8791", "--tensor-parallel", "16"], "--tensor-parallel 16: 16 does not divide"),
+    (["run", "continuous-batching", "--tensor-parallel", "-2"], "--tensor-parallel -2"),
+])
+def test_bad_tensor_parallel_values_are_one_line_errors_naming_the_constraint(command, says):
+    done = kvscope(*command)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_torchrun_launches_the_same_engine(tmp_path):
+    """Every rank runs the command under torchrun; rank 0 runs it, the others serve it: same tokens as TP=1."""
+    args = ["generate", "--prompt", "ROMEO:", "--temperature", "0", "--max-tokens", "12"]
+    alone = kvscope(*args)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    ranked = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "-m", "kvscope", *args,
+                             "--tensor-parallel", "2"], capture_output=True, text=True, timeout=180)
+    assert ranked.returncode == 0, ranked.stderr[-2000:]
+    assert ranked.stdout == alone.stdout and alone.stdout.strip()
