@@ -250,6 +250,13 @@ class Scenario(_Strict):
             raise ValueError("request ids must be unique")
         return self
 
+    @model_validator(mode="after")
+    def _ranks_are_real(self) -> "Scenario":
+        if self.simulate is not None and self.engine.tensor_parallel > 1:  # simulate has no processes to spawn
+            raise ValueError("engine.tensor_parallel starts real ranks; a simulated run prices them with simulate.tp "
+                             "(--tp)")
+        return self
+
     @field_validator("fallback_model")
     @classmethod
     def _shipped_fallback(cls, name: str | None) -> str | None:

@@ -112,16 +112,23 @@ def test_speculative_with_the_draft_model_on_rank_0(demo, draft):
     assert engine.spec_stats.num_verifies > 0
 
 
-def test_smollm2_at_tp3_equals_tp1():
-    """SmolLM2 has 9 heads and 3 KV heads: 2 ranks cannot share them, 3 can (one KV head each)."""
-    loaded = load_model("smollm2", weights="float32")
+@pytest.mark.parametrize("weights", ["float32", "native"])
+def test_smollm2_at_tp3_equals_tp1(weights):
+    """SmolLM2 has 9 heads and 3 KV heads: 2 ranks cannot share them, 3 can (one KV head each).
+
+    float32: tokens and log-probabilities as above. The GGUF file as stored (int4 groups, bfloat16
+    kernels): the same tokens; its log-probabilities carry bfloat16's rounding of each partial sum."""
+    loaded = load_model("smollm2", weights=weights)
     with pytest.raises(KvscopeError, match="does not divide the model's 9 attention heads"):
         check_tensor_parallel(loaded.config, 2)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     work = [(f"r{i}", 0, loaded.tokenizer.encode(p), 12) for i, p in enumerate(prompts)]
     _, one = run(loaded, EngineConfig(block_size=16, num_blocks=32), work)
     _, three = run(loaded, EngineConfig(block_size=16, num_blocks=32, tensor_parallel=3), work)
-    assert_same_run(one, three)
+    if weights == "float32":
+        assert_same_run(one, three)
+    else:
+        assert tokens_and_logprobs(three)[0] == tokens_and_logprobs(one)[0]
 
 
 def test_a_shard_holds_its_share_and_the_header_says_so(demo):
