@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,6 +93,20 @@ def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
     eventually(lambda: listening_ports() <= before, "the group's ports closed")
 
 
+def test_ranks_outlive_the_thread_that_started_them(demo):
+    """A server builds engines on threads that end (a loader, a run's worker): the ranks are the process's."""
+    built: list[Engine] = []
+    starter = threading.Thread(target=lambda: built.append(Engine(demo, EngineConfig(tensor_parallel=2, events="off"))))
+    starter.start()
+    starter.join()
+    [engine] = built
+    time.sleep(0.5)  # long enough for a rank tied to its starting thread to have been killed
+    engine.add_request("a", "ROMEO:\n", 4, SamplingParams(temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+
+
 def test_a_served_run_whose_rank_dies_fails_and_the_server_serves_the_next_run():
     manager = RunManager(default_model="demo")
     client = TestClient(create_app(manager), base_url="http://127.0.0.1:8000")
@@ -117,7 +132,7 @@ def test_a_served_run_whose_rank_dies_fails_and_the_server_serves_the_next_run()
 
 
 def test_sigterm_stops_every_rank_of_a_command(tmp_path):
-    """`kvscope run` killed by SIGTERM (a container stopping): its ranks die with it (PR_SET_PDEATHSIG)."""
+    """`kvscope run` killed by SIGTERM (a container stopping): its ranks die with it (each watches its parent)."""
     scenario = tmp_path / "long.yaml"
     scenario.write_text("name: long\nmodel: demo\nengine: {tensor_parallel: 2, num_blocks: 128}\n"
                         "requests:\n  - {id: r, prompt: 'ROMEO:', max_tokens: 1000, "

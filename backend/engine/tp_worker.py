@@ -13,11 +13,10 @@ opened by rank 0 under its own store prefix, until rank 0 says `exit`.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +31,7 @@ from kvscope.backend.model.sharding import connect
 from kvscope.backend.model.transformer import CausalLM
 
 SESSIONS = "kvscope/session"  # the store key of session n is f"{SESSIONS}/{n}"
+PARENT_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -128,12 +128,15 @@ def _heartbeat(group: TPGroup, stop: threading.Event) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: this process gets SIGKILL when the one that spawned it ends (even by SIGKILL), so no rank
-    outlives its engine's process to hold memory or a port."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it ended before the line above took effect
-        sys.exit(1)
+    """This process ends when the one that spawned it does (even by SIGKILL), so no rank outlives its engine's
+    process to hold memory or a port. Watched, not PR_SET_PDEATHSIG: that fires when the parent *thread*
+    ends, and a server builds its engines on threads that come and go."""
+    def watch() -> None:
+        while os.getppid() == parent:  # an orphan is re-parented (to init, or a subreaper)
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 if __name__ == "__main__":
