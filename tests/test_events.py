@@ -51,6 +51,12 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
                       "link": None, "gpu_memory_utilization": 0.9, "weights_bytes_per_gpu": 16e9,
                       "kv_pool_bytes_per_gpu": 56e9, "kv_bytes_per_token_per_gpu": 131072.0, "peak_flops": 989e12,
                       "mem_bandwidth": 3.35e12, "ridge": 295.2, "stand_in_vocab": 2048},
+        "tensor_parallel": {"size": 2, "backend": "gloo", "launcher": "spawn", "timeout_s": 60.0,
+                            "embedding": "replicated", "lm_head": "rank 0", "kv_heads_replicated": False,
+                            "ranks": [{"rank": r, "heads": [4 * r, 4 * r + 4], "kv_heads": [r, r + 1],
+                                       "intermediate": [384 * r, 384 * r + 384], "weight_bytes": 1000,
+                                       "kv_bytes_per_token": 256, "kv_bytes": 256 * block_size * num_blocks}
+                                      for r in range(2)]},
     }
 
 
@@ -80,6 +86,7 @@ EXAMPLES: dict[str, dict] = {
         "max_num_seqs": 4,
         "intensity": 12.5,
         "bound": "memory",
+        "allreduce": {"count": 12, "bytes": 12288, "ms": 1.5},
     },
     "block_alloc": {"block_id": 0, "seq_id": 0, "request_id": "r0", "logical_index": 0},
     "block_free": {"block_id": 0, "seq_id": 0, "request_id": "r0", "cached": True},
