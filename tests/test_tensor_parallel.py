@@ -45,13 +45,13 @@ def tokens_and_logprobs(events: list[dict]) -> tuple[dict, dict]:
     return tokens, logprobs
 
 
-def assert_same_run(one: list[dict], many: list[dict]) -> None:
+def assert_same_run(one: list[dict], many: list[dict], tolerance: float = 1e-5) -> None:
     tokens_1, logprobs_1 = tokens_and_logprobs(one)
     tokens_n, logprobs_n = tokens_and_logprobs(many)
     assert tokens_n == tokens_1
     assert logprobs_n.keys() == logprobs_1.keys()
     worst = max(abs(logprobs_n[k] - logprobs_1[k]) for k in logprobs_1)
-    assert worst <= 1e-5, f"log-probabilities differ by {worst:.2e}"
+    assert worst <= tolerance, f"log-probabilities differ by {worst:.2e}"
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-mha", "demo-mqa", "demo-mla"])
@@ -84,7 +84,11 @@ MODES = {
     "n-sampled": (dict(block_size=4, num_blocks=400, max_num_seqs=16), SamplingParams(temperature=0.9, seed=3, n=3)),
     "beams": (dict(block_size=4, num_blocks=400, max_num_seqs=16), SamplingParams(beam_width=3)),
     "ngram-speculative": (dict(**SMALL, speculative={"method": "ngram", "num_tokens": 3}), GREEDY),
+    "int8-kv": (dict(**SMALL, kv_cache_dtype="int8"), GREEDY),  # a row's scale is per KV head: split with it
 }
+# int8 KV: a K/V value within float rounding of a code boundary rounds to the next code on one side,
+# a step of 1/127 of its row: the tokens stay, log-probabilities move by more than float rounding.
+TOLERANCE = {"int8-kv": 1e-3}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -93,9 +97,9 @@ def test_every_engine_mode_at_tp2_equals_tp1(demo, mode):
     prefix = demo.tokenizer.encode("KING RICHARD III:\nNow is the winter of our discontent\nMade glorious summer")
     work = [(f"p{i}", i * 2, prefix + demo.tokenizer.encode(tail), 10)
             for i, tail in enumerate([" by this sun", " of York;", " and all the clouds", " that lour'd"])]
-    one_engine, one = run(demo, EngineConfig(**config), work, sampling)
+    _, one = run(demo, EngineConfig(**config), work, sampling)
     engine, two = run(demo, EngineConfig(**config, tensor_parallel=2), work, sampling)
-    assert_same_run(one, two)
+    assert_same_run(one, two, TOLERANCE.get(mode, 1e-5))
     if mode == "preemption":
         assert engine.scheduler.num_preemptions > 0, "the mode must really preempt"
     if mode == "prefix-caching":
