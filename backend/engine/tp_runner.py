@@ -30,7 +30,7 @@ from kvscope.backend.engine.kv_cache import KVCache, kv_dtype_name
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.engine.tp_group import RankFailed, TPGroup, local_store, torchrun_env, torchrun_store
-from kvscope.backend.engine.tp_worker import SESSIONS, Session, WorkerSpec, spawned_worker
+from kvscope.backend.engine.tp_worker import SESSIONS, Session, WorkerSpec
 from kvscope.backend.model.quant import weight_bytes
 from kvscope.backend.model.sharding import ShardPlan, connect, shard_config, shard_model, shard_plan
 from kvscope.backend.model.transformer import CausalLM

@@ -100,8 +100,10 @@ def serve_sessions(store: dist.Store, rank: int, world: int, once: bool) -> int:
 
 def run_session(store: dist.Store, rank: int, world: int, session: Session) -> None:
     torch.set_num_threads(session.threads)
-    device = torch.device(session.device, int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()) \
-        if session.device == "cuda" else torch.device("cpu")
+    device = torch.device("cpu")
+    if session.device == "cuda":  # one GPU a rank: torchrun's local rank, or the rank on one machine
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # NCCL binds the group to the current device
     group = TPGroup(dist.PrefixStore(session.prefix(), store), rank, world, device, session.timeout_s)
     spec: WorkerSpec = group.recv_object(0)
     model = spec.model.to(device)
