@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvscope.backend.events.history import Column
 from kvscope.backend.events.record import RunRecord
 
 # Scenario fields (besides the engine) that a comparison may vary: the workload's arrival rate.
@@ -60,12 +61,35 @@ def weight_mb(record: RunRecord) -> float | None:
     return round(weights["bytes"] / 2**20, 1) if weights.get("bytes") else None
 
 
+def weights_per_rank_mb(record: RunRecord) -> float | None:
+    """The weights one rank holds (rank 0's): a tensor-parallel rank holds its share of every layer plus the
+    replicated embedding; a single process holds them all."""
+    ranks = record.state.ranks
+    return round(ranks[0]["weight_bytes"] / 2**20, 1) if ranks else weight_mb(record)
+
+
+def decode_columns(record: RunRecord) -> list[Column]:
+    """The iterations that only decoded (one token per sequence): the steps the weights' bytes bound.
+    Prefill chunks are left out, their time grows with their tokens."""
+    return [c for c in record.history.columns if c.scheduled and all(cell.kind == "decode" for cell in c.scheduled)]
+
+
 def median_decode_step_ms(record: RunRecord) -> float | None:
-    """The median engine time of the iterations that only decoded (one token per sequence): the step the
-    weights' bytes bound. Prefill chunks are left out, their time grows with their tokens."""
-    times = [c.duration_s for c in record.history.columns
-             if c.scheduled and all(cell.kind == "decode" for cell in c.scheduled)]
+    """The median engine time of the decode-only iterations."""
+    times = [c.duration_s for c in decode_columns(record)]
     return round(1000 * statistics.median(times), 2) if times else None
+
+
+def median_allreduce_ms(record: RunRecord) -> float | None:
+    """The median time rank 0 spent in a decode-only step's all-reduces (waiting for the slower rank included);
+    0 for a single process, which has nothing to reduce."""
+    times = [c.allreduce["ms"] if c.allreduce else 0.0 for c in decode_columns(record)]
+    return round(statistics.median(times), 2) if times else None
+
+
+def allreduces_per_step(record: RunRecord) -> int:
+    """All-reduces in a step: two per layer under tensor parallelism (attention's output and the MLP's), else none."""
+    return max((c.allreduce["count"] for c in record.history.columns if c.allreduce), default=0)
 
 
 def mean_ms(values: list[float | None]) -> float | None:
@@ -79,12 +103,17 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
     (ra, ttft_a, tpot_a), (rb, ttft_b, tpot_b) = figures
     peak_mb = [round(peak_blocks(r) * bytes_per_block(r) / 2**20, 2) for r in (ra, rb)]
     tokens_per_s = [r.history.run_tokens_per_s() for r in (ra, rb)]
-    return [  # what the settings change first (the cache's bytes), then what that did
+    # Under tensor parallelism the header's cache figures are one rank's (every rank holds its own KV heads)
+    sharded = bool(ra.state.ranks or rb.state.ranks)
+    per_rank = " per rank" if sharded else ""
+    return [  # what the settings change first (the bytes), then what that did
         Row("weights", weight_mb(ra), weight_mb(rb), "MiB"),
-        Row("KV bytes per token", kv_bytes_per_token(ra), kv_bytes_per_token(rb)),
-        Row("bytes per block", bytes_per_block(ra), bytes_per_block(rb)),
+        *([Row("weights per rank", weights_per_rank_mb(ra), weights_per_rank_mb(rb), "MiB")] if sharded else []),
+        Row(f"KV bytes per token{per_rank}", kv_bytes_per_token(ra), kv_bytes_per_token(rb)),
+        Row(f"bytes per block{per_rank}", bytes_per_block(ra), bytes_per_block(rb)),
         Row("peak KV blocks", peak_blocks(ra), peak_blocks(rb)),
-        Row("peak KV", *peak_mb, "MB"),
+        Row(f"peak KV{per_rank}", *peak_mb, "MB"),
+        *(tensor_parallel_rows(ra, rb) if sharded else []),
         Row("iterations", ra.state.step + 1, rb.state.step + 1),
         Row("preemptions", ra.state.num_preemptions, rb.state.num_preemptions),
         Row("median decode step (engine)", median_decode_step_ms(ra), median_decode_step_ms(rb), "ms"),
@@ -94,6 +123,12 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[Row]:
         Row("prefill tokens computed", prefill_tokens(ra), prefill_tokens(rb)),
         Row("finished requests", len(ra.history.finishes), len(rb.history.finishes)),
     ]
+
+
+def tensor_parallel_rows(a: RunRecord, b: RunRecord) -> list[Row]:
+    """What sharding adds to a step: the all-reduces that sum the ranks' partial outputs, and their time."""
+    return [Row("all-reduces per step", allreduces_per_step(a), allreduces_per_step(b)),
+            Row("all-reduce per decode step (rank 0)", median_allreduce_ms(a), median_allreduce_ms(b), "ms")]
 
 
 def settings(record: RunRecord) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class Column:
     num_batched_tokens: int
     token_budget: int
     max_num_seqs: int | None
+    allreduce: dict[str, Any] | None = None  # tensor parallel: the step's all-reduces {count, bytes, ms} (rank 0's)
 
     @property
     def scheduled(self) -> list[Cell]:
@@ -140,9 +141,7 @@ class RunHistory:
             cells.append(Cell(rid, "preempted" if view and view.num_preemptions else "waiting"))
         self.total_engine_s += e["duration_s"]
         self.engine_s[e["step"]] = self.total_engine_s
-        max_seqs = e.get("max_num_seqs", state.config.get("max_num_seqs"))
-        self.columns.append(Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"],
-                                   e["token_budget"], max_seqs))
+        self.columns.append(column_of(e, cells, e.get("max_num_seqs", state.config.get("max_num_seqs"))))
         if len(self.columns) > MAX_COLUMNS:
             del self.columns[: len(self.columns) - MAX_COLUMNS]
 
@@ -240,8 +239,7 @@ class RunHistory:
         for b in e["batch"]:
             self.seq_context[b["seq_id"]] = b["context_len"]
             self.rows.setdefault(b["request_id"], len(self.rows))
-        self.columns.append(Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"],
-                                   e["token_budget"], e.get("max_num_seqs")))
+        self.columns.append(column_of(e, cells, e.get("max_num_seqs")))
         self.total_engine_s += e["duration_s"]
         self.engine_s[e["step"]] = self.total_engine_s
         tokens = state.step_tokens.get(e["step"], 0)
@@ -307,6 +305,12 @@ class RunHistory:
             if view is None or view.parent_seq_id is None:
                 return out
             seq, limit = view.parent_seq_id, view.position
+
+
+def column_of(e: Event, cells: list[Cell], max_num_seqs: int | None) -> Column:
+    """An iteration event as the column the timeline and the batch chart draw."""
+    return Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"], e["token_budget"],
+                  max_num_seqs, e.get("allreduce"))
 
 
 def batch_cells(e: Event, state: RunState) -> list[Cell]:

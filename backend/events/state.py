@@ -97,6 +97,8 @@ class PlainState:
     weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
     draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
     simulated: bool = False  # simulate mode: no weights ran, the iterations' times are modelled
+    # The model sharded over ranks (header `tensor_parallel`): what each rank holds; None for one process
+    tensor_parallel: dict[str, Any] | None = None
     step: int = -1
     waiting: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
@@ -177,6 +179,12 @@ class RunState(PlainState):
         return self.blocks_in_use / self.num_blocks if self.num_blocks else 0.0
 
     @property
+    def ranks(self) -> list[dict[str, Any]]:
+        """What each tensor-parallel rank holds (heads, KV heads, bytes), rank 0 first; [] for one process.
+        One block table drives them all: block i is the same tokens in every rank's pool."""
+        return (self.tensor_parallel or {}).get("ranks", [])
+
+    @property
     def serves_api(self) -> bool:
         """The open-ended run that serves the OpenAI API: its scenario, built by the server, has no requests
         of its own (a scenario file must have some). Its latencies are the engine's own clock (docs/api.md)."""
@@ -203,6 +211,7 @@ class RunState(PlainState):
         self.weights = e.get("weights")
         self.draft_model = e.get("draft_model")
         self.simulated = e.get("simulated") is True  # headers before simulate mode do not say
+        self.tensor_parallel = e.get("tensor_parallel")
         self._free = dict.fromkeys(range(self.cache["num_blocks"]))
 
     def _on_iteration(self, e: Event) -> None:
