@@ -154,6 +154,8 @@ def engine_summary(config: dict, cache: dict) -> str:
         parts.append(f"weights {config['weight_quant']}")
     if config.get("kv_cache_dtype", "auto") != "auto":
         parts.append(f"KV {config['kv_cache_dtype']}")
+    if config.get("tensor_parallel", 1) > 1:
+        parts.append(f"tensor parallel over {config['tensor_parallel']} ranks")
     return " · ".join(parts)
 
 

@@ -44,6 +44,7 @@ AXES = {
     "weight_storage": Axis("GGUF weights", "engine.weights",
                            {"float32": "float32", "int8": "int8 per tensor", "native": "as stored (Q4: int4)"},
                            "float32", "native"),
+    "tensor_parallel": Axis("tensor-parallel ranks", "engine.tensor_parallel", {1: "1", 2: "2", 4: "4"}, 1, 2),
     "block_size": Axis("block size", "engine.block_size", {}, 8, 32),
     "num_blocks": Axis("blocks", "engine.num_blocks", {}, 24, 256),
     "spec_num_tokens": Axis("draft tokens k", "engine.speculative.num_tokens", {}, 1, 8),
