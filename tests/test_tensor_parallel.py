@@ -169,8 +169,8 @@ def test_quantized_layers_shard_to_the_same_output():
     for mode, group in (("int8", 128), ("int8", 0), ("int4", 32)):
         q = QuantLinear.from_linear(linear, mode, group)
         rows = torch.arange(16, 48)
-        torch.testing.assert_close(_columns(q, rows)(x), q(x)[:, 16:48], rtol=0, atol=0)
-        halves = [_rows(q, (0, 64)), _rows(q, (64, 128))]
+        torch.testing.assert_close(_columns({}, q, rows)(x), q(x)[:, 16:48], rtol=0, atol=0)
+        halves = [_rows({}, q, (0, 64)), _rows({}, q, (64, 128))]
         for h in halves:
             h.all_reduce = lambda y: y
         summed = halves[0](x[:, :64]) + halves[1](x[:, 64:])

@@ -123,10 +123,10 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
     config = model.config
     plans = [shard_plan(config, r, world) for r in range(world)]
     group, ranks = _open_group(world, device, timeout_s)
-    layout_ranks = []
+    layout_ranks, codes = [], {}
     try:
         for plan in plans[1:]:
-            shard = shard_model(model, plan)
+            shard = shard_model(model, plan, codes)
             layout_ranks.append(_rank_layout(plan, shard, config, cache_args))
             group.send_object(WorkerSpec(shard, shard_config(config, plan), cache_args["num_blocks"],
                                          cache_args["block_size"], cache_args["dtype"], cache_args["kv_dtype"],
@@ -135,7 +135,8 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
     except Exception:
         _close(group, ranks)
         raise
-    own = shard_model(model, plans[0]).to(device)
+    own = shard_model(model, plans[0], codes).to(device)
+    del codes
     connect(own, group.all_reduce)
     cache = KVCache(shard_config(config, plans[0]), device=device, **cache_args)
     layout = {"size": world, "backend": group.backend, "launcher": "spawn" if ranks.processes is not None else "torchrun",

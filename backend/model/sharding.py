@@ -113,29 +113,33 @@ def connect(model: nn.Module, all_reduce: Callable[[torch.Tensor], torch.Tensor]
             m.all_reduce = all_reduce
 
 
-def shard_model(model: CausalLM, plan: ShardPlan) -> CausalLM:
+def shard_model(model: CausalLM, plan: ShardPlan, codes: dict[int, torch.Tensor] | None = None) -> CausalLM:
     """A copy of `model` holding only rank `plan.rank`'s share; `model` itself is untouched.
 
     As quantize_model does, the sliced layers are built from the original weights and slotted in through
-    deepcopy's memo, so no second full copy of them is made; everything replicated is deep-copied."""
+    deepcopy's memo, so no second full copy of them is made. The replicated embedding and LM head are the
+    model's own (read-only at inference: rank 0's shard shares them; a worker's gets them pickled); the
+    norms are copied. codes: quantized layers' integer codes, kept across the calls for each rank
+    (reading torch's int4 packing back is the slow part of sharding a GGUF file)."""
     c = model.config
-    memo: dict[int, nn.Module] = {}
+    codes = {} if codes is None else codes
+    memo: dict[int, nn.Module] = {id(model.model.embed_tokens): model.model.embed_tokens, id(model.lm_head): model.lm_head}
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if isinstance(attn, MLAttention):
-            memo[id(attn.q_proj)] = _columns(attn.q_proj, _heads(plan.heads, attn.nope + attn.rope))
-            memo[id(attn.kv_b_proj)] = _columns(attn.kv_b_proj, _heads(plan.heads, attn.nope + attn.v_dim))
-            memo[id(attn.o_proj)] = _rows(attn.o_proj, _scaled(plan.heads, attn.v_dim))
+            memo[id(attn.q_proj)] = _columns(codes, attn.q_proj, _heads(plan.heads, attn.nope + attn.rope))
+            memo[id(attn.kv_b_proj)] = _columns(codes, attn.kv_b_proj, _heads(plan.heads, attn.nope + attn.v_dim))
+            memo[id(attn.o_proj)] = _rows(codes, attn.o_proj, _scaled(plan.heads, attn.v_dim))
         elif isinstance(attn, Attention):
-            memo[id(attn.q_proj)] = _columns(attn.q_proj, _heads(plan.heads, c.head_dim))
-            memo[id(attn.k_proj)] = _columns(attn.k_proj, _heads(plan.kv_heads, c.head_dim))
-            memo[id(attn.v_proj)] = _columns(attn.v_proj, _heads(plan.kv_heads, c.head_dim))
-            memo[id(attn.o_proj)] = _rows(attn.o_proj, _scaled(plan.heads, c.head_dim))
+            memo[id(attn.q_proj)] = _columns(codes, attn.q_proj, _heads(plan.heads, c.head_dim))
+            memo[id(attn.k_proj)] = _columns(codes, attn.k_proj, _heads(plan.kv_heads, c.head_dim))
+            memo[id(attn.v_proj)] = _columns(codes, attn.v_proj, _heads(plan.kv_heads, c.head_dim))
+            memo[id(attn.o_proj)] = _rows(codes, attn.o_proj, _scaled(plan.heads, c.head_dim))
         assert isinstance(mlp, MLP)
-        memo[id(mlp.gate_proj)] = _columns(mlp.gate_proj, _heads(plan.intermediate, 1))
-        memo[id(mlp.up_proj)] = _columns(mlp.up_proj, _heads(plan.intermediate, 1))
-        memo[id(mlp.down_proj)] = _rows(mlp.down_proj, plan.intermediate)
-    if plan.rank and model.lm_head.weight is not model.model.embed_tokens.weight:
+        memo[id(mlp.gate_proj)] = _columns(codes, mlp.gate_proj, _heads(plan.intermediate, 1))
+        memo[id(mlp.up_proj)] = _columns(codes, mlp.up_proj, _heads(plan.intermediate, 1))
+        memo[id(mlp.down_proj)] = _rows(codes, mlp.down_proj, plan.intermediate)
+    if plan.rank and not _tied(model):
         memo[id(model.lm_head)] = nn.Identity()  # only rank 0 computes logits
     shard = copy.deepcopy(model, memo)
     for layer in shard.model.layers:
@@ -154,13 +158,26 @@ def _scaled(span: tuple[int, int], width: int) -> tuple[int, int]:
     return span[0] * width, span[1] * width
 
 
-def _columns(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
+def _tied(model: CausalLM) -> bool:
+    lm_head = model.lm_head
+    if isinstance(lm_head, QuantLinear):  # a GGUF file's tied int8 rows: the embedding reads the head's codes
+        return getattr(model.model.embed_tokens, "codes", None) is lm_head.qweight
+    return lm_head.weight is model.model.embed_tokens.weight
+
+
+def _codes(cache: dict[int, torch.Tensor], linear: QuantLinear) -> torch.Tensor:
+    if id(linear) not in cache:
+        cache[id(linear)] = linear.codes()
+    return cache[id(linear)]
+
+
+def _columns(cache: dict[int, torch.Tensor], linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     """Column-parallel: the output features `rows` of a linear layer (float or quantized)."""
     bias = None if linear.bias is None else linear.bias.detach()[rows].clone()
     if isinstance(linear, QuantLinear):
         zeros = linear.group_zeros()
         q = QuantLinear(linear.in_features, len(rows), linear.mode, linear.group_size, bias, linear.dtype)
-        return q.load_codes(linear.codes()[rows], linear.group_scales()[rows] if linear.group_size else
+        return q.load_codes(_codes(cache, linear)[rows], linear.group_scales()[rows] if linear.group_size else
                             linear.group_scales(), None if zeros is None else zeros[rows]).to(_device(linear))
     out = nn.Linear(linear.in_features, len(rows), bias=bias is not None, device="meta")
     out.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
@@ -169,7 +186,7 @@ def _columns(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     return out
 
 
-def _rows(linear: nn.Module, span: tuple[int, int]) -> RowParallelLinear:
+def _rows(cache: dict[int, torch.Tensor], linear: nn.Module, span: tuple[int, int]) -> RowParallelLinear:
     """Row-parallel: input features [start, end) of a linear layer, its bias kept for after the sum."""
     start, end = span
     bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -183,7 +200,7 @@ def _rows(linear: nn.Module, span: tuple[int, int]) -> RowParallelLinear:
         scales, zeros = linear.group_scales(), linear.group_zeros()
         cols = slice(start // g, end // g) if grouped else slice(None)
         q = QuantLinear(end - start, linear.out_features, linear.mode, group, None, linear.dtype)
-        inner = q.load_codes(linear.codes()[:, start:end], scales[:, cols],
+        inner = q.load_codes(_codes(cache, linear)[:, start:end], scales[:, cols],
                              None if zeros is None else zeros[:, cols]).to(_device(linear))
     else:
         inner = nn.Linear(end - start, linear.out_features, bias=False, device="meta")
