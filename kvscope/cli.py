@@ -148,7 +148,7 @@ def _limits(args: argparse.Namespace):
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
     names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
              "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "stall_timeout_s", "history",
-             "trace_window", "trace_dir", "api_events")
+             "trace_window", "trace_dir", "api_events", "max_tensor_parallel")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -475,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="weight copies of all runs together; runs of one model and settings share one "
                               "(default: a quarter of physical memory)")
         lim.add_argument("--max-runs", type=positive(int), help="runs held at once (default 16)")
+        lim.add_argument("--max-tensor-parallel", type=positive(int),
+                         help="ranks (processes) one run may start with engine.tensor_parallel (default: the cores)")
         lim.add_argument("--max-waiting", type=positive(int), help="requests waiting in a run; more get 429 (default 64)")
         lim.add_argument("--request-timeout-s", type=positive(float), help="a /v1 request is aborted after this (600)")
         lim.add_argument("--max-viewers", type=positive(int), help="websocket viewers per run (default 32)")

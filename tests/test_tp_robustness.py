@@ -184,3 +184,25 @@ def test_torchrun_launches_the_same_engine(tmp_path):
                              "--tensor-parallel", "2"], capture_output=True, text=True, timeout=180)
     assert ranked.returncode == 0, ranked.stderr[-2000:]
     assert ranked.stdout == alone.stdout and alone.stdout.strip()
+
+
+@pytest.mark.parametrize("engine, field, says", [
+    ({"tensor_parallel": 9}, "engine.tensor_parallel", "9 ranks; this server starts at most 4 for a run"),
+    ({"tensor_parallel": 3}, "engine.tensor_parallel", "3 does not divide the model's 8 attention heads"),
+    ({"tensor_parallel": 0}, "engine.tensor_parallel", "greater than or equal to 1"),
+    ({"tensor_parallel": "two"}, "engine.tensor_parallel", "valid integer"),
+    ({"tensor_parallel": 2, "num_blocks": None, "kv_cache_memory_mb": 1e6}, "engine.kv_cache_memory_mb", "KV cache"),
+])
+def test_a_served_run_past_the_rank_limit_or_the_model_is_a_400_before_any_process(engine, field, says):
+    from kvscope.backend.server.limits import ServiceLimits
+
+    manager = RunManager(default_model="demo", limits=ServiceLimits(max_tensor_parallel=4, max_kv_memory_mb=512))
+    client = TestClient(create_app(manager), base_url="http://127.0.0.1:8000")
+    scenario = {"name": "tp", "model": "demo", "engine": engine, "requests": [{"id": "r", "prompt": "hi"}]}
+    with client:
+        refused = client.post("/api/runs", json={"scenario": scenario})
+        assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+        assert refused.json()["field"].endswith(field)
+        assert not rank_pids(os.getpid())
+        assert client.get("/api/runs").status_code == 200
+    manager.stop_all()

@@ -13,6 +13,7 @@ from typing import Literal
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
+from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
 from kvscope.backend.perf.cost_model import model_bytes
 from kvscope.backend.perf.shapes import shape_from_config
@@ -51,6 +52,9 @@ class ServiceLimits:
     # encoding and a reducer apply.
     api_events: Literal["full", "summary", "off"] = "full"
     trace_dir: str | None = None  # each engine run's whole trace to <trace_dir>/<run_id>.jsonl (or -N, never over one)
+    # Ranks one run may start (engine.tensor_parallel): each is a process with its share of the model; the
+    # default lets a run use each core once.
+    max_tensor_parallel: int = field(default_factory=lambda: max(2, os.cpu_count() or 1))
     allow_paths: bool = False  # scenario files and model folders named by clients
     served_models: tuple[str, ...] = ()  # models given on the command line, by name
 
@@ -115,8 +119,11 @@ def kv_cache_bytes(scenario: Scenario, config: ModelConfig, draft: ModelConfig |
     engine's own formula: what Engine.__init__ would size, computed from the configs before building it."""
     engine = scenario.engine
     kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else LOAD_DTYPE  # the cache is in the weights' dtype
-    blocks = engine.num_blocks or num_blocks_for_budget(config, engine.block_size, engine.kv_cache_memory_mb, kv_dtype)
-    per_token = config.kv_bytes_per_token(kv_dtype)
+    check_tensor_parallel(config, engine.tensor_parallel)
+    # every rank's pool: its heads, num_blocks blocks each (a KV head replicated on several ranks counts each time)
+    ranks = [shard_config(config, shard_plan(config, r, engine.tensor_parallel)) for r in range(engine.tensor_parallel)]
+    blocks = engine.num_blocks or num_blocks_for_budget(ranks[0], engine.block_size, engine.kv_cache_memory_mb, kv_dtype)
+    per_token = sum(rank.kv_bytes_per_token(kv_dtype) for rank in ranks)
     if draft is not None:  # the draft's cache has the target's blocks (spec_decode.make_proposer)
         per_token += draft.kv_bytes_per_token(kv_dtype)
     return blocks * engine.block_size * per_token

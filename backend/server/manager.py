@@ -266,6 +266,10 @@ class RunManager:
         items = [(key, value, f"overrides {key}={json.dumps(value)}") for key, value in (overrides or {}).items()]
         resolved = validate(base, source, apply_overrides(base, items))
         self._check_models(resolved)
+        ranks, most = resolved.engine.tensor_parallel, max(self.limits.max_tensor_parallel, self.api_tensor_parallel)
+        if ranks > most:  # checked before any process is started
+            raise RunError("engine.tensor_parallel", f"{ranks} ranks; this server starts at most {most} for a run "
+                                                     "(--max-tensor-parallel)")
         check_available(resolved)  # before kv_bytes_of loads the model: the install command, not a load error
         return resolved
 
