@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import itertools
 import json
 import os
 import platform
@@ -37,12 +36,11 @@ import statistics
 import sys
 from dataclasses import replace
 
-import torch
-
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.perf.calibrate import this_machine
 from kvscope.backend.perf.cost_model import Deployment, iteration_cost
 from kvscope.backend.perf.hardware import HardwareProfile, profile_from
+from kvscope.backend.perf.least_squares import nonnegative_least_squares
 from kvscope.backend.model.quant import quantize_loaded
 from kvscope.backend.perf.model_run import layer_quant
 from kvscope.backend.perf.shapes import shape_from_config
@@ -74,9 +72,19 @@ def measured_iterations(scenario: Scenario, repeats: int) -> list[dict]:
     of a second, so one pause of the machine would skew a whole scenario; runs are deterministic, so
     iteration i holds the same batch in each."""
     iterations(scenario)
-    runs = [iterations(scenario) for _ in range(repeats)]
-    return [dict(its[0], duration_s=statistics.median(it["duration_s"] for it in its))
-            for its in zip(*runs, strict=True)]
+    return median_iterations([iterations(scenario) for _ in range(repeats)])
+
+
+def median_iterations(runs: list[list[dict]]) -> list[dict]:
+    """Iteration i of every run (the same batch: runs are deterministic), its times the median over the runs:
+    `duration_s`, and a tensor-parallel step's all-reduce time (`allreduce.ms`)."""
+    out = []
+    for its in zip(*runs, strict=True):
+        it = dict(its[0], duration_s=statistics.median(x["duration_s"] for x in its))
+        if it.get("allreduce"):
+            it["allreduce"] = dict(it["allreduce"], ms=statistics.median(x["allreduce"]["ms"] for x in its))
+        out.append(it)
+    return out
 
 
 def model_deployment(spec: str, profile: HardwareProfile) -> Deployment:
@@ -96,14 +104,14 @@ def split_spec(spec: str) -> tuple[str, str]:
     return model, weights or "native"
 
 
-def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int) -> dict[str, float]:
+def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int, device: str = "auto") -> dict[str, float]:
     """Seconds of an iteration beyond its roofline time (fixed, per sequence, per token), fitted on a
     calibration run."""
     model, weights = split_spec(spec)
     scenario = Scenario.model_validate({
         "name": "overhead", "model": model,
         "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary",
-                   "weights": weights},
+                   "weights": weights, "device": device},
         "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": p, "max_tokens": tokens,
                       "sampling": {"temperature": 0.0, "ignore_eos": True}}
                      for i, p in enumerate(CALIBRATION_PROMPTS)]})
@@ -117,21 +125,10 @@ def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int) -> 
     return dict(zip(OVERHEADS, nonnegative_least_squares(features, extra), strict=True))
 
 
-def nonnegative_least_squares(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
-    """argmin |Ax - y| over x >= 0, for a few columns: the best of the plain fits on each subset of them."""
-    a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(y, dtype=torch.float64).unsqueeze(1)
-    best, best_residual = [0.0] * a.shape[1], float(b.square().sum())
-    for k in range(1, a.shape[1] + 1):
-        for cols in itertools.combinations(range(a.shape[1]), k):
-            x = torch.linalg.lstsq(a[:, cols], b).solution.squeeze(1)
-            if (x < 0).any():
-                continue
-            residual = float((a[:, cols] @ x.unsqueeze(1) - b).square().sum())
-            if residual < best_residual:
-                best, best_residual = [0.0] * a.shape[1], residual
-                for c, v in zip(cols, x.tolist(), strict=True):
-                    best[c] = v
-    return best
+def with_overheads(dep: Deployment, fitted: dict[str, float]) -> Deployment:
+    """The deployment with measure_overheads' figures in place of the profile's assumed ones."""
+    return replace(dep, hardware=replace(dep.hardware, iteration_overhead_s=fitted["fixed_s"],
+                                         row_overhead_s=fitted["per_sequence_s"], token_overhead_s=fitted["per_token_s"]))
 
 
 def compare(spec: str, scenario_name: str, dep: Deployment, repeats: int) -> dict:
@@ -186,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         base = model_deployment(model, profile)
         fitted = overheads[model] = measure_overheads(model, base, 12 if args.quick else 48, repeats)
-        dep = replace(base, hardware=replace(profile, iteration_overhead_s=fitted["fixed_s"],
-                                             row_overhead_s=fitted["per_sequence_s"],
-                                             token_overhead_s=fitted["per_token_s"]))
+        dep = with_overheads(base, fitted)
         for name in QUICK_SCENARIOS if args.quick else FULL_SCENARIOS:
             rows.append(compare(model, name, dep, repeats))
     print(table(rows, overheads, profile, argv))

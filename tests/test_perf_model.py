@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.backend.config import ModelConfig
-from kvscope.backend.perf import calibrate
+from kvscope.backend.perf import calibrate, link_calibrate
 from kvscope.backend.perf.cost_model import (BatchItem, Deployment, experts_touched, iteration_cost, resident_bytes,
                                      stored_bytes)
 from kvscope.backend.perf.errors import PerfError
@@ -186,6 +186,27 @@ def test_a_single_device_cannot_be_split():
         Deployment(get_shape("llama-3-8b"), cpu, tp=2)
 
 
+def test_kvscopes_own_ranks_price_the_whole_lm_head_on_rank_0():
+    split = iteration_cost(Deployment(TINY, TOY_GPU, tp=2), [BatchItem("decode", 1, 5)])
+    rank_0 = iteration_cost(Deployment(TINY, TOY_GPU, tp=2, vocab_parallel=False), [BatchItem("decode", 1, 5)])
+    one = iteration_cost(Deployment(TINY, TOY_GPU), [BatchItem("decode", 1, 5)])
+    assert ops(rank_0)["lm_head"].bytes == ops(one)["lm_head"].bytes == 2 * ops(split)["lm_head"].bytes
+    assert ops(rank_0)["lm_head"].flops == ops(one)["lm_head"].flops
+    assert ops(rank_0)["mlp"].bytes == ops(split)["mlp"].bytes  # the rest is split as before
+
+
+def test_a_local_link_takes_any_degree_and_prices_its_latency_and_the_step_post():
+    local = replace(TOY_GPU, link=LinkProfile("gloo", 10.0, 0.5, step_post_s=0.25, local=True))
+    two = iteration_cost(Deployment(TINY, local, tp=2), [BatchItem("decode", 1, 5)])
+    # 4 all-reduces of 32 B (each rank sends all of it at tp 2) at 10 B/s, plus 0.5 s each; one post
+    assert ops(two)["all_reduce"].time_s == pytest.approx(4 * (32 / 10 + 0.5))
+    assert ops(two)["step_post"].time_s == 0.25 and ops(two)["step_post"].bound == "link"
+    assert "step_post" not in ops(iteration_cost(Deployment(TINY, TOY_GPU, tp=2), [BatchItem("decode", 1, 5)]))
+    with pytest.raises(PerfError, match="1, 2, 4, 8"):
+        Deployment(get_shape("smollm2-135m"), DATASHEET["h100"], tp=3)
+    assert Deployment(get_shape("smollm2-135m"), replace(DATASHEET["h100"], link=local.link), tp=3).tp == 3
+
+
 def test_a_pcie_link_makes_the_all_reduces_slower_than_nvlink():
     nvlink = whatif("llama-3-70b", "h100", 32, 1024, tp=4)
     pcie = whatif("llama-3-70b", "h100", 32, 1024, tp=4, link="pcie5")
@@ -311,6 +332,26 @@ def test_a_corrupt_or_foreign_cache_is_measured_again(cache_dir):
 def test_this_machine_cannot_be_split_across_ranks(cache_dir):
     with pytest.raises(PerfError, match="single device"):
         whatif("smollm2-135m", "this-machine", 1, 16, tp=2)
+
+
+LINK = {"version": calibrate.CACHE_VERSION, "backend": "gloo", "latency_s": 3e-4, "bandwidth": 2e9,
+        "step_post_s": 1e-4, "samples": [], "measured_at": "2026-12-01T00:00:00+00:00"}
+
+
+def test_this_machine_over_gloo_is_split_across_processes_with_the_link_measured_once(cache_dir, monkeypatch):
+    measured = []
+    monkeypatch.setattr(link_calibrate, "measure_link", lambda backend, world: measured.append(world) or
+                        dict(LINK, world=world, host=calibrate.platform.node()))
+    result = whatif("smollm2-135m", "this-machine", 1, 16, tp=3, link="gloo")
+    assert result["link"] == "gloo" and result["tp"] == 3
+    reduce = next(op for op in result["ops"] if op["group"] == "all_reduce")
+    # 60 all-reduces of one token's hidden state (576 x 2 bytes, bf16): 4/3 of it sent, at 2 GB/s, plus 0.3 ms
+    assert reduce["time_s"] == pytest.approx(60 * (4 / 3 * 1152 / 2e9 + 3e-4))
+    whatif("smollm2-135m", "this-machine", 4, 16, tp=3, link="gloo")
+    assert measured == [3]  # the second what-if read link-gloo-3.json
+    assert json.loads((cache_dir / "kvscope/link-gloo-3.json").read_text())["latency_s"] == 3e-4
+    with pytest.raises(PerfError, match="gloo or nccl"):
+        get_hardware("this-machine", "nvlink4")
 
 
 # ---- the command ----------------------------------------------------------------------------------------

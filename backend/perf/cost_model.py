@@ -5,9 +5,10 @@ step) and a deployment (model shape, hardware, tensor-parallel degree, weight an
 Each op group costs max(FLOPs / peak FLOP/s, bytes / bandwidth): a group is either waiting for
 the tensor cores or for memory, never both at once (a profile may say its linear layers stream
 weights below the bandwidth roof: hardware.py's efficiencies). The iteration is the sum of its
-groups, the tensor-parallel all-reduces and the profile's overheads (per iteration, per sequence,
-per token). Every figure is per GPU: with tensor parallelism the ranks run in lock step, so one
-rank's time is the iteration's time.
+groups, the tensor-parallel all-reduces (and, over a measured local link, rank 0 posting the step to
+the other ranks) and the profile's overheads (per iteration, per sequence, per token). Every figure
+is per GPU: with tensor parallelism the ranks run in lock step, so one rank's time is the
+iteration's time, rank 0's where it alone computes the LM head (`Deployment.vocab_parallel`).
 
 What is counted (docs/perf_model.md has the formulas):
 - linear layers: 2 FLOPs per weight per token; every weight read once per iteration at its
@@ -37,7 +38,8 @@ from kvscope.backend.config import DTYPE_BYTES
 from kvscope.backend.model.quant_rules import QuantError, check_group_size, kernel_for
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.phase import PHASES
-from kvscope.backend.perf.hardware import HardwareProfile
+from kvscope.backend.perf.hardware import THIS_MACHINE, HardwareProfile
+from kvscope.backend.perf.ring import ring_bytes_sent
 from kvscope.backend.perf.shapes import Linear, ModelShape
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -98,6 +100,9 @@ class Deployment:
     # (quant, group size) of lm_head where it is stored otherwise than the rest: a GGUF file run natively
     # keeps its Q8_0 embedding, tied to lm_head, as int8 rows beside int4 layers (gguf_weights.py)
     lm_head_quant: tuple[str, int] | None = None
+    # True: lm_head split by vocabulary across ranks (vLLM). False: whole on rank 0, as kvscope's own
+    # engine keeps it (model/sharding.py); rank 0 computes every logit, so its step prices all of it.
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         check_tp(self.tp, self.shape, self.hardware)
@@ -126,17 +131,22 @@ class Deployment:
         """One rank's stored bytes of a linear layer."""
         quant, group = self.lm_head_quant if self.lm_head_quant and w.name == "lm_head" else \
             (self.weight_quant, self.quant_group_size)
-        return rank_bytes(w, self.dtype, quant, group, self.tp)
+        return stored_bytes(w, self.dtype, quant, group) / self.split(w)
 
     def split(self, w: Linear) -> int:
-        return split(w, self.tp)
+        """Ranks this weight is divided between in this deployment."""
+        return 1 if w.name == "lm_head" and not self.vocab_parallel else split(w, self.tp)
 
 
 def check_tp(tp: int, shape: ModelShape, hardware: HardwareProfile) -> None:
-    if tp not in TP_DEGREES:
-        raise PerfError("tp", f"must be one of {', '.join(map(str, TP_DEGREES))}, got {tp}")
     if tp > 1 and hardware.link is None:
-        raise PerfError("tp", f"{hardware.name} is a single device with no link between GPUs")
+        local_links = " (link gloo prices its ranks as processes on this host)" if hardware.name == THIS_MACHINE else ""
+        raise PerfError("tp", f"{hardware.name} is a single device with no link between GPUs{local_links}")
+    if hardware.link is not None and hardware.link.local:  # processes on one host: any number of them
+        if tp < 1:
+            raise PerfError("tp", f"must be at least 1, got {tp}")
+    elif tp not in TP_DEGREES:
+        raise PerfError("tp", f"must be one of {', '.join(map(str, TP_DEGREES))}, got {tp}")
     if shape.config.num_attention_heads % tp:
         raise PerfError("tp", f"{shape.name} has {shape.config.num_attention_heads} attention heads, "
                               f"which {tp} ranks cannot share evenly")
@@ -251,7 +261,7 @@ def iteration_cost(dep: Deployment, batch: Sequence[BatchItem | dict]) -> Iterat
            roof("attention", *attention(dep, items)),
            roof("lm_head", *lm_head(dep, rows), hw.weight_bandwidth(rows))]
     if dep.tp > 1:
-        ops.append(all_reduces(dep, tokens))
+        ops.extend(link_costs(dep, tokens))
     overhead = hw.iteration_overhead_s + hw.row_overhead_s * len(items) + hw.token_overhead_s * tokens
     return IterationCost(ops, overhead, tokens, rows, peak, bw)
 
@@ -313,12 +323,22 @@ def lm_head(dep: Deployment, rows: int) -> tuple[float, float]:
     return linears_cost(dep, [dep.shape.lm_head()], rows) if rows else (0.0, 0.0)
 
 
-def all_reduces(dep: Deployment, tokens: int) -> OpCost:
-    """Two ring all-reduces of the hidden state per layer: each rank sends 2(tp-1)/tp of the message."""
+def link_costs(dep: Deployment, tokens: int) -> list[OpCost]:
+    """What the ranks' link costs an iteration: its all-reduces, and handing the step to the other ranks
+    where the link says that costs anything (a local link, measured)."""
     link = dep.hardware.link
     assert link is not None  # check_tp refuses tp > 1 without a link
-    message = tokens * dep.shape.config.hidden_size * DTYPE_BYTES[dep.dtype]
-    sent = 2 * (dep.tp - 1) / dep.tp * message
+    costs = [all_reduces(dep, tokens)]
+    if link.step_post_s:
+        costs.append(OpCost("step_post", 0.0, 0.0, link.step_post_s, "link"))
+    return costs
+
+
+def all_reduces(dep: Deployment, tokens: int) -> OpCost:
+    """Two ring all-reduces of the hidden state per layer."""
+    link = dep.hardware.link
+    assert link is not None
+    sent = ring_bytes_sent(tokens * dep.shape.config.hidden_size * DTYPE_BYTES[dep.dtype], dep.tp)
     count = ALL_REDUCES_PER_LAYER * dep.shape.num_layers
     return OpCost("all_reduce", 0.0, 0.0, count * (sent / link.bandwidth + link.latency_s), "link", count * sent)
 

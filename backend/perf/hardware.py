@@ -5,6 +5,9 @@ names the datasheet of each. Link bandwidths are per direction, the figure a rin
 at. Two numbers are not from datasheets and say so: `iteration_overhead_s` (scheduling, sampling and
 launch gaps of one engine step) and a link's `latency_s` (one small all-reduce); both are the order
 of magnitude CUDA-graph decoding and NCCL show, used so that tiny batches do not cost zero.
+`this-machine` has no link of its own; `link="gloo"` (or "nccl" between local GPUs) joins its ranks
+as kvscope's engine does, as processes on this host, with a latency and bandwidth measured by
+link_calibrate.py.
 
 The datasheet profiles assume kernels reach their roofs (efficiencies 1.0, no per-row or per-token
 cost), so their times are lower bounds. `this-machine` is an empirical roofline instead: its
@@ -25,7 +28,13 @@ DEFAULT_ITERATION_OVERHEAD_S = 50e-6  # assumed: one CUDA-graph replay plus samp
 class LinkProfile:
     name: str
     bandwidth: float  # bytes/s per direction
-    latency_s: float  # assumed per all-reduce, not a datasheet figure
+    latency_s: float  # per all-reduce: assumed for the datasheet links, measured for a local one
+    # Rank 0's cost of handing each step's input to the other ranks: kvscope's engine posts it through
+    # the rendezvous store (tp_group.py), round trips of ~0.1-1 ms measured on a CPU host. 0 for the
+    # datasheet links: the engines they stand for broadcast it through shared memory in microseconds.
+    step_post_s: float = 0.0
+    # Ranks as processes on one host (a measured link): any number of them, not a node's 1, 2, 4 or 8 GPUs.
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,19 +94,20 @@ DATASHEET: dict[str, HardwareProfile] = {h.name: h for h in (
 )}
 THIS_MACHINE = "this-machine"
 HARDWARE_NAMES = [*DATASHEET, THIS_MACHINE]
+LOCAL_LINKS = ("gloo", "nccl")  # torch.distributed's backends between ranks on this host: CPU, GPUs
 
 
-def get_hardware(name: str, link: str | None = None) -> HardwareProfile:
-    """A named profile (`this-machine`: calibrated once, then read from the cache); link overrides its link."""
+def get_hardware(name: str, link: str | None = None, ranks: int = 2) -> HardwareProfile:
+    """A named profile (`this-machine`: calibrated once, then read from the cache); link overrides its link
+    (`this-machine`'s local link is measured between `ranks` processes: their latency grows with their number)."""
     if name == THIS_MACHINE:
         from kvscope.backend.perf.calibrate import this_machine  # here: it imports torch, needed only for this name
 
         profile = profile_from(this_machine())
-    elif name in DATASHEET:
-        profile = DATASHEET[name]
-    else:
+        return profile if link is None else with_local_link(profile, link, ranks)
+    if name not in DATASHEET:
         raise unknown_name("hardware", name, HARDWARE_NAMES)
-    return profile if link is None else with_link(profile, link)
+    return DATASHEET[name] if link is None else with_link(DATASHEET[name], link)
 
 
 def profile_from(figures: dict) -> HardwareProfile:
@@ -106,6 +116,23 @@ def profile_from(figures: dict) -> HardwareProfile:
                            figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
                            figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}",
                            gemv_efficiency=figures["gemv_efficiency"], gemm_efficiency=figures["gemm_efficiency"])
+
+
+def link_from(figures: dict) -> LinkProfile:
+    """A local link from link_calibrate.py's measured figures."""
+    return LinkProfile(figures["backend"], figures["bandwidth"], figures["latency_s"], figures["step_post_s"],
+                       local=True)
+
+
+def with_local_link(profile: HardwareProfile, link: str, ranks: int = 2) -> HardwareProfile:
+    """`this-machine` with `ranks` ranks joined as kvscope joins them: processes on this host (measured once,
+    cached)."""
+    if link not in LOCAL_LINKS:
+        raise PerfError("link", f"this-machine's ranks are processes on this host, joined by "
+                                f"{' or '.join(LOCAL_LINKS)} (measured), not {link!r}")
+    from kvscope.backend.perf.link_calibrate import link_figures  # imports torch, as this-machine's figures do
+
+    return replace(profile, link=link_from(link_figures(link, ranks)))
 
 
 def with_link(profile: HardwareProfile, link: str) -> HardwareProfile:

@@ -21,7 +21,7 @@ def deployment(model_shape: str | ModelShape, hardware: str | HardwareProfile, t
                link: str | None = None) -> Deployment:
     """Resolve names (unknown ones raise a PerfError listing the valid names) into a Deployment."""
     shape = get_shape(model_shape) if isinstance(model_shape, str) else model_shape
-    hw = get_hardware(hardware, link) if isinstance(hardware, str) else hardware
+    hw = get_hardware(hardware, link, max(tp, 2)) if isinstance(hardware, str) else hardware
     return Deployment(shape, hw, tp, kv_cache_dtype, weight_quant, quant_group_size)
 
 
