@@ -62,20 +62,24 @@ def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig, says", [(signal.SIGKILL, "tensor-parallel rank 1 was killed by signal 9 during step 3"),
-                                       (signal.SIGSTOP, "tensor-parallel rank 1 stopped answering during step 3")])
-def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(demo, sig, says):
+@pytest.mark.parametrize("sig, world, victim, says", [
+    (signal.SIGKILL, 2, 1, "tensor-parallel rank 1 was killed by signal 9 during step 3"),
+    (signal.SIGSTOP, 2, 1, "tensor-parallel rank 1 stopped answering during step 3"),
+    # the ranks that lose a peer exit too: the one named is the one that failed
+    (signal.SIGKILL, 4, 3, "tensor-parallel rank 3 was killed by signal 9 during step 3"),
+])
+def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(demo, sig, world, victim, says):
     before = listening_ports()
-    engine = Engine(demo, EngineConfig(tensor_parallel=2, tensor_parallel_timeout_s=3, events="off"))
+    engine = Engine(demo, EngineConfig(tensor_parallel=world, tensor_parallel_timeout_s=3, events="off"))
     engine.add_request("long", "ROMEO:\n", 500, SamplingParams(temperature=0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    [worker] = engine.runner.ranks.processes
-    os.kill(worker.pid, sig)
+    workers = engine.runner.ranks.processes
+    os.kill(workers[victim - 1].pid, sig)
     with pytest.raises(RankFailed, match=says):
         for _ in range(100):
             engine.step()
-    assert worker.poll() is not None, "the failed rank is stopped (a stopped one killed)"
+    assert all(p.poll() is not None for p in workers), "every other rank is stopped (a stopped one killed)"
     with pytest.raises(RankFailed, match=says):
         engine.step()  # the engine stays failed: no step runs on half a model
     engine.close()

@@ -30,7 +30,7 @@ from kvscope.backend.engine.kv_cache import KVCache, kv_dtype_name
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.engine.tp_group import RankFailed, TPGroup, local_store, torchrun_env, torchrun_store
-from kvscope.backend.engine.tp_worker import SESSIONS, Session, WorkerSpec
+from kvscope.backend.engine.tp_worker import GROUP_FAILED, SESSIONS, Session, WorkerSpec
 from kvscope.backend.model.quant import weight_bytes
 from kvscope.backend.model.sharding import ShardPlan, connect, shard_config, shard_model, shard_plan
 from kvscope.backend.model.transformer import CausalLM
@@ -89,7 +89,9 @@ class TensorParallelRunner(ModelRunner):
 
     def _diagnose(self, step: int, error: RuntimeError) -> str:
         silent = self.group.silent()  # first: the beats it waits for also give a killed rank time to be reaped
-        for rank, code in self.ranks.dead():
+        dead = self.ranks.dead()
+        # A rank that lost a peer exits too (GROUP_FAILED): name the one that failed first, if it is among them.
+        for rank, code in [d for d in dead if d[1] != GROUP_FAILED] or dead:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             return f"tensor-parallel rank {rank} {how} during step {step}"
         if silent:

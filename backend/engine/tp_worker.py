@@ -32,6 +32,7 @@ from kvscope.backend.model.transformer import CausalLM
 
 SESSIONS = "kvscope/session"  # the store key of session n is f"{SESSIONS}/{n}"
 PARENT_POLL_S = 0.2
+GROUP_FAILED = 3  # a worker's exit status when it stopped because the group failed, not by its own fault
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,10 @@ def serve_sessions(store: dist.Store, rank: int, world: int, once: bool) -> int:
         store.set(f"{key}/joined/{rank}", "")  # rank 0 waits for these before it builds the group
         try:
             run_session(store, rank, world, Session(number, device, float(timeout_s), int(threads)))
-        except Exception as e:  # rank 0 failed or left: it reports the run; this rank only says why it stops
+        except Exception as e:  # the group failed (a rank or rank 0 left): rank 0 reports it; this rank says why it stops
             print(f"kvscope rank {rank}: stopped: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
                   file=sys.stderr)
-            return 1
+            return GROUP_FAILED
         if once:
             return 0
         number += 1
