@@ -593,6 +593,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") != "0":  # torchrun starts every rank with the command; rank 0 runs it
         from kvscope.backend.engine.tp_worker import torchrun_worker
 
-        return torchrun_worker()
+        torchrun_worker()
     args = build_parser().parse_args(argv)
     return run_command(args.func, args)

@@ -28,13 +28,22 @@ from kvscope.backend.server.manager import RunManager
 WAIT_S = 30.0
 
 
-def listening_ports() -> set[int]:
-    """The TCP ports in LISTEN state on this machine."""
+def listening_ports(pid: int | None = None) -> set[int]:
+    """The TCP ports process `pid` (default: this one) listens on."""
+    pid = pid or os.getpid()
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[8:-1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] == "0A":
+            if fields[3] == "0A" and fields[9] in sockets:
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
 
@@ -67,6 +76,7 @@ def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
     (signal.SIGSTOP, 2, 1, "tensor-parallel rank 1 stopped answering during step 3"),
     # the ranks that lose a peer exit too: the one named is the one that failed
     (signal.SIGKILL, 4, 3, "tensor-parallel rank 3 was killed by signal 9 during step 3"),
+    (signal.SIGSTOP, 4, 2, "tensor-parallel rank 2 stopped answering during step 3"),
 ])
 def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(demo, sig, world, victim, says):
     before = listening_ports()
@@ -93,7 +103,7 @@ def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
     workers = engine.runner.ranks.processes
     engine.close()
     engine.close()  # twice is fine
-    assert all(p.poll() == 0 for p in workers), "told to stop, the ranks exit cleanly"
+    assert [p.poll() for p in workers] == [0], "told to stop, the ranks exit cleanly"
     eventually(lambda: listening_ports() <= before, "the group's ports closed")
 
 
@@ -141,7 +151,6 @@ def test_sigterm_stops_every_rank_of_a_command(tmp_path):
     scenario.write_text("name: long\nmodel: demo\nengine: {tensor_parallel: 2, num_blocks: 128}\n"
                         "requests:\n  - {id: r, prompt: 'ROMEO:', max_tokens: 1000, "
                         "sampling: {temperature: 0, ignore_eos: true}}\n")
-    before = listening_ports()
     cmd = subprocess.Popen([sys.executable, "-m", "kvscope", "run", str(scenario)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
     try:
@@ -151,7 +160,6 @@ def test_sigterm_stops_every_rank_of_a_command(tmp_path):
         cmd.wait(WAIT_S)
         eventually(lambda: not Path(f"/proc/{rank}").exists() or
                    Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", "the rank is gone")
-        eventually(lambda: listening_ports() <= before, "no port left bound")
     finally:
         cmd.kill()
         cmd.wait()

@@ -30,6 +30,7 @@ HEARTBEAT_S = 0.2  # a worker's heartbeat period
 SILENCE_BEATS = 5  # a rank whose heartbeat is still for this many periods is named as the one that hangs
 WAIT_FOREVER = timedelta(days=365)  # a worker waits for its next step as long as rank 0 lives
 STORE_TIMEOUT = timedelta(seconds=60)  # connecting to the store
+STARTUP = timedelta(minutes=30)  # a rank waiting for its shard while rank 0 builds the others
 
 
 class RankFailed(RuntimeError):
@@ -102,10 +103,14 @@ class TPGroup:
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(self.device)
+        self.store.set(f"sending/{dst}", "")
         self.pg.send([torch.tensor([data.numel()], device=self.device)], dst, 0).wait()
         self.pg.send([data], dst, 1).wait()
 
     def recv_object(self, src: int = 0) -> object:
+        # Rank 0 builds the shards one after another (minutes for a big model): the wait for its turn is on
+        # the store, so that the transfer alone runs under the collective timeout.
+        self.store.wait([f"sending/{self.rank}"], STARTUP)
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.pg.recv([size], src, 0).wait()
         data = torch.empty(int(size), dtype=torch.uint8, device=self.device)

@@ -89,13 +89,17 @@ class TensorParallelRunner(ModelRunner):
 
     def _diagnose(self, step: int, error: RuntimeError) -> str:
         silent = self.group.silent()  # first: the beats it waits for also give a killed rank time to be reaped
-        dead = self.ranks.dead()
-        # A rank that lost a peer exits too (GROUP_FAILED): name the one that failed first, if it is among them.
-        for rank, code in [d for d in dead if d[1] != GROUP_FAILED] or dead:
+        dead = dict(self.ranks.dead())
+        # A rank that lost a peer exits too (GROUP_FAILED): the one to name died of something else, or hangs.
+        failed = [r for r, code in dead.items() if code != GROUP_FAILED]
+        hung = [r for r in silent if r not in dead]
+        if failed or not hung and dead:
+            rank = (failed or list(dead))[0]
+            code = dead[rank]
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             return f"tensor-parallel rank {rank} {how} during step {step}"
-        if silent:
-            return (f"tensor-parallel rank {silent[0]} stopped answering during step {step} (its heartbeat stopped; "
+        if hung:
+            return (f"tensor-parallel rank {hung[0]} stopped answering during step {step} (its heartbeat stopped; "
                     f"collectives wait {self.layout['timeout_s']:g} s)")
         return f"a collective of step {step} failed: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
@@ -161,6 +165,7 @@ def _rank_layout(plan: ShardPlan, shard: CausalLM, config, cache_args: dict) -> 
 
 _torchrun = {"next": 0, "lock": threading.Lock()}  # torchrun's worker ranks serve one session at a time
 JOIN_POLL_S = 0.05
+JOIN_TIMEOUT_S = 120.0  # a rank's interpreter starting and importing torch, on a busy machine
 
 
 def _open_group(world: int, device: torch.device, timeout_s: float) -> tuple[TPGroup, Ranks]:
@@ -186,7 +191,7 @@ def _open_group(world: int, device: torch.device, timeout_s: float) -> tuple[TPG
     key = f"{SESSIONS}/{session.number}"
     store.set(key, f"{session.device} {session.timeout_s} {session.threads}")
     try:
-        _wait_joined(store, key, ranks, world, timeout_s)
+        _wait_joined(store, key, ranks, world, JOIN_TIMEOUT_S)
         return TPGroup(dist.PrefixStore(session.prefix(), store), 0, world, device, timeout_s), ranks
     except Exception:
         ranks.stop()

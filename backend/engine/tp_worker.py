@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,10 +73,10 @@ def spawned_worker(argv: list[str]) -> int:
     return serve_sessions(store, rank, world, once=True)
 
 
-def torchrun_worker() -> int:
+def torchrun_worker() -> NoReturn:
     """The entry point of ranks 1..N-1 under torchrun (the CLI calls it instead of the command)."""
     rank, world = torchrun_env()
-    return serve_sessions(torchrun_store(), rank, world, once=False)
+    exit_now(serve_sessions(torchrun_store(), rank, world, once=False))
 
 
 def serve_sessions(store: dist.Store, rank: int, world: int, once: bool) -> int:
@@ -92,8 +93,8 @@ def serve_sessions(store: dist.Store, rank: int, world: int, once: bool) -> int:
             run_session(store, rank, world, Session(number, device, float(timeout_s), int(threads)))
         except Exception as e:  # the group failed (a rank or rank 0 left): rank 0 reports it; this rank says why it stops
             print(f"kvscope rank {rank}: stopped: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-                  file=sys.stderr)
-            return GROUP_FAILED
+                  file=sys.stderr, flush=True)
+            exit_now(GROUP_FAILED)
         if once:
             return 0
         number += 1
@@ -112,12 +113,14 @@ def run_session(store: dist.Store, rank: int, world: int, session: Session) -> N
     cache = KVCache(spec.cache_config, spec.num_blocks, spec.block_size, spec.dtype, device, spec.kv_dtype)
     runner = ModelRunner(model, cache, spec.attention)
     beating = threading.Event()
-    threading.Thread(target=_heartbeat, args=(group, beating), daemon=True).start()
+    heart = threading.Thread(target=_heartbeat, args=(group, beating), daemon=True)
+    heart.start()
     try:
         while (inp := group.receive()) is not None:
             runner.forward(inp)
     finally:
         beating.set()
+        heart.join()  # not left inside a store call while the store and the group are torn down
 
 
 def _heartbeat(group: TPGroup, stop: threading.Event) -> None:
@@ -142,5 +145,13 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def exit_now(status: int) -> None:
+    """End a worker process without the interpreter's teardown, whose order of C++ destructors (the store,
+    gloo's threads) can abort it (SIGABRT) and hide its status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(spawned_worker(sys.argv[1:]))
+    exit_now(spawned_worker(sys.argv[1:]))
