@@ -77,10 +77,10 @@ class TensorParallelRunner(ModelRunner):
         if self.failure is not None:
             raise RankFailed(self.failure)
         step = self.group.step
-        self.group.post(replace(inp, sampling=[], eos_ids=[]))  # workers need the batch, not how it samples
         try:
+            self.group.post(replace(inp, sampling=[], eos_ids=[]))  # workers need the batch, not how it samples
             return super().forward(inp)
-        except RuntimeError as e:  # a collective failed: find the rank, stop the others
+        except RuntimeError as e:  # a collective (or the store) failed: find the rank, stop the others
             e.__traceback__ = None  # its frames hold the failed collective, which holds the group's sockets
             self.failure = self._diagnose(step, e)
             self.ranks.grace_s = 0.0  # a hung rank is not waited for
