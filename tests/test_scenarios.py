@@ -33,6 +33,7 @@ LESSONS |= {"real-chat", "real-sampling"}
 LESSONS |= {"roofline"}
 LESSONS |= {"structured-output"}
 LESSONS |= {"quantized-weights"}
+LESSONS |= {"tensor-parallel"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -557,6 +558,46 @@ def test_quantized_weights_holds_the_files_int4_layers_and_the_comparison_states
              (("native", native), ("float32", floats), ("int8", int8))}
     common = {name: len(os.path.commonprefix([story[name], story["float32"]])) for name in ("native", "int8")}
     assert common["native"] >= 100 and common["int8"] < 40, common  # measured: 127 and 13 characters
+
+
+def test_tensor_parallel_halves_each_ranks_bytes_and_sums_the_halves_twice_per_layer():
+    """As the lesson says: rank 0 heads 0-3 and KV head 0, rank 1 heads 4-7 and KV head 1, half of each MLP,
+    the embedding on both; the same 4 blocks for a (3 tokens) and b (48) in one table; 1,536 bytes per token
+    per rank against 3,072, weights 10.6 against 19.3 MiB (the embedding 2 MiB); 12 all-reduces per step,
+    2 KiB each for the 2 decoding tokens; the same greedy text as one process. (Its times are measured,
+    not asserted here: bench/ and the lesson quote them.)"""
+    from kvscope.backend.events.compare import compare_rows
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.frontend.compare import AXES, override_of
+
+    two = run("tensor-parallel")
+    one = run("tensor-parallel", *(f"{k}={v}" for k, v in override_of(AXES["tensor_parallel"], 1).items()))
+    tp, model = two.header["tensor_parallel"], two.header["model"]
+    assert "tensor_parallel" not in one.header or one.header["tensor_parallel"] is None
+    assert (tp["size"], tp["embedding"], tp["lm_head"], tp["kv_heads_replicated"]) == (2, "replicated", "rank 0", False)
+    assert [(r["heads"], r["kv_heads"], r["intermediate"]) for r in tp["ranks"]] == \
+        [([0, 4], [0, 1], [0, 384]), ([4, 8], [1, 2], [384, 768])]
+    assert model["kv_bytes_per_token"] == one.header["model"]["kv_bytes_per_token"] // 2 == 1536
+    assert two.header["cache"]["bytes_per_block"] == 16 * 1536 == 24 * 1024
+
+    assert (two.prompt_len("a"), two.prompt_len("b")) == (3, 48)
+    cached = next(m for m in find_moments(two.events) if m.kind == "prompt_cached")
+    assert cached.blocks == (0, 1, 2, 3)
+    hidden = model["n_heads"] * model["head_dim"]
+    for it in two.iterations:  # each all-reduce sums every batched token's hidden vector, in float32
+        assert it["allreduce"]["count"] == 2 * model["n_layers"] == 12 and it["allreduce"]["ms"] > 0
+        assert it["allreduce"]["bytes"] == 12 * it["num_batched_tokens"] * hidden * 4
+    first_decode = next(it for it in two.iterations if all(b["phase"] == "decode" for b in it["batch"]))
+    assert first_decode["allreduce"]["bytes"] // 12 == 2 * 256 * 4 == 2048
+    assert not any("allreduce" in it for it in one.iterations)
+
+    records = [RunRecord.from_events(t.events) for t in (one, two)]
+    rows = {r.label: (r.a, r.b) for r in compare_rows(*records)}
+    assert rows["weights per rank"] == (19.3, 10.6) and rows["all-reduces per step"] == (0, 12)
+    embedding, total = model["vocab_size"] * hidden * 4, two.header["weights"]["bytes"]
+    halved = embedding + (total - embedding) / 2  # the layers halve; the embedding (and the norms' few KiB) stay whole
+    assert round(embedding / 2**20) == 2 and tp["ranks"][0]["weight_bytes"] == pytest.approx(halved, rel=0.01)
+    assert two.outputs == one.outputs
 
 
 def test_real_sampling_a_fact_is_sharp_and_a_story_flat_at_the_same_temperature():
