@@ -143,6 +143,11 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
         raise
     own = shard_model(model, plans[0], codes).to(device)
     del codes
+    try:  # the first step's time is the step's, not a worker still unpacking its shard
+        _wait_for(group.store, "ready", ranks, world, JOIN_TIMEOUT_S, "get ready")
+    except RankFailed:
+        _close(group, ranks)
+        raise
     connect(own, group.all_reduce)
     cache = KVCache(shard_config(config, plans[0]), device=device, **cache_args)
     layout = {"size": world, "backend": group.backend, "launcher": "spawn" if ranks.processes is not None else "torchrun",
@@ -191,21 +196,21 @@ def _open_group(world: int, device: torch.device, timeout_s: float) -> tuple[TPG
     key = f"{SESSIONS}/{session.number}"
     store.set(key, f"{session.device} {session.timeout_s} {session.threads}")
     try:
-        _wait_joined(store, key, ranks, world, JOIN_TIMEOUT_S)
+        _wait_for(store, f"{key}/joined", ranks, world, JOIN_TIMEOUT_S, "join")
         return TPGroup(dist.PrefixStore(session.prefix(), store), 0, world, device, timeout_s), ranks
     except Exception:
         ranks.stop()
         raise
 
 
-def _wait_joined(store: dist.Store, key: str, ranks: Ranks, world: int, timeout_s: float) -> None:
-    """Until every rank said it joined the session: a rank that exits first (a broken install, no memory)
-    or never comes is named now, not after the group's own wait."""
+def _wait_for(store: dist.Store, key: str, ranks: Ranks, world: int, timeout_s: float, what: str) -> None:
+    """Until every worker set f"{key}/{rank}": a rank that exits first (a broken install, no memory) or
+    never comes is named now, not after a collective's timeout."""
     deadline = time.monotonic() + timeout_s
     for r in range(1, world):
-        while not store.check([f"{key}/joined/{r}"]):
+        while not store.check([f"{key}/{r}"]):
             for rank, code in ranks.dead():
-                raise RankFailed(f"tensor-parallel rank {rank} exited with status {code} before it joined")
+                raise RankFailed(f"tensor-parallel rank {rank} exited with status {code} before it could {what}")
             if time.monotonic() > deadline:
-                raise RankFailed(f"tensor-parallel rank {r} did not join within {timeout_s:g} s")
+                raise RankFailed(f"tensor-parallel rank {r} did not {what} within {timeout_s:g} s")
             time.sleep(JOIN_POLL_S)

@@ -112,6 +112,7 @@ def run_session(store: dist.Store, rank: int, world: int, session: Session) -> N
     connect(model, group.all_reduce)
     cache = KVCache(spec.cache_config, spec.num_blocks, spec.block_size, spec.dtype, device, spec.kv_dtype)
     runner = ModelRunner(model, cache, spec.attention)
+    group.store.set(f"ready/{rank}", "")
     beating = threading.Event()
     heart = threading.Thread(target=_heartbeat, args=(group, beating), daemon=True)
     heart.start()
