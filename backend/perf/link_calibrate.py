@@ -107,7 +107,11 @@ def check_link(backend: str, world: int) -> str:
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    """A rank's device: GPU `rank` on CUDA, made current (NCCL binds its group to the current device)."""
+    if device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
 
 
 def ping(group: TPGroup, sizes: tuple[int, ...], repeats: int) -> list[float]:
