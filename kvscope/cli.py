@@ -547,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
     w.add_argument("--weight-quant", default="none", help="none, int8 or int4")
     w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
-    w.add_argument("--link", default=None, help="override the GPU's link: nvlink4, nvlink3, pcie5 or pcie4")
+    w.add_argument("--link", default=None, help="override the GPU's link: nvlink4, nvlink3, pcie5 or pcie4; "
+                                                "this-machine takes gloo (or nccl between its GPUs), measured once")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=cmd_whatif)
 
