@@ -61,7 +61,11 @@ def iterations(scenario: Scenario) -> list[dict]:
     events: list[dict] = []
     bus = EventBus(level="summary")
     bus.subscribe(lambda e: events.append(e) if e["type"] == "iteration" and e["batch"] else None)
-    ScenarioRun(scenario, bus).run()
+    run = ScenarioRun(scenario, bus)
+    try:
+        run.run()
+    finally:
+        run.engine.close()  # a tensor-parallel run's ranks stop now
     return events
 
 
@@ -104,14 +108,16 @@ def split_spec(spec: str) -> tuple[str, str]:
     return model, weights or "native"
 
 
-def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int, device: str = "auto") -> dict[str, float]:
+def measure_overheads(spec: str, dep: Deployment, tokens: int, repeats: int, device: str = "auto",
+                      tensor_parallel: int = 1) -> dict[str, float]:
     """Seconds of an iteration beyond its roofline time (fixed, per sequence, per token), fitted on a
-    calibration run."""
+    calibration run; at tensor_parallel N, beyond one rank's roofline and its link's all-reduces (`dep`
+    is then the sharded deployment)."""
     model, weights = split_spec(spec)
     scenario = Scenario.model_validate({
         "name": "overhead", "model": model,
         "engine": {"block_size": 16, "num_blocks": 256, "max_num_batched_tokens": 512, "events": "summary",
-                   "weights": weights, "device": device},
+                   "weights": weights, "device": device, "tensor_parallel": tensor_parallel},
         "requests": [{"id": f"r{i}", "arrival_step": 3 * i, "prompt_tokens": p, "max_tokens": tokens,
                       "sampling": {"temperature": 0.0, "ignore_eos": True}}
                      for i, p in enumerate(CALIBRATION_PROMPTS)]})

@@ -48,6 +48,8 @@ def test_a_quick_run_prints_each_step_measured_and_predicted_at_tp1_and_tp2(tmp_
     link = result["links"]["2"]
     assert link["backend"] == "gloo" and link["bandwidth"] > 0 and link["step_post_s"] > 0
     assert [d["tp"] for d in result["per_degree"]] == [1, 2] and "| demo | 2 |" in printed
+    assert all(math.isfinite(d["unfitted_median_abs_error"]) for d in result["per_degree"])
+    assert set(result["overhead_s"]) == {"demo TP=1", "demo TP=2"}, "the overheads are fitted at each degree"
     assert not (tmp_path / "cache/kvscope/link-gloo-2.json").exists(), "a smoke run does not replace the cached link"
 
 
