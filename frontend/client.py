@@ -4,8 +4,8 @@
 reads `WS /ws/runs/{id}` (a `type: snapshot` message, then events; a snapshot may come again at any
 time when the server resyncs us, or a replay seeks), keeps a `RunRecord` (the reducer's `RunState` and the
 `RunHistory` of the past, fed by one apply), the run's `Pacing` (paused, speed, lesson mode: the
-server's run's, not the reducer's) and a short log of recent events stamped with their receive time.
-Views read these on their own timers; they never see the websocket.
+server's run's, not the reducer's), the lesson moments found so far, and a short log of recent events
+stamped with their receive time. Views read these on their own timers; they never see the websocket.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
 from kvscope.backend.events.history import RunHistory
+from kvscope.backend.events.moments import Moment, MomentFinder
 from kvscope.backend.events.pacing import Pacing
 from kvscope.backend.events.record import RunRecord
 from kvscope.backend.events.state import SERVER_FIELDS, RunState
@@ -161,6 +162,10 @@ class RunFeed:
         self.version = 0  # +1 per event applied
         self.epoch = 0  # +1 per snapshot: views redraw fully
         self.log: deque[LogEntry] = deque(maxlen=log_size)
+        # Found here, as events arrive, and not by each page: a page's timer may fall behind the log,
+        # and a resync skips events, but lesson mode holds the run at every moment (frontend/lesson.py).
+        self.finder: MomentFinder | None = None
+        self.moments: list[Moment] = []  # every moment found, in order
         self.last_recv_ms = 0.0
         self.kind = "run"
         self.status = "connecting"
@@ -189,16 +194,35 @@ class RunFeed:
                 self.pacing.apply_control(message)
             self.version += 1
             self.log.append(LogEntry(self.version, recv_ms, message))
+            self.moments += self.finder.feed(message)
 
     def _resync(self, snapshot: dict) -> None:
         self.record = resynced_record(snapshot)
         self.pacing = Pacing.from_snapshot(snapshot)
         self.past = snapshot.get("past") or []
         self.kind = snapshot.get("kind", "run")
+        self._find_moments_from_snapshot()
         self.log.clear()
         self.epoch += 1
         self.version += 1
         self.status = "live"
+
+    def _find_moments_from_snapshot(self) -> None:
+        """A finder that has seen the run so far: fed the snapshot's past where it has one (a joining
+        finder knows no prompt lengths of requests that arrived before the snapshot, so it took the
+        first prefill chunk of a long prompt for a prompt wholly cached), else one joining mid-way.
+        At a resync the past holds the events the server skipped because we fell behind: the moments
+        they completed, and no other, are reported now, as if those events had come one by one, for
+        lesson mode holds the run at them."""
+        before, state = self.finder, self.record.state
+        if not self.past:  # a long run resyncs without its past: the moments it skipped are lost
+            self.finder = MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
+            if before is not None:
+                self.finder.found |= before.found  # a first is reported once
+            return
+        self.finder = MomentFinder()
+        found = [moment for event in self.past for moment in self.finder.feed(event)]
+        self.moments += [moment for moment in found if before is None or moment.kind not in before.found]
 
     @property
     def state(self) -> RunState | None:

@@ -3,8 +3,8 @@
 A scenario's lesson is a list of steps (backend/scenario.py: LessonStep), each shown at the start or
 at a moment kind (backend/events/moments.py). The pausing is the server's (backend/server/runs.py):
 a run in lesson mode holds itself after the iteration in which such a moment happened, so it stops
-exactly there at any speed, unpaced included. The guide feeds the same events, as they arrive, to
-the same pure MomentFinder; when a moment a step waits for completes, it rings the blocks concerned
+exactly there at any speed, unpaced included. The run's feed finds the same moments with the same
+pure MomentFinder (frontend/client.py); when a moment a step waits for completes, the guide rings the blocks concerned
 in the block pool, selects the request concerned (so every view highlights its row), outlines the
 views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
 mode on and off for everyone watching it. The `finished` step shows at the end whatever the switch,
@@ -20,8 +20,7 @@ from typing import Any
 
 from nicegui import ui
 
-from kvscope.backend.events.moments import VIEWS, Moment, MomentFinder
-from kvscope.backend.events.state import RunState
+from kvscope.backend.events.moments import VIEWS, Moment
 from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.lesson_question import LessonQuestion
 from kvscope.frontend.selection import Selection
@@ -76,8 +75,7 @@ class LessonGuide:
         self.shown: int | None = None  # index into steps of the step on screen
         self.moment: Moment | None = None  # the moment the run is paused at
         self.queue: list[tuple[int, Moment]] = []  # steps whose moments came while one was on screen
-        self.finder: MomentFinder | None = None
-        self.epoch, self.version = -1, 0
+        self.epoch, self.seen = -1, 0  # the feed's snapshot this card is set up for; its moments handled
         self.drawn_ticks = 0  # ticks since the page first had the run's state (step 0 drawn after two)
         self.focused: list[ui.element] = []
         self.selected_before: str | None = None
@@ -109,15 +107,9 @@ class LessonGuide:
             return
         if feed.epoch != self.epoch:
             self._join()
-            return
-        entries = feed.since(self.version)
-        if entries is None:  # fell behind the log: carry on from now
-            self._join()
-            return
-        self.version = feed.version
-        for entry in entries:
-            for moment in self.finder.feed(entry.event):
-                self._on_moment(moment)
+        for moment in feed.moments[self.seen:]:
+            self._on_moment(moment)
+        self.seen = len(feed.moments)
         if self.mode.value != feed.pacing.lesson:  # another viewer flipped it
             self.mode.set_value(feed.pacing.lesson)
         await self._start_when_drawn()
@@ -138,22 +130,14 @@ class LessonGuide:
             if feed.state.step < 0 and feed.pacing.paused:
                 await self._control("resume")
 
-    def _finder_at_join(self, state: RunState) -> MomentFinder:
-        """A finder that has seen the run so far: fed the snapshot's past where it has one (a joining
-        finder knows no prompt lengths of requests that arrived before the page, so it took the first
-        prefill chunk of a long prompt for a prompt wholly cached), else one joining mid-way."""
-        if not self.feed.past:
-            return MomentFinder.joining(state.cache.get("num_blocks"), state.step, state.seq_request)
-        finder = MomentFinder()
-        for event in self.feed.past:
-            finder.feed(event)  # moments already past are not paused at again
-        return finder
-
     def _join(self) -> None:
         self._name_cards()
         state = self.feed.state
-        self.epoch, self.version = self.feed.epoch, self.feed.version
-        self.finder = self._finder_at_join(state)
+        if self.epoch < 0:  # this page joins now: moments past are not paused at, but those the run is held at
+            moments, pacing = self.feed.moments, self.feed.pacing
+            held = pacing.lesson and pacing.paused and state.step >= 0
+            self.seen = next((i for i, m in enumerate(moments) if held and m.step == state.step), len(moments))
+        self.epoch = self.feed.epoch
         self.mode.set_value(self.feed.pacing.lesson)
         steps = lesson_steps(state.scenario)
         if steps != self.steps:
@@ -179,7 +163,8 @@ class LessonGuide:
 
     def _on_moment(self, moment: Moment) -> None:
         for i, step in enumerate(self.steps):  # the conclusion shows with lesson mode off too
-            if step["at"] == moment.kind and (self.mode.value or moment.kind == "finished"):
+            if step["at"] == moment.kind and (self.mode.value or moment.kind == "finished") \
+                    and all(j != i for j, _ in self.queue):
                 self.queue.append((i, moment))
 
     async def _stop_at(self, index: int, moment: Moment) -> None:

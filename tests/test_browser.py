@@ -428,6 +428,10 @@ def test_a_lesson_pause_rings_the_blocks_it_names_until_continue(page, backend_u
     step = api(backend_url, f"/api/runs/{run_id}")["step"]
     page.wait_for_timeout(1500)  # longer than any flash: the ring is not one
     assert canvas.get_attribute("data-ringed") == ringed and api(backend_url, f"/api/runs/{run_id}")["step"] == step
+    page.reload()  # a lecturer's reload while the lesson waits: the page shows the moment the run is held at
+    page.locator("[data-kv=lesson-continue]").wait_for()
+    assert "First preemption" in page.locator("[data-kv=lesson-progress]").inner_text()
+    page.wait_for_function("([el, ringed]) => el.dataset.ringed === ringed", arg=[canvas.element_handle(), ringed])
     page.locator("[data-kv=lesson-continue]").click()
     page.wait_for_function("([el, before]) => el.dataset.ringed !== before", arg=[canvas.element_handle(), ringed])
 

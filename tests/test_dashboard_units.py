@@ -14,6 +14,7 @@ from kvscope.backend.engine.engine import Engine
 from kvscope.backend.engine.sampler import final_distribution
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.moments import find_moments
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import validate
 from kvscope.frontend.app import run_label
@@ -152,6 +153,28 @@ def test_a_snapshot_with_its_past_takes_what_only_the_server_knows_from_the_snap
     feed.handle(snapshot)
     assert {name: getattr(feed.state, name) for name in SERVER_FIELDS} == {name: snapshot[name] for name in SERVER_FIELDS}
     assert feed.state.run_id == recorded[0]["run_id"]  # the rest is the past's, as a fresh replay has it
+
+
+def test_the_feed_finds_the_moments_a_resync_skipped_and_reports_each_first_once(recorded):
+    """The roofline lesson's page froze: the server resynced its slow page with a past that held the
+    moment lesson mode had paused the run at, and the page, taking that moment for history, never
+    showed it. Moments the skipped events completed are reported as if the events had come one by one."""
+    every = find_moments(recorded)
+    assert len(every) >= 4
+    cut = next(i for i, e in enumerate(recorded) if e.get("step", -1) > every[1].step)  # after the 2nd
+    live = RunFeed(None, "r")
+    live.handle({**snapshot_of(recorded[:1]), "past": recorded[:1]})
+    for e in recorded[1:cut]:
+        live.handle(e)
+    assert [m.kind for m in live.moments] == [m.kind for m in every[:2]]
+    end = next(i for i, e in enumerate(recorded) if e.get("step", -1) > every[3].step)  # the 3rd and 4th skipped
+    live.handle({**snapshot_of(recorded[:end]), "past": recorded[:end]})
+    for e in recorded[end:]:
+        live.handle(e)
+    assert live.moments == every  # each once, in order, the skipped ones included
+    joined = RunFeed(None, "r")  # a page joining at the end: every moment, for it to skip (or show the held one)
+    joined.handle({**snapshot_of(recorded), "past": recorded})
+    assert joined.moments == every
 
 
 def control(action: str, value: float | str | None = None, seq: int = 10_000) -> dict:
