@@ -218,7 +218,7 @@ class LessonGuide:
     def _highlight(self, moment: Moment) -> None:
         blocks = self.views.get("blocks")
         if blocks is not None and moment.blocks:
-            blocks.canvas.run_method("ring", list(moment.blocks))
+            blocks.ring(list(moment.blocks))
         if moment.request_ids:
             self.selected_before = self.selection.request_id
             self.selection.select_request(moment.request_ids[0])
@@ -233,7 +233,7 @@ class LessonGuide:
     def _clear(self) -> None:
         blocks = self.views.get("blocks")
         if blocks is not None:
-            blocks.canvas.run_method("ring", [])
+            blocks.ring([])
         for card in self.focused:
             card.classes(remove=FOCUS_CLASS)
         self.focused = []

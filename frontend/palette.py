@@ -28,6 +28,8 @@ KIND_LABELS = {"waiting": "waiting", "prefill": "prefill (chunk)", "decode": "de
                "verify": "verify (speculative)", "preempted": "preempted (waits to recompute)",
                "recompute": "recompute (no KV cache: the whole context again)"}
 BUDGET_COLOR = "#111827"  # the token budget line (max_num_batched_tokens)
+# Tensor parallelism: the time a step spent in its all-reduces (the timeline's band above the requests).
+ALLREDUCE_COLOR = "#334155"
 
 # Requests, by arrival order: greens, teals, yellows, browns and a magenta, each far (CIELAB
 # distance >= 25) from every phase and block-state colour, so none reads as one of them.
@@ -41,7 +43,7 @@ MANY_REQUESTS_COLOR = "#9aa5b1"  # one batch segment standing for many decoding 
 # The block pool: a block is free, free but still holding a cached prefix, or a request's colour.
 BLOCK_COLORS = {"free": "#eef1f5", "cached": "#bfe3d4", "shared": "#111827"}
 # What no request may look like.
-RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, *BLOCK_COLORS.values()})
+RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, ALLREDUCE_COLOR, *BLOCK_COLORS.values()})
 # Rings that flash on a block when an event touches it.
 FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626"}
 FLASH_LABELS = {"alloc": "allocate", "share": "share", "copy": "copy-on-write", "free": "free", "evict": "evict"}
@@ -75,6 +77,6 @@ def for_js() -> dict:
     """What the page's JavaScript draws with (window.KVSCOPE_COLORS)."""
     return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
             "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
-            "focus": FOCUS_COLOR,
+            "focus": FOCUS_COLOR, "allreduce": ALLREDUCE_COLOR,
             "mask": MASK_COLORS, "kindNames": list(KINDS), "kindLabels": [KIND_LABELS[kind] for kind in KINDS],
             "phases": list(SHOWN_PHASES)}

@@ -25,8 +25,7 @@ from kvscope.frontend.column import RunColumn, sync_zoom
 from kvscope.frontend.compare import AXES
 from kvscope.frontend.lesson import MOMENT_TITLES, LessonGuide
 from kvscope.frontend.new_run import MODELS
-from kvscope.frontend.views.block_pool import pool_bytes
-from kvscope.frontend.views.kv_calc import human
+from kvscope.frontend.views.block_pool import pool_bytes, pool_text
 from kvscope.frontend.views.live_text import LiveText
 
 SCALE_GROUP = "side-by-side"  # the block pools' common scale (block_pool.js)
@@ -81,11 +80,11 @@ def differences_html(rows: list[Row], titles: tuple[str, str]) -> str:
 def scale_notes(a: RunRecord, b: RunRecord) -> tuple[str, str]:
     """What each pool's caption says of the common scale: its bytes against the other's, so that a pool
     drawn smaller reads as less memory (MHA against GQA: same blocks, 4x the bytes)."""
-    sizes = [pool_bytes(r.state) for r in (a, b)]
-    if not all(sizes):
+    if not all(pool_bytes(r.state) for r in (a, b)):
         return "", ""  # no cache on one side: nothing to scale against
-    return tuple(f"drawn to scale with the other pool (equal area, equal bytes): {human(sizes[i])} here, "
-                 f"{human(sizes[1 - i])} there" for i in (0, 1))
+    sizes = [pool_text(r.state) for r in (a, b)]
+    return tuple(f"drawn to scale with the other pool (equal area, equal bytes): {sizes[i]} here, "
+                 f"{sizes[1 - i]} there" for i in (0, 1))
 
 
 def hold_text(titles: tuple[str, str], guides: list[LessonGuide], held: set[int]) -> str:

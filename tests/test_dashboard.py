@@ -636,7 +636,7 @@ async def test_seeking_a_replay_anywhere_shows_what_a_fresh_replay_stopped_there
         drawn = sorted(item for _, data in timeline.chunks.all() for item in data)
         chunks, last_t = Chunks("tl-", build=merge_runs), None
         for col in fresh.history.columns:
-            for item in column_items(col, last_t, fresh.history, None):
+            for item in column_items(col, last_t, fresh.history.rows, None):
                 chunks.add(col.step, item)
             last_t = col.t
         assert drawn == sorted(item for _, data in chunks.all() for item in data), f"timeline at {target}"

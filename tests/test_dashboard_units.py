@@ -867,7 +867,7 @@ def test_without_kv_cache_decode_steps_are_recomputes_everywhere(tiny, tmp_path)
     assert {b["phase"] for e in events if e["type"] == "iteration" for b in e["batch"]} == {"prefill", "decode"}
     recompute = [c for col in history.columns for c in col.scheduled if c.kind == "recompute"]
     assert min(c.tokens for c in recompute) > 24  # the whole context, every step
-    items = [item for col in history.columns for item in column_items(col, None, history, None)]
+    items = [item for col in history.columns for item in column_items(col, None, history.rows, None)]
     assert {item[3] for item in items} == {KINDS.index("prefill"), KINDS.index("recompute")}
     segments = [s for col in history.columns for s in column_segments(col, history)]
     assert {s[4] for s in segments} == {PHASE["prefill"], PHASE["recompute"]}

@@ -15,13 +15,13 @@ from pathlib import Path
 import nicegui
 import pytest
 
-from kvscope.backend.events.history import KINDS
+from kvscope.backend.events.history import KINDS, Column
 from kvscope.backend.phase import PHASES, SHOWN_PHASES
 from kvscope.frontend.app import head_html
-from kvscope.frontend.palette import (BLOCK_COLORS, FLASH_COLORS, FOCUS_COLOR, KIND_LABELS, PHASE_COLORS,
-                                      REQUEST_COLORS)
+from kvscope.frontend.palette import (ALLREDUCE_COLOR, BLOCK_COLORS, FLASH_COLORS, FOCUS_COLOR, KIND_LABELS,
+                                      PHASE_COLORS, REQUEST_COLORS)
 from kvscope.frontend.views.batch import FOCUS_NONE, FOCUS_OTHER, FOCUS_SELECTED, PHASE, merge_columns
-from kvscope.frontend.views.timeline import merge_runs
+from kvscope.frontend.views.timeline import allreduce_item, merge_runs
 from tests.test_browser import CHROMIUM, browser  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
@@ -187,6 +187,18 @@ def test_branch_lines_mark_forks_prunes_and_finishes(page):
     assert marks(-1, 0) == []
     assert marks(0, 1) == ["fork", "finished"]
     assert marks(0, 2) == ["fork", "prune", "prune"]
+
+
+def test_an_all_reduce_cell_fills_the_steps_share_and_its_tooltip_gives_the_figures(page):
+    """A tensor-parallel step of 20 ms, 15 of them in its 12 all-reduces: three quarters of its outline filled."""
+    step = Column(3, 1.0, 0.02, [], 2, 256, 4, {"count": 12, "bytes": 24576, "ms": 15.0})
+    item = allreduce_item(step, None)
+    outline, share = render(page, "allreduceCell", item)["children"]
+    assert outline["style"]["fill"] is None and share["style"]["fill"] == ALLREDUCE_COLOR
+    assert share["shape"]["width"] == pytest.approx(0.75 * outline["shape"]["width"])
+    tip = page.evaluate("(v) => kvscope.timelineTip({seriesId: 'ar-live', value: v})", item)
+    assert tip == ("<b>all-reduce</b> · iteration 3<br>15 ms of the step's 20 ms (75%)<br>12 all-reduces, 24.0 KiB "
+                   "summed<br>rank 0's time in them, waiting for the slower rank included")
 
 
 def test_a_mask_row_shows_cached_computed_and_masked_keys(page):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.frontend.palette import (BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS, FOCUS_COLOR, MANY_REQUESTS_COLOR,
+from kvscope.frontend.palette import (ALLREDUCE_COLOR, BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS, FOCUS_COLOR, MANY_REQUESTS_COLOR,
                               MASK_COLORS, PHASE_COLORS, SLOT_COLORS, SPEC_COLORS, TOKEN_MARK_COLORS, request_color)
 from kvscope.frontend.sampling_math import STAGE_LABELS
 from kvscope.frontend.views import attention, batch, block_pool, block_table, metrics, sampling, speculative, timeline
@@ -18,6 +18,9 @@ VIEWS = {
     "timeline": (timeline.legend_items(), [c for kind, c in PHASE_COLORS.items() if kind != "recompute"] + ["#111"]),
     "timeline without a KV cache": (timeline.legend_items(kv_cache=False),
                                     [c for kind, c in PHASE_COLORS.items() if kind != "decode"] + ["#111"]),
+    "timeline of a tensor-parallel run": (timeline.legend_items(allreduce=True),
+                                          [c for kind, c in PHASE_COLORS.items() if kind != "recompute"]
+                                          + ["#111", ALLREDUCE_COLOR]),
     "batch": (batch.legend_items(), [request_color(0), MANY_REQUESTS_COLOR, BUDGET_COLOR, SLOT_COLORS["used"],
                              SLOT_COLORS["idle"]]),
     "block pool": (block_pool.LEGEND + block_pool.RING_LEGEND,

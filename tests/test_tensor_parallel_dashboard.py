@@ -18,7 +18,11 @@ from kvscope.backend.events.state import RunState
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import load_scenario
 from kvscope.frontend.column import engine_summary
-from kvscope.frontend.side_by_side import side_titles
+from kvscope.frontend.palette import ALLREDUCE_COLOR
+from kvscope.frontend.side_by_side import scale_notes, side_titles
+from kvscope.frontend.views.block_pool import pool_text, rank_title
+from kvscope.frontend.views.kv_calc import current_model_text, memory_text
+from kvscope.frontend.views.timeline import allreduce_item, legend_items, recorded_clock
 
 
 def record(ranks: int) -> list[dict]:
@@ -68,4 +72,39 @@ def test_one_rank_against_two_the_row_gives_bytes_per_rank_and_the_all_reduces(r
     plain = [r.label for r in compare_rows(one, one)]  # two single-process runs: the rows as they always were
     assert "KV bytes per token" in plain and not [label for label in plain if "rank" in label]
     assert side_titles(one, two) == ("tensor-parallel ranks: 1", "tensor-parallel ranks: 2")
-    assert "tensor parallel over 2 ranks" in engine_summary(two.state.config, two.state.cache)
+    assert scale_notes(one, two)[1].endswith("2 × 1.5 MiB (a pool per rank) here, 3.0 MiB there")
+
+
+def test_the_band_is_each_steps_share_in_its_all_reduces_on_either_clock(runs):
+    two = RunRecord.from_events(runs[2]).history.columns[3]
+    step_ms = 1000 * two.duration_s
+    x0, x1, row, share, ms, step, count, size, shown_ms = allreduce_item(two, None)
+    assert (x0, x1, row, step, count) == (2.5, 3.5, 0, 3, 12)
+    assert (ms, size, shown_ms) == (two.allreduce["ms"], two.allreduce["bytes"], round(step_ms, 2))
+    assert share == round(min(1.0, ms / step_ms), 4)
+    seconds = allreduce_item(two, recorded_clock)
+    assert seconds[1] - seconds[0] == pytest.approx(two.duration_s, abs=1e-4) and seconds[1] == round(two.t, 4)
+    assert allreduce_item(RunRecord.from_events(runs[1]).history.columns[3], None) is None
+    assert (ALLREDUCE_COLOR, "all-reduce: rank 0's share of the step") in legend_items(allreduce=True)
+    assert ALLREDUCE_COLOR not in dict(legend_items())
+
+
+def test_a_ranks_strip_says_what_it_holds_and_the_calculator_the_whole_and_a_share(runs):
+    state, one = RunRecord.from_events(runs[2]).state, RunRecord.from_events(runs[1]).state
+    assert rank_title(state.ranks[1], 16, False) == \
+        "rank 1 · query heads 4–7 · KV head 1 · 24.0 KiB per block, 1.5 MiB in all"
+    mqa = {"rank": 1, "heads": [4, 8], "kv_heads": [0, 1], "kv_bytes_per_token": 1536, "kv_bytes": 1572864}
+    assert rank_title(mqa, 16, True).startswith("rank 1 · query heads 4–7 · KV head 0 (replicated) · ")
+    assert (pool_text(state), pool_text(one)) == ("2 × 1.5 MiB (a pool per rank)", "3.0 MiB")
+
+    text = current_model_text(state.model, state.cache, state.ranks)
+    assert "= **3,072 B per token** (6 layers × 128 values × 4 B)" in text
+    assert "rank 0 caches KV head 0: **1,536 B per token**, a block of 16 tokens = 24.0 KiB" in text
+    assert current_model_text(one.model, one.cache) == current_model_text(one.model, one.cache, one.ranks)
+    assert "= **3,072 B per token**" in current_model_text(one.model, one.cache)
+    memory = memory_text(state)
+    assert "split over 2 ranks: 10.6 MiB of weights on each (a share of every layer, the embedding replicated)" \
+        in memory and "1,536 B per token on each rank" in memory
+    assert "rank" not in memory_text(one)
+    assert engine_summary(state.config, state.cache).endswith(" · tensor parallel over 2 ranks")
+    assert "tensor parallel" not in engine_summary(one.config, one.cache)

@@ -58,8 +58,26 @@
       }
       return { type: "group", children: kids };
     },
+    // [x0, x1, row, share, ms, step, count, bytes, step ms]: one step's all-reduces (tensor parallelism), the
+    // step's extent outlined and the share of it rank 0 spent in them filled from its start
+    allreduceCell(params, api) {
+      const row = api.value(2);
+      const h = Math.max(api.size([0, 1])[1] * 0.5, 3);
+      const a = api.coord([api.value(0), row]), b = api.coord([api.value(1), row]);
+      const width = Math.max(b[0] - a[0] - 0.4, 0.8), y = a[1] - h / 2;
+      return { type: "group", children: [
+        { type: "rect", shape: { x: a[0], y, width, height: h },
+          style: { fill: null, stroke: colors.allreduce, opacity: 0.35, lineWidth: 1 } },
+        { type: "rect", shape: { x: a[0], y, width: Math.max(width * api.value(3), 0.8), height: h },
+          style: { fill: colors.allreduce } },
+      ] };
+    },
     timelineTip(p) {
       const v = p.value;
+      if (p.seriesId && p.seriesId.startsWith("ar-"))
+        return `<b>all-reduce</b> · iteration ${v[5]}<br>${+v[4].toFixed(1)} ms of the step's ${+v[8].toFixed(1)} ms ` +
+               `(${Math.round(v[3] * 100)}%)<br>${v[6]} all-reduces, ${(v[7] / 1024).toFixed(1)} KiB summed<br>` +
+               "rank 0's time in them, waiting for the slower rank included";
       if (p.seriesId === "branches") {
         const origin = v[5] >= 0 ? `forked from seq ${v[11]} at token ${v[9]}` : "first sequence";
         return `<b>${esc(v[8])}</b> · seq ${v[7]}<br>${origin}` + (v[10] ? `<br>ended: ${esc(v[10])}` : "");

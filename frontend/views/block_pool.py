@@ -13,6 +13,7 @@ from kvscope.backend.events.history import RunHistory
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import BLOCK_COLORS, FLASH_COLORS, FLASH_LABELS, FOCUS_COLOR, REQUEST_COLORS, request_color
 from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.kv_calc import human, span_text
 from kvscope.frontend.views.live_text import LiveText
 
 FREE, USED, CACHED = 0, 1, 2
@@ -35,6 +36,11 @@ reserved for tokens that do not exist yet (that is *paged attention*).
 
 Hover a block for its owners and how many of its token slots are filled; click it to select its
 request in the other views. While a request is selected its blocks are outlined and the others fade.
+
+With **tensor parallelism** (the model split over ranks, each a process) there is one strip per
+rank. One block table drives them all, so the same blocks light up in every strip: block 7 holds
+the same tokens on each rank, but each rank keeps only the keys and values of its own KV heads, so
+its block is a share of the bytes. Each strip's title says which heads the rank holds and its bytes.
 """
 
 STRIPES = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5px)"
@@ -63,6 +69,19 @@ def blocks_in_use(state: RunState) -> int:
 def pool_bytes(state: RunState) -> int:
     """The KV cache's bytes: blocks times bytes per block (none without a cache)."""
     return state.num_blocks * state.cache.get("bytes_per_block", 0) if state.kv_cache else 0
+
+
+def pool_text(state: RunState) -> str:
+    """The KV cache's bytes in words: one pool, or one per tensor-parallel rank."""
+    ranks = len(state.ranks)
+    return f"{ranks} × {human(pool_bytes(state))} (a pool per rank)" if ranks else human(pool_bytes(state))
+
+
+def rank_title(rank: dict, block_size: int, replicated: bool) -> str:
+    """A rank's strip title: the heads it computes, the KV heads its pool holds, and that pool's bytes."""
+    kv = span_text("KV head", rank["kv_heads"]) + (" (replicated)" if replicated else "")
+    return (f"rank {rank['rank']} · {span_text('query head', rank['heads'])} · {kv} · "
+            f"{human(rank['kv_bytes_per_token'] * block_size)} per block, {human(rank['kv_bytes'])} in all")
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
@@ -105,30 +124,67 @@ class BlockPoolView(FeedView):
 
     def __init__(self, feed: RunFeed, selection: Selection, height: str = "260px") -> None:
         self.selection = selection
+        self.height = height
+        self.scale_group: str | None = None  # side by side: the pools drawn to one scale (block_pool.js)
         with view_card("Block pool (KV cache)", EXPLANATION, "w-full") as self.card:
             self.caption = LiveText().classes("kv-caption")
-            self.canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark("block-pool") \
-                .props("data-kv=block-pool")
+            self.strips = ui.column().classes("w-full gap-1")
             legend(LEGEND)
             legend(RING_LEGEND)
-        self.canvas.on("hover", self._on_hover, ["block"])
-        self.canvas.on("pick", self._on_pick, ["block"])
+        self.rank_titles: list[ui.label] = []
+        self.canvases = self._build_strips([])
         selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw
         super().__init__(feed)
         self.scale_note = ""  # side by side: how this pool's drawn area compares with the other's
         self.changes_sent = 0  # cells sent as deltas, for tests
         self.picked_sent: list[int] = []  # blocks last sent marked as the selected request's, for tests
 
+    def _build_strips(self, ranks: list[dict]) -> list[BlockPoolCanvas]:
+        """A canvas per rank, each under its title, sharing the card's height; one untitled canvas for a single
+        process. Rank 0's canvas is the `block-pool` every test and lesson ring finds."""
+        self.strips.clear()
+        self.rank_titles = []
+        canvases = []
+        height = f"calc({self.height} / {len(ranks)})" if ranks else self.height
+        with self.strips:
+            for i in range(max(len(ranks), 1)):
+                if ranks:
+                    self.rank_titles.append(ui.label("").classes("kv-caption kv-rank-title").mark("block-pool-rank")
+                                            .props("data-kv=block-pool-rank"))
+                mark = "block-pool" if i == 0 else f"block-pool-rank-{i}"
+                canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark(mark).props(f"data-kv={mark}")
+                if self.scale_group:
+                    canvas.props(f"scale-group={self.scale_group}")
+                canvas.on("hover", lambda e, c=canvas, r=i: self._on_hover(e, c, r), ["block"])
+                canvas.on("pick", self._on_pick, ["block"])
+                canvases.append(canvas)
+        return canvases
+
+    def _show_ranks(self, state: RunState) -> None:
+        """Strips for the run's ranks (built again only when their number changes), titled with what each holds."""
+        if len(self.canvases) != max(len(state.ranks), 1):
+            self.canvases = self._build_strips(state.ranks)
+        replicated = bool((state.tensor_parallel or {}).get("kv_heads_replicated"))
+        for title, rank in zip(self.rank_titles, state.ranks):
+            title.set_text(rank_title(rank, state.cache.get("block_size", 0), replicated))
+
+    def ring(self, blocks: list[int]) -> None:
+        """Lesson mode's lasting rings, on every rank's strip (the same blocks on each)."""
+        for canvas in self.canvases:
+            canvas.run_method("ring", blocks)
+
     def full(self) -> bool:
         state, history, selected = self.feed.state, self.feed.history, self.selection.request_id
+        self._show_ranks(state)
         free = set(state.free_blocks)
         cells = [cell_of(state, history, free, b, selected) if state.kv_cache else (FREE, 0, 0)
                  for b in range(state.num_blocks)]
         self.picked_sent = [b for b, c in enumerate(cells) if c[2] & PICKED]
-        self.canvas.run_method("reset", {"state": [c[0] for c in cells], "color": [c[1] for c in cells],
-                                         "marks": [c[2] for c in cells], "focus": selected is not None,
-                                         "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]},
-                               self.stamp_args())
+        full = {"state": [c[0] for c in cells], "color": [c[1] for c in cells], "marks": [c[2] for c in cells],
+                "focus": selected is not None, "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]}
+        meta = self.stamp_args()
+        for canvas in self.canvases:
+            canvas.run_method("reset", full, meta)
         self._caption()
         return True
 
@@ -151,14 +207,19 @@ class BlockPoolView(FeedView):
         selected = self.selection.request_id
         changes = [[b, *cell_of(state, history, free, b, selected), kind] for b, kind in flashes.items()
                    if b < state.num_blocks]
-        self.canvas.run_method("apply", changes, self.stamp_args())
+        meta = self.stamp_args()
+        for canvas in self.canvases:
+            canvas.run_method("apply", changes, meta)
         self.changes_sent += len(changes)
         self._caption()
         return True
 
     def draw_to_scale(self, group: str) -> None:
-        """Share one scale (bytes per px²) with the other pools of `group` (before the page is sent)."""
-        self.canvas.props(f"scale-group={group}")
+        """Share one scale (bytes per px²) with the other pools of `group` (before the page is sent); a rank's
+        strip is one pool of the group, drawn by its own bytes."""
+        self.scale_group = group
+        for canvas in self.canvases:
+            canvas.props(f"scale-group={group}")
 
     def set_scale_note(self, note: str) -> None:
         if note != self.scale_note:
@@ -182,12 +243,20 @@ class BlockPoolView(FeedView):
             text += f" · {selected}: {len({b for s in seqs for b in state.block_tables.get(s, ())})} blocks"
         if state.draft_seqs:
             text += f" · draft model {sum(len(state.block_tables.get(s, ())) for s in state.draft_seqs)}"
+        if state.ranks:
+            text += f" · one block table for {len(state.ranks)} ranks: the same blocks on each"
         self.caption.set(f"{text} · {self.scale_note}" if self.scale_note else text)
 
-    def _on_hover(self, e: GenericEventArguments) -> None:
-        block = int(e.args["block"])
-        if self.feed.state is not None:
-            self.canvas.run_method("tip", block, describe_block(self.feed.state, self.feed.history, block))
+    def _on_hover(self, e: GenericEventArguments, canvas: BlockPoolCanvas, rank: int) -> None:
+        block, state = int(e.args["block"]), self.feed.state
+        if state is None:
+            return
+        tip = describe_block(state, self.feed.history, block)
+        if rank < len(state.ranks):
+            held = state.ranks[rank]
+            tip += (f"<br>on rank {rank}: {span_text('KV head', held['kv_heads'])} of these tokens, "
+                    f"{human(held['kv_bytes_per_token'] * state.cache.get('block_size', 0))}")
+        canvas.run_method("tip", block, tip)
 
     def _on_pick(self, e: GenericEventArguments) -> None:
         state = self.feed.state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nicegui import ui
@@ -28,6 +29,10 @@ An **int8** cache stores each value in one byte plus one float32 **scale** per t
 
 Multiply by the context length and the number of sequences for the memory a batch needs; this is
 what limits batch size and context length on a real GPU.
+
+Split over **tensor-parallel** ranks, each rank caches only its own KV heads (N_kv / ranks of them;
+with fewer KV heads than ranks, each head is copied to several), so its bytes per token shrink with
+the ranks, and so do its weights: a share of every layer, while the embedding stays whole on each.
 """
 
 @dataclass
@@ -71,6 +76,12 @@ def human(n: float) -> str:
     return f"{n:.1f}"
 
 
+def span_text(name: str, span: list[int]) -> str:
+    """A tensor-parallel rank's [start, end) of heads in words: "KV head 1", "query heads 4–7"."""
+    start, end = span
+    return f"{name} {start}" if end - start == 1 else f"{name}s {start}–{end - 1}"
+
+
 def inputs_from_header(model: dict, cache: dict) -> KvInputs:
     formula = cache.get("formula") or {}
     variant = model.get("attention", "gqa")
@@ -112,27 +123,44 @@ def draft_text(draft: dict | None) -> str:
             f"per token, {human(draft.get('bytes_per_block', 0))} per block")
 
 
+def ranks_text(state: RunState) -> str:
+    """What each tensor-parallel rank holds of the weights ("" for one process)."""
+    if not state.ranks:
+        return ""
+    embedding = (state.tensor_parallel or {}).get("embedding", "replicated")
+    return (f"split over {len(state.ranks)} ranks: {human(state.ranks[0]['weight_bytes'])} of weights on each "
+            f"(a share of every layer, the embedding {embedding})")
+
+
 def memory_text(state: RunState) -> str:
-    """Weights, KV dtype and the draft model of a run, in one line (metrics view, calculator)."""
+    """Weights, ranks, KV dtype and the draft model of a run, in one line (metrics view, calculator)."""
     if not state.model:
         return ""
-    parts = (weights_text(state.weights), kv_dtype_text(state.model, state.cache), draft_text(state.draft_model))
+    kv = kv_dtype_text(state.model, state.cache) + (" on each rank" if state.ranks else "")
+    parts = (weights_text(state.weights), ranks_text(state), kv, draft_text(state.draft_model))
     return " · ".join(p for p in parts if p)
 
 
-def current_model_text(model: dict, cache: dict) -> str:
-    """The header's own numbers: formula, bytes per token, per block and for the whole pool."""
+def current_model_text(model: dict, cache: dict, ranks: Sequence[dict] = ()) -> str:
+    """The header's own numbers: formula, bytes per token, per block and for the whole pool; under tensor
+    parallelism the cache's figures are rank 0's and the formula the whole model's, so both are said."""
     formula = cache.get("formula") or {}
     per_token = model.get("kv_bytes_per_token", 0)
     per_block, n = cache.get("bytes_per_block", 0), cache.get("num_blocks", 0)
     values = formula.get("values_per_token_per_layer")
     detail = f" ({formula.get('n_layers')} layers × {values} values × {formula.get('bytes_per_value')} B)" \
         if values else ""
-    return (f"**{model.get('name', '?')}** ({model.get('attention', '?').upper()}, {model.get('n_heads')} query / "
+    whole = formula["n_layers"] * values * formula["bytes_per_value"] + formula.get("scale_bytes_per_token", 0) \
+        if values and ranks else per_token
+    head = (f"**{model.get('name', '?')}** ({model.get('attention', '?').upper()}, {model.get('n_heads')} query / "
             f"{model.get('n_kv_heads')} KV heads, head dim {model.get('head_dim')}, {model.get('dtype')}): "
-            f"`{formula.get('text', '2 x L x N_kv x D_h x bytes')}` = **{per_token:,} B per token**{detail}; "
-            f"a block of {cache.get('block_size')} tokens = {human(per_block)}; "
-            f"the pool of {n} blocks = {human(per_block * n)}.")
+            f"`{formula.get('text', '2 x L x N_kv x D_h x bytes')}` = **{whole:,} B per token**{detail}; ")
+    if not ranks:
+        return head + f"a block of {cache.get('block_size')} tokens = {human(per_block)}; " \
+                      f"the pool of {n} blocks = {human(per_block * n)}."
+    return head + (f"split over {len(ranks)} ranks, rank 0 caches {span_text('KV head', ranks[0]['kv_heads'])}: "
+                   f"**{per_token:,} B per token**, a block of {cache.get('block_size')} tokens = {human(per_block)}, "
+                   f"its pool of {n} blocks = {human(per_block * n)}; every rank holds a pool like it.")
 
 
 class KvCalculatorView(FeedView):
@@ -166,7 +194,7 @@ class KvCalculatorView(FeedView):
         state = self.feed.state
         if not state.model:
             return False
-        self.model_text.set_content(current_model_text(state.model, state.cache))
+        self.model_text.set_content(current_model_text(state.model, state.cache, state.ranks))
         self.memory.set_text(memory_text(state))
         self.load_model()
         return True

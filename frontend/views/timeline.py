@@ -10,11 +10,11 @@ from nicegui.events import EChartPointClickEventArguments
 
 from kvscope.backend.events.state import RunState, SeqView
 from kvscope.frontend.client import LogEntry, RunFeed
-from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column, RunHistory
+from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column
 from kvscope.frontend.grammar_position import tagged
 from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.selection import Selection
-from kvscope.frontend.palette import KIND_LABELS, PHASE_COLORS
+from kvscope.frontend.palette import ALLREDUCE_COLOR, KIND_LABELS, PHASE_COLORS
 from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from kvscope.frontend.views.charts import make_chart
 from kvscope.frontend.views.chunks import Chunks
@@ -33,6 +33,11 @@ as thin lines inside its row: each **fork** branches from its parent at the iter
 the sliders to zoom; switch the x axis between iterations, seconds (the recorded engine time) and
 seconds **modelled** on the hardware picked above the views: each iteration's batch priced by the
 roofline cost model (see the roofline chart), as if this run had been served there.
+
+A **tensor-parallel** run (the model split over ranks) has an **all-reduce** band above the requests:
+every layer ends its attention and its MLP by summing the ranks' partial outputs, and the filled part
+of each step's outline is the time rank 0 spent in those sums (waiting for the slower rank included).
+Hover it for the milliseconds, the count and the bytes. The modelled axis leaves it out: it was measured here.
 """
 
 CELL_SERIES = {
@@ -45,15 +50,21 @@ BRANCH_SERIES = {
     "id": "branches", "type": "custom", "renderItem": Js("kvscope.branchLine"), "encode": {"x": [0, 1], "y": 2},
     "clip": True, "animation": False, "z": 4,
 }  # fmt: skip
+BAND_SERIES = {
+    "type": "custom", "renderItem": Js("kvscope.allreduceCell"), "encode": {"x": [0, 1], "y": 2},
+    "clip": True, "animation": False, "z": 3,
+}  # fmt: skip
+BAND_LABEL = "all-reduce"  # the band's row, first on the y axis
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
 
 
-def legend_items(kv_cache: bool = True) -> list[tuple[str, str]]:
+def legend_items(kv_cache: bool = True, allreduce: bool = False) -> list[tuple[str, str]]:
     """(colour, label) of the timeline's legend: the phases (recompute instead of decode without a
-    KV cache), then the marks."""
+    KV cache), the all-reduce band of a tensor-parallel run, then the marks."""
     hidden = "recompute" if kv_cache else "decode"
     phases = [(PHASE_COLORS[kind], label) for kind, label in KIND_LABELS.items() if kind != hidden]
-    return [*phases, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
+    band = [(ALLREDUCE_COLOR, "all-reduce: rank 0's share of the step")] if allreduce else []
+    return [*phases, *band, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
 
 
 def request_cells(cells: list[Cell]) -> list[Cell]:
@@ -76,23 +87,39 @@ def recorded_clock(col: Column) -> tuple[float, float]:
     return col.t, col.duration_s
 
 
-def column_items(col: Column, prev_t: float | None, history: RunHistory, clock: Clock | None) -> list[list[Any]]:
+def column_span(col: Column, clock: Clock | None) -> tuple[float, float]:
+    """An iteration's extent on x: its own duration by `clock`, else one unit centred on its step."""
+    if clock is None:
+        return col.step - 0.5, col.step + 0.5
+    t, duration = clock(col)
+    return t - duration, t
+
+
+def column_items(col: Column, prev_t: float | None, rows: dict[str, int], clock: Clock | None) -> list[list[Any]]:
     """Data items [x0, x1, row, kind, tokens, step, request_id] of one iteration; x in iterations, or
     in seconds by `clock` (a waiting cell spans the gap since the previous iteration too)."""
     items = []
-    t, duration = clock(col) if clock is not None else (0.0, 0.0)
+    x0, x1 = column_span(col, clock)
     for cell in request_cells(col.cells):
-        if clock is not None:
-            waiting = cell.kind in ("waiting", "preempted")
-            x0 = (prev_t if prev_t is not None else t - duration) if waiting else t - duration
-            x1 = t
-        else:
-            x0, x1 = col.step - 0.5, col.step + 0.5
-        row = history.rows.get(cell.request_id)
+        waiting = clock is not None and prev_t is not None and cell.kind in ("waiting", "preempted")
+        row = rows.get(cell.request_id)
         if row is not None:
-            items.append([round(x0, 4), round(x1, 4), row, KINDS.index(cell.kind), cell.tokens, col.step,
-                          cell.request_id])
+            items.append([round(prev_t if waiting else x0, 4), round(x1, 4), row, KINDS.index(cell.kind), cell.tokens,
+                          col.step, cell.request_id])
     return items
+
+
+def allreduce_item(col: Column, clock: Clock | None) -> list[Any] | None:
+    """[x0, x1, row, share, ms, step, count, bytes, step ms] of a tensor-parallel step's all-reduces (row 0, the
+    band's): the share of the step (its recorded duration) that rank 0 spent in them; None for a step without any."""
+    if col.allreduce is None:
+        return None
+    x0, x1 = column_span(col, clock)
+    step_ms = 1000 * col.duration_s
+    ms = col.allreduce["ms"]
+    share = min(1.0, ms / step_ms) if step_ms > 0 else 0.0
+    return [round(x0, 4), round(x1, 4), 0, round(share, 4), ms, col.step, col.allreduce["count"],
+            col.allreduce["bytes"], round(step_ms, 2)]
 
 
 def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
@@ -163,6 +190,8 @@ class TimelineView(FeedView):
         self.axis = "iterations"  # or "seconds" (recorded), or "modelled" (on the chosen hardware)
         self.clock: Clock | None = None  # the clock of the current drawing (None: iterations)
         self.chunks = Chunks("tl-", build=merge_runs)
+        self.band_chunks = Chunks("ar-")  # the all-reduce band's items, one per step (no two are alike)
+        self.band = False  # a tensor-parallel run's all-reduce band is drawn (first row)
         self.last_step = -10**9
         self.last_t: float | None = None
         self.rows_sent = 0
@@ -222,14 +251,19 @@ class TimelineView(FeedView):
     # -- drawing ---------------------------------------------------------------------------------
 
     def full(self) -> bool:
-        self.legend.set_content(legend_html(legend_items(self.feed.state.kv_cache)))
-        self.chunks.clear()
+        state = self.feed.state
         self.clock = self._choose_clock()
+        # measured time has no place on the modelled axis: the cost model prices its own communication
+        self.band = state.tensor_parallel is not None and self.axis != "modelled"
+        self.legend.set_content(legend_html(legend_items(state.kv_cache, self.band)))
+        self.chunks.clear()
+        self.band_chunks.clear()
         self.step_t = {}
         self.last_step, self.last_t, self.rows_sent, self.ttft_sent, self.branches_sent = -10**9, None, 0, [], []
         self._add_columns(self.feed.history.columns)
         option = self._axes(force=True)
         option["series"] = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.all()]
+        option["series"] += [{**BAND_SERIES, "id": sid, "data": data} for sid, data in self.band_chunks.all()]
         option["series"].append(self._ttft_series(force=True) or {"id": "ttft", "type": "scatter", "data": []})
         option["series"].append(self._branch_series(force=True))
         self.push(self.chart, option, replace_series=True)
@@ -243,6 +277,7 @@ class TimelineView(FeedView):
         self._add_columns(new)
         option = self._axes()
         series = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.take_dirty()]
+        series += [{**BAND_SERIES, "id": sid, "data": data} for sid, data in self.band_chunks.take_dirty()]
         series += [extra for extra in (self._ttft_series(), self._branch_series()) if extra]
         if series:
             option["series"] = series
@@ -251,12 +286,21 @@ class TimelineView(FeedView):
         self.push(self.chart, option)
         return True
 
+    def rows(self) -> dict[str, int]:
+        """Each request's row on the y axis: its arrival order, after the all-reduce band when there is one."""
+        rows = self.feed.history.rows
+        return {rid: row + 1 for rid, row in rows.items()} if self.band else rows
+
     def _add_columns(self, columns: list[Column]) -> None:
+        rows = self.rows()
         for col in columns:
             if col.step <= self.last_step:
                 continue
-            for item in column_items(col, self.last_t, self.feed.history, self.clock):
+            for item in column_items(col, self.last_t, rows, self.clock):
                 self.chunks.add(col.step, item)
+            band = allreduce_item(col, self.clock) if self.band else None
+            if band is not None:
+                self.band_chunks.add(col.step, band)
             t = self.clock(col)[0] if self.clock is not None else col.t
             self.last_step, self.last_t = col.step, t
             self.step_t[col.step] = t
@@ -266,7 +310,7 @@ class TimelineView(FeedView):
         rows = self.feed.history.rows
         if force or len(rows) != self.rows_sent:
             self.rows_sent = len(rows)
-            self.labels_sent = row_labels(rows, self.selection.request_id, self.feed.state)
+            self.labels_sent = [BAND_LABEL] * self.band + row_labels(rows, self.selection.request_id, self.feed.state)
             option["yAxis"] = {"data": self.labels_sent}
         if force:
             label = Js("kvscope.seconds") if self.clock is not None else Js(INTEGER_LABELS[":formatter"])
@@ -285,11 +329,11 @@ class TimelineView(FeedView):
         return "iteration"
 
     def _ttft_series(self, force: bool = False) -> dict | None:
-        state, history = self.feed.state, self.feed.history
+        state, history, rows = self.feed.state, self.feed.history, self.rows()
         t_of = self.step_t if self.clock is not None else None
         data = []
         for rid, view in state.requests.items():
-            if view.first_token_step is None or rid not in history.rows:
+            if view.first_token_step is None or rid not in rows:
                 continue
             x = t_of.get(view.first_token_step) if t_of is not None else view.first_token_step
             if x is None:
@@ -297,7 +341,7 @@ class TimelineView(FeedView):
             seconds = history.engine_ttft(view.arrival_step, view.first_token_step)
             ttft = f"{seconds * 1000:.0f} ms of engine time" if seconds is not None else \
                 f"{view.first_token_step - view.arrival_step} iterations after arrival"
-            data.append([round(x, 4), history.rows[rid], rid, ttft])
+            data.append([round(x, 4), rows[rid], rid, ttft])
         if not force and data == self.ttft_sent:
             return None
         self.ttft_sent = data
@@ -305,7 +349,7 @@ class TimelineView(FeedView):
                 "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
 
     def _branch_series(self, force: bool = False) -> dict | None:
-        data = branch_items(self.feed.state, self.feed.history.rows, self.step_t if self.clock is not None else None)
+        data = branch_items(self.feed.state, self.rows(), self.step_t if self.clock is not None else None)
         if not force and data == self.branches_sent:
             return None
         self.branches_sent = data
