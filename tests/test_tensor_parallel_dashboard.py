@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from matplotlib.figure import Figure
 
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.compare import compare_rows
@@ -18,6 +20,9 @@ from kvscope.backend.events.state import RunState
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import load_scenario
 from kvscope.frontend.column import engine_summary
+from kvscope.frontend.export.perfetto import perfetto_trace
+from kvscope.frontend.export.replayed import replay
+from kvscope.frontend.export.timeline import TimelineArtists
 from kvscope.frontend.palette import ALLREDUCE_COLOR
 from kvscope.frontend.side_by_side import scale_notes, side_titles
 from kvscope.frontend.views.block_pool import pool_text, rank_title
@@ -87,6 +92,29 @@ def test_the_band_is_each_steps_share_in_its_all_reduces_on_either_clock(runs):
     assert allreduce_item(RunRecord.from_events(runs[1]).history.columns[3], None) is None
     assert (ALLREDUCE_COLOR, "all-reduce: rank 0's share of the step") in legend_items(allreduce=True)
     assert ALLREDUCE_COLOR not in dict(legend_items())
+
+
+def test_the_exported_timeline_and_perfetto_trace_carry_the_all_reduces(runs):
+    """The timeline picture (still and GIF frames) has the page's band, the Perfetto trace each step's figures."""
+    iterations = [e for e in runs[2] if e["type"] == "iteration"]
+    run, ax = replay(runs[2]), Figure().add_subplot()
+    artists = TimelineArtists(ax, run)
+    artists.show(3)  # a GIF frame: the band so far
+    assert len(artists.band_steps.get_paths()) == len(artists.band_shares.get_paths()) == 4
+    artists.show(run.last)
+    widths = [np.ptp(path.vertices[:, 0]) for path in artists.band_shares.get_paths()]
+    assert widths == pytest.approx([min(1.0, e["allreduce"]["ms"] / (1000 * e["duration_s"])) for e in iterations])
+    assert [t.get_text() for t in ax.get_yticklabels()][0] == "all-reduce"
+    one_ax = Figure().add_subplot()
+    one = TimelineArtists(one_ax, replay(runs[1]))
+    one.show(3)
+    assert not one.band and not one.band_steps.get_paths() and "all-reduce" not in [t.get_text() for t in one_ax.get_yticklabels()]
+    trace = perfetto_trace(run)["traceEvents"]
+    steps = [e for e in trace if e["ph"] == "X" and e["tid"] == 0]
+    assert [(e["args"]["allreduce_count"], e["args"]["allreduce_ms"]) for e in steps] == \
+        [(12, e["allreduce"]["ms"]) for e in iterations]
+    assert sum(e["ph"] == "C" and e["name"].startswith("allreduce") for e in trace) == len(iterations)
+    assert not any("allreduce" in e["name"] for e in perfetto_trace(replay(runs[1]))["traceEvents"])
 
 
 def test_a_ranks_strip_says_what_it_holds_and_the_calculator_the_whole_and_a_share(runs):

@@ -218,3 +218,38 @@ def test_a_served_run_past_the_rank_limit_or_the_model_is_a_400_before_any_proce
         assert not rank_pids(os.getpid())
         assert client.get("/api/runs").status_code == 200
     manager.stop_all()
+
+
+def test_the_other_ranks_weight_shards_count_against_the_servers_weight_memory():
+    """Ranks 1.. hold their shards in their own processes: a copy of the run's alone, sized before any
+    process starts, refused past --max-weight-memory-mb, listed by /api/limits while the run is held."""
+    from kvscope.backend.scenario import validate
+    from kvscope.backend.server.limits import ServiceLimits, weight_needs
+
+    def scenario(ranks: int) -> dict:
+        return {"name": "tp", "model": "demo", "engine": {"tensor_parallel": ranks},
+                "requests": [{"id": "r", "prompt": "hi", "max_tokens": 2}]}
+
+    model, shards = weight_needs(validate(scenario(2), "tp"))
+    assert shards.field == "engine.tensor_parallel" and shards.key.shards_of
+    assert 0.5 < shards.bytes / model.bytes < 0.6  # half of every layer; the embedding whole (docs/engine.md)
+    assert weight_needs(validate(scenario(2), "tp"))[1].key != shards.key  # no two runs share them
+    mb = 1024**2
+    tight = RunManager(default_model="demo", limits=ServiceLimits(max_weight_memory_mb=1.2 * model.bytes / mb))
+    with TestClient(create_app(tight), base_url="http://127.0.0.1:8000") as client:
+        refused = client.post("/api/runs", json={"scenario": scenario(2)})
+        assert refused.status_code == 400 and refused.json()["field"] == "engine.tensor_parallel", refused.text
+        assert "the other tensor-parallel ranks' shards" in refused.json()["error"]
+        assert not rank_pids(os.getpid())
+        assert client.post("/api/runs", json={"scenario": scenario(1)}).status_code == 201
+    tight.stop_all()
+    roomy = RunManager(default_model="demo", limits=ServiceLimits(max_weight_memory_mb=2 * model.bytes / mb))
+    with TestClient(create_app(roomy), base_url="http://127.0.0.1:8000") as client:
+        started = client.post("/api/runs", json={"scenario": scenario(2), "paused": True})
+        assert started.status_code == 201, started.text
+        run_id = started.json()["run_id"]
+        copies = client.get("/api/limits").json()["weight_copies"]
+        assert [c["rank_shards"] for c in copies] == [False, True] and copies[1]["runs"] == 1
+        assert copies[1]["bytes"] == shards.bytes
+        assert client.post(f"/api/runs/{run_id}/control", json={"action": "resume"}).status_code in (200, 201)
+    roomy.stop_all()

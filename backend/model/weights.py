@@ -35,6 +35,9 @@ class WeightKey:
     quant: QuantMode = "none"
     group_size: int = 0  # 0 when not quantized: a full-precision copy has no groups
     weights: WeightsMode = "native"  # a GGUF file as stored, or de-quantized (loader.load_model)
+    # Tensor parallelism: the shards ranks 1.. of one run hold in their own processes, under a tag no
+    # other run shares (""; the copy in this process). Held for the accounting only: nothing here builds it.
+    shards_of: str = ""
 
     @classmethod
     def of(cls, model: str, quant: QuantMode, group_size: int, weights: WeightsMode = "native") -> "WeightKey":
@@ -120,5 +123,6 @@ class WeightCache:
         """Each copy present: its key, bytes, how many runs hold it and whether it is built yet."""
         with self._lock:
             return [{"model": key.model, "weights": key.weights, "quant": key.quant, "group_size": key.group_size or None,
-                     "bytes": copy.bytes, "runs": len(copy.holders), "built": copy.built is not None}
+                     "bytes": copy.bytes, "runs": len(copy.holders), "built": copy.built is not None,
+                     "rank_shards": bool(key.shards_of)}
                     for key, copy in self._copies.items()]

@@ -6,7 +6,9 @@ queue, a 429) that names the field and the limit: never an allocation attempt, n
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,8 +17,8 @@ from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
-from kvscope.backend.perf.cost_model import model_bytes
-from kvscope.backend.perf.shapes import shape_from_config
+from kvscope.backend.perf.cost_model import DTYPE_BYTES, model_bytes, rank_bytes
+from kvscope.backend.perf.shapes import ModelShape, shape_from_config
 from kvscope.backend.scenario import Scenario
 from kvscope.backend.server.run_errors import RunError
 
@@ -92,7 +94,8 @@ def draft_model(scenario: Scenario) -> str | None:
 def weight_needs(scenario: Scenario) -> list[WeightNeed]:
     """The weight copies a run of the scenario holds: its model's own, the quantized copy the engine runs
     (made from the model's own, which the run keeps for its tokenizer and prompt logprobs) and a draft
-    model's, each sized from its config before anything is loaded."""
+    model's, each sized from its config before anything is loaded; with tensor parallelism, the shards the
+    other ranks hold in their own processes, a copy of this run's alone."""
     engine, draft = scenario.engine, draft_model(scenario)
     config = model_config(scenario.model)
     gguf = gguf_file(scenario.model) if engine.weights == "native" else None
@@ -101,10 +104,32 @@ def weight_needs(scenario: Scenario) -> list[WeightNeed]:
     if engine.weight_quant != "none":
         key = WeightKey.of(scenario.model, engine.weight_quant, engine.quant_group_size, engine.weights)
         needs.append(WeightNeed(key, weight_copy_bytes(config, key.quant, key.group_size), "engine.weight_quant"))
+    if engine.tensor_parallel > 1:
+        needs.append(rank_shards(scenario, config, needs[-1]))
     if draft is not None:
         needs.append(WeightNeed(WeightKey(draft), weight_copy_bytes(model_config(draft)),
                                 "engine.speculative.draft_model"))
     return needs
+
+
+def rank_shards(scenario: Scenario, config: ModelConfig, engine_copy: WeightNeed) -> WeightNeed:
+    """Ranks 1..N-1's shards of the copy the engine runs, scaled from that copy's estimate (a GGUF file's,
+    a quantized copy's) by the share of the cost model's bytes each such rank holds."""
+    ranks = scenario.engine.tensor_parallel
+    check_tensor_parallel(config, ranks)
+    shape = shape_from_config(config.model_copy(update={"torch_dtype": LOAD_DTYPE}))
+    share = (ranks - 1) * other_rank_bytes(shape, ranks) / model_bytes(shape)
+    key = dataclasses.replace(engine_copy.key, shards_of=uuid.uuid4().hex)  # no other run holds these
+    return WeightNeed(key, int(engine_copy.bytes * share), "engine.tensor_parallel")
+
+
+def other_rank_bytes(shape: ModelShape, ranks: int) -> float:
+    """A rank's weights past rank 0 as kvscope shards them (backend/model/sharding.py): its share of every
+    layer, the whole embedding, no LM head (the cost model's ranks split both by vocabulary)."""
+    c = shape.config
+    embedding = c.vocab_size * c.hidden_size * DTYPE_BYTES[shape.dtype]
+    lm_head = rank_bytes(shape.lm_head(), shape.dtype, "none", 0, ranks) if not c.tie_word_embeddings else 0.0
+    return model_bytes(shape, tp=ranks) - embedding / ranks - lm_head + embedding
 
 
 def weight_copy_bytes(config: ModelConfig, quant: str = "none", group_size: int = 0) -> int:

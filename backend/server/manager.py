@@ -92,7 +92,8 @@ def estimates(needs: Sequence[WeightNeed]) -> dict[WeightKey, int]:
 
 def describe_copy(need: WeightNeed) -> str:
     quant = f" {need.key.quant}, group {need.key.group_size or 'per-tensor'}" if need.key.quant != "none" else ""
-    return f"{need.key.model}{quant}: {need.bytes / MB:.1f} MB"
+    shards = " (the other tensor-parallel ranks' shards)" if need.key.shards_of else ""
+    return f"{need.key.model}{quant}{shards}: {need.bytes / MB:.1f} MB"
 
 
 class RunManager:
@@ -371,7 +372,9 @@ class RunManager:
     def _refuse_weights_locked(self, needs: Sequence[WeightNeed]) -> None:
         new = [n for n in needs if self.weights.new_bytes({n.key: n.bytes})]
         copies = " and ".join(describe_copy(n) for n in new)
-        raise WeightMemoryError(new[0].field, f"this run needs a new weight copy ({copies}), and the copies "
+        room, total = self.limits.max_weight_memory_mb * MB - self.weights.held_bytes(), 0
+        over = next((n for n in new if (total := total + n.bytes) > room), new[-1])  # the copy that does not fit
+        raise WeightMemoryError(over.field, f"this run needs a new weight copy ({copies}), and the copies "
                                               f"held now take {self.weights.held_bytes() / MB:.1f} of the server's "
                                               f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
                                               "use a model and settings a run already uses, or let a run finish")
@@ -413,5 +416,6 @@ class RunManager:
 
     def stop_all(self) -> None:
         self._closing.set()
-        for run in list(self.runs.values()):
+        for run_id, run in list(self.runs.items()):
             run.stop()
+            self.weights.release(run_id)  # the process's cache outlives this manager (tests make several)

@@ -12,11 +12,16 @@ def perfetto_trace(run: ExportedRun) -> dict[str, Any]:
     out = [_meta("process_name", 0, f"kvscope · {run.title}"), _meta("thread_name", 0, "engine iterations"),
            _meta("thread_sort_index", 0, 0)]
     for it in run.state.iterations:
+        allreduce = it.get("allreduce")  # tensor parallel: the step's all-reduces, rank 0's time in them
         out.append(_span(0, f"step {it['step']}", it["t"] - it["duration_s"], it["t"],
                          {"batch_size": len(it["batch"]), "num_batched_tokens": it["num_batched_tokens"],
-                          "token_budget": it["token_budget"], "num_waiting": it["num_waiting"]}))
+                          "token_budget": it["token_budget"], "num_waiting": it["num_waiting"],
+                          **({f"allreduce_{k}": v for k, v in allreduce.items()} if allreduce else {})}))
         out.append({"ph": "C", "name": "kv_blocks_used", "pid": 1, "ts": _us(it["t"]),
                     "args": {"blocks": it["kv_blocks_used"]}})
+        if allreduce:
+            out.append({"ph": "C", "name": "allreduce_ms (rank 0)", "pid": 1, "ts": _us(it["t"] - it["duration_s"]),
+                        "args": {"ms": allreduce["ms"]}})
     moments = _moments(run.events)
     for tid, rid in enumerate(run.order, start=1):
         out += [_meta("thread_name", tid, rid), _meta("thread_sort_index", tid, tid)]

@@ -1,5 +1,6 @@
 """The timeline picture: a row per request, its waiting, prefill, decode, verify and preempted stretches,
-and (n > 1, beam search) the request's sequences as a tree inside its row, as the page draws them.
+and (n > 1, beam search) the request's sequences as a tree inside its row, as the page draws them; a
+tensor-parallel run's all-reduce band above them (each step outlined, rank 0's share of it in the sums filled).
 
 TimelineArtists draws the axes, legend and (empty) shapes once from the whole run and `show`s the run
 as of any iteration: the still shows its last, the GIF every frame's, without drawing the rest again.
@@ -22,13 +23,14 @@ from kvscope.backend.events.state import SeqView
 from kvscope.frontend.export.figure import Size, engine_facts, every_nth_label, frame, legend_outside
 from kvscope.frontend.export.options import SLIDE_SIZE
 from kvscope.frontend.export.replayed import ExportedRun, segments
-from kvscope.frontend.palette import FLASH_COLORS, FOCUS_COLOR, PHASE_COLORS, RECOMPUTE_COLOR
+from kvscope.frontend.palette import ALLREDUCE_COLOR, FLASH_COLORS, FOCUS_COLOR, PHASE_COLORS, RECOMPUTE_COLOR
 
 FIRST_TOKEN_COLOR, ABORT_COLOR = "#111111", "#d62728"
 # The page's beam tree (static/kvscope.js branchLine): dark lines, a red × where a beam was pruned.
 BRANCH_COLOR, PRUNED_COLOR = FOCUS_COLOR, FLASH_COLORS["evict"]
 BAR_HEIGHT = 0.7
 MARK_PT = 12  # markers of 16+ px at 1080p (1 pt = 1.39 px)
+BAND_ROW, BAND_LABEL = -1, "all-reduce"  # the band's row, above the first request's
 PHASE_LABELS = {"waiting": "waiting (queued)", "prefill": "prefill chunk", "decode": "decode (1 token / step)",
                 "verify": "verify (speculative, k + 1 tokens)", "preempted": "preempted (recompute)",
                 "recompute": "recompute (no KV cache: whole context / step)"}
@@ -86,8 +88,9 @@ class TimelineArtists:
         self.done = [(v.finish_step, y, v.finish_reason == "abort") for y, v in enumerate(views)
                      if v.finish_step is not None]
         self.branches = branches(run, rows)
+        self.band = allreduce_shares(run)
         self._marks(ax)
-        _timeline_axes(ax, run, self.rows, seconds, axis_px, bool(self.branches))
+        _timeline_axes(ax, run, self.rows, seconds, axis_px, bool(self.branches), bool(self.band))
 
     def _marks(self, ax: Axes) -> None:
         size = MARK_PT**2
@@ -99,12 +102,15 @@ class TimelineArtists:
         self.ends = ax.scatter([], [], marker="o", s=size * 0.45, color=BRANCH_COLOR, zorder=6)
         self.prunes = ax.scatter([], [], marker="X", s=size * 1.3, color=PRUNED_COLOR, edgecolor="white",
                                  linewidth=1, zorder=7)
+        self.band_steps = ax.add_collection(PolyCollection([], facecolors="none", edgecolors=ALLREDUCE_COLOR,
+                                                           alpha=0.35, linewidths=1))
+        self.band_shares = ax.add_collection(PolyCollection([], facecolors=ALLREDUCE_COLOR, linewidths=0))
 
     @property
     def artists(self) -> list:
         """What changes from one iteration to the next."""
         return [*self.bars.values(), self.lanes, self.ttft_marks, self.finish_marks, self.abort_marks, self.ends,
-                self.prunes]
+                self.prunes, self.band_steps, self.band_shares]
 
     def x(self, boundary: int) -> float:
         return self.run.at(boundary, self.seconds)
@@ -124,14 +130,26 @@ class TimelineArtists:
         ended = [b for b in shown if b.end_step is not None and b.end_step < now]
         self._points(self.prunes, [(self.x(b.end), b.y) for b in ended if b.pruned])
         self._points(self.ends, [(self.x(b.end), b.y) for b in ended if not b.pruned])
+        shown_band = [(step, share) for step, share in self.band if step < now]
+        self.band_steps.set_verts([self._rect(step, step + 1, BAND_ROW) for step, _ in shown_band])
+        self.band_shares.set_verts([self._rect(step, step + 1, BAND_ROW, share) for step, share in shown_band])
 
-    def _rect(self, start: int, end: int, y: float) -> list[tuple[float, float]]:
-        x0, x1, h = self.x(start), self.x(end), BAR_HEIGHT / 2
+    def _rect(self, start: int, end: int, y: float, share: float = 1.0) -> list[tuple[float, float]]:
+        """The bar from boundary `start` to `end`, or its first `share` (the all-reduce band's fill)."""
+        x0, h = self.x(start), BAR_HEIGHT / 2
+        x1 = x0 + share * (self.x(end) - x0)
         return [(x0, y - h), (x1, y - h), (x1, y + h), (x0, y + h)]
 
     @staticmethod
     def _points(marks: Any, points: list[tuple[float, float]]) -> None:
         marks.set_offsets(np.array(points, dtype=float).reshape(-1, 2))
+
+
+def allreduce_shares(run: ExportedRun) -> list[tuple[int, float]]:
+    """(iteration, the share of its recorded time rank 0 spent in all-reduces) of a tensor-parallel run's
+    iterations, as the page's band draws them (frontend/views/timeline.py); [] for one process."""
+    return [(e["step"], min(1.0, e["allreduce"]["ms"] / (1000 * e["duration_s"])) if e["duration_s"] > 0 else 0.0)
+            for e in run.events if e["type"] == "iteration" and e.get("allreduce") and e["step"] <= run.last]
 
 
 def draw_timeline(run: ExportedRun, seconds: bool = False, size: Size = SLIDE_SIZE) -> Figure:
@@ -153,10 +171,10 @@ def _bar_style(kind: str, num_iterations: int) -> dict[str, Any]:
 
 
 def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool, axis_px: float,
-                   tree: bool) -> None:
-    ax.set_ylim(len(rows) - 0.4, -0.6)
+                   tree: bool, band: bool) -> None:
+    ax.set_ylim(len(rows) - 0.4, BAND_ROW * band - 0.6)
     every = every_nth_label(len(rows), axis_px)
-    ax.set_yticks(range(0, len(rows), every), rows[::every])
+    ax.set_yticks([BAND_ROW] * band + list(range(0, len(rows), every)), [BAND_LABEL] * band + rows[::every])
     ax.set_ylabel("request (arrival order)" + (f", every {every}th named" if every > 1 else ""))
     left, right = run.at(run.first, seconds), run.at(run.last + 1, seconds)
     ax.set_xlim(left, right + 0.015 * (right - left))  # room for the last finish mark
@@ -173,6 +191,8 @@ def _timeline_axes(ax: Axes, run: ExportedRun, rows: list[str], seconds: bool, a
         handles.append(Line2D([], [], marker="x", color=ABORT_COLOR, mew=3, ls="", markersize=12, label="aborted"))
     if tree:
         handles += tree_handles()
+    if band:
+        handles.append(Patch(facecolor=ALLREDUCE_COLOR, label="all-reduce: rank 0's share of the step"))
     legend_outside(ax, handles)
 
 
