@@ -4,9 +4,9 @@ A scenario's lesson is a list of steps (backend/scenario.py: LessonStep), each s
 at a moment kind (backend/events/moments.py). The pausing is the server's (backend/server/runs.py):
 a run in lesson mode holds itself after the iteration in which such a moment happened, so it stops
 exactly there at any speed, unpaced included. The run's feed finds the same moments with the same
-pure MomentFinder (frontend/client.py); when a moment a step waits for completes, the guide rings the blocks concerned
-in the block pool, selects the request concerned (so every view highlights its row), outlines the
-views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
+pure MomentFinder (frontend/client.py); when a moment a step waits for completes, the guide rings
+the blocks concerned in the block pool, selects the request concerned (so every view highlights its
+row), outlines the views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
 mode on and off for everyone watching it. The `finished` step shows at the end whatever the switch,
 also on a page opened after the end.
 

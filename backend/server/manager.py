@@ -372,8 +372,8 @@ class RunManager:
     def _refuse_weights_locked(self, needs: Sequence[WeightNeed]) -> None:
         new = [n for n in needs if self.weights.new_bytes({n.key: n.bytes})]
         copies = " and ".join(describe_copy(n) for n in new)
-        room, total = self.limits.max_weight_memory_mb * MB - self.weights.held_bytes(), 0
-        over = next((n for n in new if (total := total + n.bytes) > room), new[-1])  # the copy that does not fit
+        room = self.limits.max_weight_memory_mb * MB - self.weights.held_bytes()
+        over = next(n for i, n in enumerate(new) if sum(m.bytes for m in new[:i + 1]) > room)  # the one that does not fit
         raise WeightMemoryError(over.field, f"this run needs a new weight copy ({copies}), and the copies "
                                               f"held now take {self.weights.held_bytes() / MB:.1f} of the server's "
                                               f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
