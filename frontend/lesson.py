@@ -6,9 +6,9 @@ a run in lesson mode holds itself after the iteration in which such a moment hap
 exactly there at any speed, unpaced included. The run's feed finds the same moments with the same
 pure MomentFinder (frontend/client.py); when a moment a step waits for completes, the guide rings
 the blocks concerned in the block pool, selects the request concerned (so every view highlights its
-row), outlines the views to look at, and shows the step's text. "Continue" resumes. The switch turns the run's lesson
-mode on and off for everyone watching it. The `finished` step shows at the end whatever the switch,
-also on a page opened after the end.
+row), outlines the views to look at, and shows the step's text. "Continue" resumes. The switch turns
+the run's lesson mode on and off for everyone watching it. The `finished` step shows at the end
+whatever the switch, also on a page opened after the end.
 
 A run started from the dashboard waits paused at step 0 for its page (RunFeed.start_when_drawn): the
 guide resumes it once the page has drawn that step, unless a lesson's first step holds it for "continue".

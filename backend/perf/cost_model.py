@@ -348,6 +348,11 @@ def resident_bytes(dep: Deployment) -> float:
     return model_bytes(dep.shape, dep.weight_quant, dep.quant_group_size, dep.tp)
 
 
+def embedding_bytes(shape: ModelShape) -> float:
+    """The token embedding's bytes, whole (the cost model's ranks split it by vocabulary; kvscope's keep it)."""
+    return shape.config.vocab_size * shape.config.hidden_size * DTYPE_BYTES[shape.dtype]
+
+
 def model_bytes(shape: ModelShape, weight_quant: str = "none", quant_group_size: int = 64, tp: int = 1) -> float:
     """resident_bytes without a GPU: what one rank of the shape's weights takes, stored as asked (the
     server sizes a weight copy by it before building one)."""
@@ -362,7 +367,7 @@ def model_bytes(shape: ModelShape, weight_quant: str = "none", quant_group_size:
         experts = shape.moe.num_shared_experts + shape.moe.num_routed_experts
         total += shape.num_moe_layers * (experts * sum(weight(w) for w in shape.expert_linears())
                                          + weight(shape.router()))
-    embedding = c.vocab_size * c.hidden_size * DTYPE_BYTES[shape.dtype] / tp
+    embedding = embedding_bytes(shape) / tp
     # Tied and quantized: lm_head has its own quantized copy beside the embedding (quant.py).
     lm_head_separate = not c.tie_word_embeddings or weight_quant != "none"
     return total + embedding + (weight(shape.lm_head()) if lm_head_separate else 0.0)

@@ -17,7 +17,7 @@ from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
-from kvscope.backend.perf.cost_model import DTYPE_BYTES, model_bytes, rank_bytes
+from kvscope.backend.perf.cost_model import embedding_bytes, model_bytes, rank_bytes
 from kvscope.backend.perf.shapes import ModelShape, shape_from_config
 from kvscope.backend.scenario import Scenario
 from kvscope.backend.server.run_errors import RunError
@@ -126,9 +126,8 @@ def rank_shards(scenario: Scenario, config: ModelConfig, engine_copy: WeightNeed
 def other_rank_bytes(shape: ModelShape, ranks: int) -> float:
     """A rank's weights past rank 0 as kvscope shards them (backend/model/sharding.py): its share of every
     layer, the whole embedding, no LM head (the cost model's ranks split both by vocabulary)."""
-    c = shape.config
-    embedding = c.vocab_size * c.hidden_size * DTYPE_BYTES[shape.dtype]
-    lm_head = rank_bytes(shape.lm_head(), shape.dtype, "none", 0, ranks) if not c.tie_word_embeddings else 0.0
+    embedding = embedding_bytes(shape)
+    lm_head = rank_bytes(shape.lm_head(), shape.dtype, "none", 0, ranks) if not shape.config.tie_word_embeddings else 0.0
     return model_bytes(shape, tp=ranks) - embedding / ranks - lm_head + embedding
 
 
