@@ -15,7 +15,7 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
+from kvscope import part_dir
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from kvscope.backend.model.loader import LoadedModel
 
 # Package data of the `scenarios` package, so that an installed wheel finds them too.
-SCENARIOS_DIR = Path(str(resources.files("kvscope.scenarios")))
+SCENARIOS_DIR = part_dir("scenarios")
 NAME_PATTERN = r"^[a-z0-9-]+$"
 NAME_MAX_LENGTH = 64
 MAX_YAML_DEPTH = 32  # as JSON bodies (server/guards.py); a scenario nests 4 deep

@@ -68,10 +68,37 @@ def kvscope(clone: Path, env: dict[str, str], *args: str) -> subprocess.Complete
 
 def test_the_clone_runs_its_own_code_not_an_installed_copy(clone, env):
     modules = ["kvscope", *(f"kvscope.{part}" for part in PARTS)]
-    code = f"import {', '.join(modules)}; print({', '.join(f'{m}.__file__' for m in modules)})"
+    code = f"import {', '.join(modules)}; print(*kvscope.__path__, {', '.join(f'*{m}.__path__' for m in modules[1:])})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert all(Path(path).is_relative_to(clone) for path in proc.stdout.split()), proc.stdout
+
+
+def test_no_part_hides_an_installed_package_of_the_same_name(tmp_path):
+    """From the repository root (first on sys.path, as under `python -m pytest` or `python -c`), a package
+    installed under a part's bare name is the one imported: transformers imports Hugging Face's `kernels`."""
+    site = tmp_path / "site"
+    for part in ("backend", "frontend", "kernels"):
+        (site / part).mkdir(parents=True)
+        (site / part / "__init__.py").write_text(f"ORIGIN = 'installed {part}'\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    code = "import backend, frontend, kernels, kvscope.kernels.paged_decode; print(backend.ORIGIN, frontend.ORIGIN, kernels.ORIGIN)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["installed", "backend", "installed", "frontend", "installed", "kernels"]
+
+
+def test_transformers_loads_a_model_from_the_repository_root():
+    """transformers >= 5 imports Hugging Face's `kernels` while it loads any model class: the checkout's
+    kernels/ must not be the one it finds."""
+    pytest.importorskip("transformers")
+    code = ("import transformers; from transformers import AutoModelForCausalLM, LlamaConfig; "
+            "config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, "
+            "num_attention_heads=2, num_key_value_heads=1); "
+            "print(type(AutoModelForCausalLM.from_config(config)).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "LlamaForCausalLM"
 
 
 def short_settings(scenario: Path) -> list[str]:
@@ -121,6 +148,7 @@ def test_no_tracked_code_or_config_reads_the_shared_folder():
 def test_pyproject_installs_every_package_folder_under_kvscope():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {path.parent.relative_to(ROOT) for folder in FOLDERS for path in (ROOT / folder).rglob("__init__.py")}
+    folders |= {Path(part) for part in PARTS}  # namespace packages: no __init__.py of their own
     assert sorted(setuptools["packages"]) == sorted(".".join(("kvscope", *f.parts) if f.parts[0] != "kvscope"
                                                              else f.parts) for f in folders)
     assert setuptools["package-dir"] == {f"kvscope.{part}": part for part in PARTS}
@@ -164,11 +192,11 @@ def test_the_installed_wheel_runs_from_site_packages(wheel, tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(target),
            "HOME": str(tmp_path / "home")}
     code = ("import kvscope, kvscope.backend.engine.engine, kvscope.frontend.app; "
-            "print(kvscope.backend.__file__); print(len(kvscope.__path__))")
+            "print(*kvscope.backend.__path__); print(len(kvscope.__path__))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(target / "kvscope" / "backend" / "__init__.py"), "1"]
+    assert proc.stdout.split() == [str(target / "kvscope" / "backend"), "1"]
     proc = subprocess.run([sys.executable, "-m", "kvscope", "generate", "--prompt", "ROMEO:", "--max-tokens", "3"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr

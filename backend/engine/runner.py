@@ -113,9 +113,12 @@ class PagedTritonBackend:
     absorb_mla = True
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata) -> None:
-        from kvscope import kernels  # here, not at the top: triton must be imported after the engine checked TRITON_INTERPRET
+        # Here, not at the top: triton must be imported after the engine checked TRITON_INTERPRET.
+        from kvscope.kernels import cache_write, mla_decode, paged_decode, paged_prefill
 
-        self.kernels, self.cache, self.meta = kernels, cache, meta
+        self.cache_write, self.mla_decode = cache_write.write_kv_cache, mla_decode.mla_decode_attention
+        self.paged_decode, self.paged_prefill = paged_decode.paged_decode_attention, paged_prefill.paged_prefill_attention
+        self.cache, self.meta = cache, meta
         dev = cache.data.device
         decode, prefill = meta.decode_seqs, meta.prefill_seqs
         self.decode_rows = torch.tensor([meta.query_starts[i] for i in decode], dtype=torch.long, device=dev)
@@ -138,13 +141,13 @@ class PagedTritonBackend:
         # scales; None otherwise. MLA's value scale is the key row's own.
         ks, vs = self.cache.key_scales(layer), self.cache.value_scales(layer)
         # MLA: one plane, the value is a view of the key's latent part and is not written again.
-        self.kernels.write_kv_cache(k, None if latent else v, keys, None if latent else values,
+        self.cache_write(k, None if latent else v, keys, None if latent else values,
                                     self.meta.slot_mapping, k_scale=ks, v_scale=None if latent else vs)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [num_tokens, n_heads, v_dim]
         if self.meta.decode_seqs:
             out[self.decode_rows] = self._decode(layer, q[self.decode_rows], scale)
         if self.meta.prefill_seqs:
-            out[self.prefill_rows] = self.kernels.paged_prefill_attention(
+            out[self.prefill_rows] = self.paged_prefill(
                 q[self.prefill_rows], keys, values, self.prefill_tables, self.prefill_starts, self.prefill_lens,
                 scale, k_scale=ks, v_scale=vs, max_query_len=self.max_query_len)
         return out
@@ -155,9 +158,9 @@ class PagedTritonBackend:
         if self.cache.latent_dim is not None:
             # No int8 scales in the MLA kernel: check_kv_dtype refuses that combination at Engine construction.
             assert not self.cache.quantized, "MLA decode on Triton reads no int8 scales"
-            return self.kernels.mla_decode_attention(q, keys, tables, lens, self.cache.latent_dim, scale,
+            return self.mla_decode(q, keys, tables, lens, self.cache.latent_dim, scale,
                                                      max_context_len=longest)
-        return self.kernels.paged_decode_attention(q, keys, self.cache.values(layer), tables, lens, scale,
+        return self.paged_decode(q, keys, self.cache.values(layer), tables, lens, scale,
                                                    k_scale=self.cache.key_scales(layer),
                                                    v_scale=self.cache.value_scales(layer), max_context_len=longest)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from functools import cached_property
-from importlib import resources
+from kvscope import part_dir
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -109,7 +109,7 @@ def read_chat_template(model_dir: Path) -> str | None:
 
 def read_corpus(path: Path | None = None) -> tuple[str, str]:
     """The corpus (default: the bundled Tiny Shakespeare) split by position: first 90% train, last 10% validation."""
-    source = path or resources.files("kvscope.backend") / "data" / CORPUS_NAME
+    source = path or part_dir("backend") / "data" / CORPUS_NAME
     text = source.read_text(encoding="utf-8")
     cut = int(len(text) * 0.9)
     return text[:cut], text[cut:]

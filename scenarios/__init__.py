@@ -1,1 +1,0 @@
-"""The bundled scenarios: YAML files shipped as package data (read through importlib.resources)."""
