@@ -15,13 +15,13 @@ import random
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from kvscope import part_dir
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from kvscope import part_dir
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.moments import MomentKind

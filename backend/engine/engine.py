@@ -139,6 +139,23 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
                    attention_backend, weights)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What a server decides by (admission, shutdown, its gauges): counted by the engine itself, never read
+    from the events, which may be off. A snapshot replaced whole after every step, add and abort, so that
+    another thread reads a consistent one without a lock."""
+
+    num_running: int = 0  # requests with a sequence in the running batch
+    num_waiting: int = 0  # unfinished requests with none running (queued, or preempted)
+    num_blocks_used: int = 0
+    num_blocks: int = 1
+    num_preemptions: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_blocks_used / self.num_blocks
+
+
 class Engine:
     """One model, one KV cache, one queue of requests, composed of one object per stage of the step."""
 
@@ -168,6 +185,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tracker, self.events, self.scheduler, config.max_model_len, self.spec)
         self.metrics = MetricsTracker()
         self.step_no = 0
+        self.stats = EngineStats(num_blocks=self.cache.num_blocks)
 
     # ---- one iteration ------------------------------------------------------------------------------
 
@@ -191,6 +209,13 @@ class Engine:
         self.events.metrics(self.metrics.tokens_per_s(), kv, self.blocks, self.scheduler,
                             self.spec.stats.summary() if self.spec else {})
         self.step_no += 1
+        self._count()
+
+    def _count(self) -> None:
+        running = {seq.request_id for seq in self.scheduler.running}
+        unfinished = {req.request_id for req in self.tracker.unfinished.values()}
+        self.stats = EngineStats(len(running), len(unfinished - running), self.blocks.num_used_blocks,
+                                 self.cache.num_blocks, self.scheduler.num_preemptions)
 
     def _input_for(self, plan: SchedulerOutput) -> StepInput:
         """The scheduler's decision as plain data, with each row's sampling: all the executor reads."""
@@ -209,16 +234,24 @@ class Engine:
 
         arrival: when it was received, read from `self.clock` (default: now); TTFT and queue time count from it."""
         try:
-            return self.tracker.admit(request_id, prompt, max_tokens, sampling, self.cache.num_blocks, self.seed,
-                                      self.step_no, arrival)
+            req = self.tracker.admit(request_id, prompt, max_tokens, sampling, self.cache.num_blocks, self.seed,
+                                     self.step_no, arrival)
         except RequestError as e:
             self.events.request_rejected(request_id, e.field, e.reason)
             raise
+        self._count()
+        return req
 
     def abort(self, request_id: str, reason: str = "aborted by the user") -> None:
         req = self.requests.get(request_id)
         if req is not None and req.finish_reason is None:
             self.tracker.abort(req, reason)
+            self._count()
+
+    def abort_all(self, reason: str) -> None:
+        """End every unfinished request (finish_reason abort): a server shutting down."""
+        for request_id in list(dict.fromkeys(req.request_id for req in self.tracker.unfinished.values())):
+            self.abort(request_id, reason)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request from `requests` (its events are out; the open-ended API run calls this)."""

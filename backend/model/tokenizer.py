@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from functools import cached_property
-from kvscope import part_dir
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from kvscope import part_dir
 
 EOS_TEXT = "<|endoftext|>"
 # Package data (backend/data/README.md), so that a wheel or a bare clone carries it.
