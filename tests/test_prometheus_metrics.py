@@ -4,6 +4,7 @@ responses' usage, and the very figures the dashboard shows for the API's run."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -168,7 +169,7 @@ def test_the_dashboard_figures_are_the_scraped_ones(served: dict, model_name: st
 
 def test_a_paused_request_is_running_and_holds_the_kv_the_dashboard_shows(url: str, model_name: str,
                                                                             served: dict) -> None:
-    """Mid-request, with the API run paused, the gauges are the reducer's figures, and not zero."""
+    """Mid-request, with the API run paused, the gauges (the engine's counts) are the reducer's figures, not zero."""
     with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
                       json={"model": model_name, "prompt": LONG_PROMPT, "max_tokens": 200, "temperature": 0,
                             "stream": True, "ignore_eos": True}) as r:
@@ -247,3 +248,66 @@ def test_counts_go_on_across_a_replaced_api_run_and_at_events_off(model_name: st
     assert scrape.value("vllm:time_to_first_token_seconds_count", model_name=model_name) == 2
     assert scrape.value("vllm:request_success_total", model_name=model_name, finished_reason="length") == 2
     assert scrape.value("vllm:inter_token_latency_seconds_count", model_name=model_name) == 0  # no token events
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_at_events_off_admission_and_the_gauges_count_what_the_engine_runs(model_name: str) -> None:
+    """--api-events off has no iteration events, so a reducer would count running requests as waiting
+    forever. Three streams run and two requests wait (the run paused between two steps, so nothing
+    moves): the gauges are the engine's counts, and the queue (--max-waiting 2) takes exactly two."""
+    from kvscope.backend.server.limits import ServiceLimits
+    from kvscope.backend.server.serve import serve_in_thread
+
+    manager = RunManager(default_model=model_name, limits=ServiceLimits(api_events="off", max_waiting=2))
+    long = {"model": model_name, "prompt": "ROMEO:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    started, leave = [threading.Event() for _ in range(3)], threading.Event()
+
+    def stream(first_token: threading.Event) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as r:
+            for line in r.iter_lines():  # leaving the block closes the connection: the server aborts it
+                if line.startswith("data: {"):
+                    first_token.set()
+                if leave.is_set():
+                    return
+
+    def short() -> None:
+        complete(url, {"model": model_name, "prompt": "JULIET:", "max_tokens": 2, "temperature": 0})
+
+    with serve_in_thread(create_app(manager)) as url:
+        engine = manager.api_run().sim.engine
+        streams = [threading.Thread(target=stream, args=(e,)) for e in started]
+        waiting = [threading.Thread(target=short) for _ in range(2)]
+        try:
+            for t, first_token in zip(streams, started):  # one by one: each runs before the next arrives
+                t.start()
+                wait_for(first_token.is_set, "a stream's first token")
+            httpx.post(f"{url}/api/runs/api/control", json={"action": "pause"}, timeout=10).raise_for_status()
+            scrape = Scrape(httpx.get(f"{url}/metrics", timeout=10).text)
+            assert scrape.value("vllm:num_requests_running", model_name=model_name) == engine.stats.num_running == 3
+            assert scrape.value("vllm:num_requests_waiting", model_name=model_name) == engine.stats.num_waiting == 0
+            for t in waiting:
+                t.start()
+            wait_for(lambda: engine.stats.num_waiting == 2, "two requests in the queue")
+            full = httpx.post(f"{url}/v1/completions", timeout=10,
+                              json={"model": model_name, "prompt": "HAMLET:", "max_tokens": 2})
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            scrape = Scrape(httpx.get(f"{url}/metrics", timeout=10).text)
+            assert scrape.value("vllm:num_requests_running", model_name=model_name) == 3
+            assert scrape.value("vllm:num_requests_waiting", model_name=model_name) == 2
+            usage = scrape.value("vllm:kv_cache_usage_perc", model_name=model_name)
+            assert usage == engine.stats.kv_usage > 0
+        finally:
+            leave.set()
+            httpx.post(f"{url}/api/runs/api/control", json={"action": "resume"}, timeout=10)
+            for t in streams + waiting:
+                if t.ident is not None:  # started
+                    t.join(60)
+    manager.stop_all()

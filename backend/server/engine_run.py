@@ -2,7 +2,10 @@
 
 The engine lives on the run's worker thread: live requests, aborts and the engine's answers all
 pass through it (live_requests.py holds the API calls waiting on them). The routes read the model
-through `loaded` and `max_model_len`, never through the engine, which only the worker touches.
+through `loaded` and `max_model_len`, never through the engine, which only the worker touches; what
+the server decides by (admission's waiting count, the shutdown's aborts, the /metrics gauges) is the
+engine's own count, `Engine.stats`, a snapshot it replaces whole and any thread may read: never the
+reducer's, whose events may be off (--api-events off has no iteration events to say what runs).
 """
 
 from __future__ import annotations
@@ -84,19 +87,13 @@ class EngineRun(ServedRun):
         self.sim.engine.close()  # a tensor-parallel engine's other ranks stop
 
     def abort_in_flight(self, reason: str) -> None:
-        with self.lock:
-            in_flight = [*self.state.waiting, *self.state.running]
-
-        def abort_all() -> None:
-            for rid in in_flight:
-                self.sim.engine.abort(rid, reason)
-
-        self.worker.submit(abort_all)
+        engine = self.sim.engine
+        self.worker.submit(lambda: engine.abort_all(reason))
 
     def check_room(self, count: int = 1) -> None:
         """RunBusy if the waiting queue cannot take `count` more requests."""
         with self.lock:
-            self.requests.check_room(len(self.state.waiting), count)
+            self.requests.check_room(self.sim.engine.stats.num_waiting, count)
 
     def add_request(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
                     listener: Listener | None = None, request_id: str | None = None) -> str:
@@ -105,7 +102,7 @@ class EngineRun(ServedRun):
         for the worker to finish the step under way, as a client sees them (and vLLM counts them)."""
         arrival = self.sim.engine.clock()
         with self.lock:
-            self.requests.check_room(len(self.state.waiting), 1)
+            self.requests.check_room(self.sim.engine.stats.num_waiting, 1)
             self.requests.adds_pending += 1
         try:
             return self.call(lambda: self._add_on_worker(prompt, max_tokens, sampling, listener, request_id, arrival))
@@ -114,14 +111,15 @@ class EngineRun(ServedRun):
 
     def _add_on_worker(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
                        listener: Listener | None, request_id: str | None, arrival: float) -> str:
-        with self.lock:
-            self.requests.adds_pending -= 1
         rid = self.requests.listen(request_id, listener)
         try:
             self.sim.engine.add_request(rid, prompt, max_tokens, sampling, arrival)
         except Exception:
             self.requests.drop(rid)
             raise
+        finally:  # after the add: a room check in between counts the request once at least, never not at all
+            with self.lock:
+                self.requests.adds_pending -= 1
         self.finished = False  # a finished run wakes up for a live request
         return rid
 

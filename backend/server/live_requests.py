@@ -6,7 +6,7 @@ is told RunFailed at once, rather than left to its timeout. The open-ended API r
 request after the step that finished it, so that its engine's memory stays bounded whatever its age.
 
 Nothing here locks: the run changes `adds_pending` under its lock (the room check reads it beside the
-reducer's waiting queue); the rest is the worker thread's, and `fail_all`'s once the worker stopped.
+engine's count of waiting requests); the rest is the worker thread's, and `fail_all`'s once the worker stopped.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ dashboard reads, on the server's side, and the engine knows nothing of HTTP or P
 - counters and histograms are observed from the events of every API run ("api", "api-NAME": one
   per model), as a subscriber of its bus. They live in the app's own registry, by model, so a run the
   manager replaces (a failed one) keeps counting where the last one stopped;
-- gauges (running, waiting, KV usage, viewers) are read from the runs' reducers when scraped, not
-  pushed: the figure the dashboard shows is the figure scraped (RunState.kv_usage).
+- gauges (running, waiting, KV usage) are read from each run's engine when scraped (`Engine.stats`,
+  its own count, replaced after every step, add and abort), never from its reducer: at --api-events
+  off no iteration event says what runs. With events on, the reducer holds the same figures at the end
+  of each iteration, so the dashboard's queues and KV usage are the scraped ones. Viewers are the run's.
 
 A registry per app, not prometheus_client's global one: tests make many apps in one process.
 At --api-events off there are no token, iteration, preempt or spec_verify events: the metrics built
@@ -233,7 +235,7 @@ class RunFeed:
 
 
 class LiveGauges(Collector):
-    """What holds now, read from each run's reducer under its lock when Prometheus scrapes."""
+    """What holds now, read from each API run's engine counts when Prometheus scrapes."""
 
     def __init__(self, manager: RunManager) -> None:
         self.manager = manager
@@ -257,12 +259,11 @@ class LiveGauges(Collector):
             by_kind[run.kind] = by_kind.get(run.kind, 0) + 1
             if not (isinstance(run, EngineRun) and run.open_ended):
                 continue
-            labels = [run.scenario.model, ENGINE]
+            labels, stats = [run.scenario.model, ENGINE], run.sim.engine.stats
+            running.add_metric(labels, stats.num_running)
+            waiting.add_metric(labels, stats.num_waiting)
+            usage.add_metric(labels, stats.kv_usage)
             with run.lock:
-                state = run.state
-                running.add_metric(labels, len(state.running))
-                waiting.add_metric(labels, len(state.waiting))
-                usage.add_metric(labels, state.kv_usage)
                 viewers.add_metric(labels, len(run.viewers.watchers))
         for kind, count in sorted(by_kind.items()):
             runs.add_metric([kind], count)
