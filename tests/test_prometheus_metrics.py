@@ -201,7 +201,7 @@ def test_off_loopback_metrics_need_the_token_unless_public_watch(model_name: str
 
 
 def test_speculative_counts_add_up_to_the_reducers(model_name: str) -> None:
-    """The API runs do not speculate (manager.api_engine): the same feed watches a speculative scenario
+    """The API runs do not speculate (api_run.api_engine): the same feed watches a speculative scenario
     run here, and its counts are the reducer's (accepted <= drafted, per position non-increasing)."""
     manager = RunManager(default_model=model_name)
     metrics = ServerMetrics(manager)
@@ -281,7 +281,7 @@ def test_at_events_off_admission_and_the_gauges_count_what_the_engine_runs(model
         complete(url, {"model": model_name, "prompt": "JULIET:", "max_tokens": 2, "temperature": 0})
 
     with serve_in_thread(create_app(manager)) as url:
-        engine = manager.api_run().sim.engine
+        engine = manager.api_run().engine
         streams = [threading.Thread(target=stream, args=(e,)) for e in started]
         waiting = [threading.Thread(target=short) for _ in range(2)]
         try:

@@ -20,7 +20,8 @@ from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_IN
 from kvscope.backend.run import cached_model
 from kvscope.backend.scenario import ScenarioError, plan_requests, validate
 from kvscope.backend.server.app import create_app
-from kvscope.backend.server.manager import API_KV_CACHE_MB, RunManager
+from kvscope.backend.server.api_run import API_KV_CACHE_MB
+from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 from kvscope.cli import main
 

@@ -78,7 +78,7 @@ def test_the_api_run_keeps_a_bounded_window_and_streams_the_whole_trace_to_a_fil
         assert len(window) == 21 and json.loads(window[0])["type"] == "header"
         whole = client.get(f"/api/runs/{API_RUN_ID}/trace").text.splitlines()
         assert sum(json.loads(line)["type"] == "request_finished" for line in whole) == 8
-        assert manager.get(API_RUN_ID).sim.engine.requests == {}  # the engine forgets what it finished
+        assert manager.get(API_RUN_ID).engine.requests == {}  # the engine forgets what it finished
     manager.stop_all()
 
 

@@ -171,7 +171,7 @@ def test_a_request_arrives_when_the_server_receives_it_not_when_the_step_under_w
                                                                                         monkeypatch) -> None:
     """TTFT counts the wait for the iteration already running, as the client sees it (and vLLM counts it)."""
     assert healthy(url) == 200
-    engine = manager.get(API_RUN_ID).sim.engine
+    engine = manager.get(API_RUN_ID).engine
     step, in_step = engine.step, threading.Event()
 
     def slow_step():

@@ -230,10 +230,11 @@ def test_the_other_ranks_weight_shards_count_against_the_servers_weight_memory()
         return {"name": "tp", "model": "demo", "engine": {"tensor_parallel": ranks},
                 "requests": [{"id": "r", "prompt": "hi", "max_tokens": 2}]}
 
-    model, shards = weight_needs(validate(scenario(2), "tp"))
+    tp = validate(scenario(2), "tp")
+    model, shards = weight_needs(tp.model, tp.engine)
     assert shards.field == "engine.tensor_parallel" and shards.key.shards_of
     assert 0.5 < shards.bytes / model.bytes < 0.6  # half of every layer; the embedding whole (docs/engine.md)
-    assert weight_needs(validate(scenario(2), "tp"))[1].key != shards.key  # no two runs share them
+    assert weight_needs(tp.model, tp.engine)[1].key != shards.key  # no two runs share them
     mb = 1024**2
     tight = RunManager(default_model="demo", limits=ServiceLimits(max_weight_memory_mb=1.2 * model.bytes / mb))
     with TestClient(create_app(tight), base_url="http://127.0.0.1:8000") as client:

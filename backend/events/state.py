@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 Event = dict[str, Any]
-API_SCENARIO = "api"  # the name of the scenario the server builds for its OpenAI API runs
+API_SCENARIO = "api"  # what the trace header of an OpenAI API run calls it (backend/server/api_run.py)
 RECENT_VERIFIES = 64  # spec_verify events kept, so that a page joining mid-run has rows to show
 
 

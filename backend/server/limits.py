@@ -12,14 +12,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvscope.backend.config import ModelConfig
+from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import LOAD_DTYPE, WeightKey
 from kvscope.backend.perf.cost_model import embedding_bytes, model_bytes, rank_bytes
 from kvscope.backend.perf.shapes import ModelShape, shape_from_config
-from kvscope.backend.scenario import Scenario
 from kvscope.backend.server.run_errors import RunError
 
 MB = 1024**2
@@ -86,36 +85,35 @@ def model_config(name: str) -> ModelConfig:
     return model_facts(name)[0]
 
 
-def draft_model(scenario: Scenario) -> str | None:
-    spec = scenario.engine.speculative
+def draft_model(engine: EngineConfig) -> str | None:
+    spec = engine.speculative
     return spec.draft_model if spec is not None and spec.method == "draft" else None
 
 
-def weight_needs(scenario: Scenario) -> list[WeightNeed]:
-    """The weight copies a run of the scenario holds: its model's own, the quantized copy the engine runs
-    (made from the model's own, which the run keeps for its tokenizer and prompt logprobs) and a draft
-    model's, each sized from its config before anything is loaded; with tensor parallelism, the shards the
-    other ranks hold in their own processes, a copy of this run's alone."""
-    engine, draft = scenario.engine, draft_model(scenario)
-    config = model_config(scenario.model)
-    gguf = gguf_file(scenario.model) if engine.weights == "native" else None
+def weight_needs(model: str, engine: EngineConfig) -> list[WeightNeed]:
+    """The weight copies a run of the model with this engine config holds: the model's own, the quantized
+    copy the engine runs (made from the model's own, which the run keeps for its tokenizer and prompt
+    logprobs) and a draft model's, each sized from its config before anything is loaded; with tensor
+    parallelism, the shards the other ranks hold in their own processes, a copy of this run's alone."""
+    draft = draft_model(engine)
+    config = model_config(model)
+    gguf = gguf_file(model) if engine.weights == "native" else None
     size = gguf.stat().st_size if gguf is not None else weight_copy_bytes(config)  # a GGUF file's layers: about its size
-    needs = [WeightNeed(WeightKey(scenario.model, weights=engine.weights), size, "model")]
+    needs = [WeightNeed(WeightKey(model, weights=engine.weights), size, "model")]
     if engine.weight_quant != "none":
-        key = WeightKey.of(scenario.model, engine.weight_quant, engine.quant_group_size, engine.weights)
+        key = WeightKey.of(model, engine.weight_quant, engine.quant_group_size, engine.weights)
         needs.append(WeightNeed(key, weight_copy_bytes(config, key.quant, key.group_size), "engine.weight_quant"))
     if engine.tensor_parallel > 1:
-        needs.append(rank_shards(scenario, config, needs[-1]))
+        needs.append(rank_shards(engine.tensor_parallel, config, needs[-1]))
     if draft is not None:
         needs.append(WeightNeed(WeightKey(draft), weight_copy_bytes(model_config(draft)),
                                 "engine.speculative.draft_model"))
     return needs
 
 
-def rank_shards(scenario: Scenario, config: ModelConfig, engine_copy: WeightNeed) -> WeightNeed:
+def rank_shards(ranks: int, config: ModelConfig, engine_copy: WeightNeed) -> WeightNeed:
     """Ranks 1..N-1's shards of the copy the engine runs, scaled from that copy's estimate (a GGUF file's,
     a quantized copy's) by the share of the cost model's bytes each such rank holds."""
-    ranks = scenario.engine.tensor_parallel
     check_tensor_parallel(config, ranks)
     shape = shape_from_config(config.model_copy(update={"torch_dtype": LOAD_DTYPE}))
     share = (ranks - 1) * other_rank_bytes(shape, ranks) / model_bytes(shape)
@@ -138,10 +136,9 @@ def weight_copy_bytes(config: ModelConfig, quant: str = "none", group_size: int 
     return int(model_bytes(shape, quant, group_size))
 
 
-def kv_cache_bytes(scenario: Scenario, config: ModelConfig, draft: ModelConfig | None = None) -> int:
-    """The bytes the scenario's engine will allocate for KV caches (the draft model's included), by the
+def kv_cache_bytes(engine: EngineConfig, config: ModelConfig, draft: ModelConfig | None = None) -> int:
+    """The bytes an engine of this config will allocate for KV caches (the draft model's included), by the
     engine's own formula: what Engine.__init__ would size, computed from the configs before building it."""
-    engine = scenario.engine
     kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else LOAD_DTYPE  # the cache is in the weights' dtype
     check_tensor_parallel(config, engine.tensor_parallel)
     # every rank's pool: its heads, num_blocks blocks each (a KV head replicated on several ranks counts each time)

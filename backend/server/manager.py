@@ -27,14 +27,14 @@ from typing import Any
 
 from kvscope.backend.config import EngineConfig, ModelConfig
 from kvscope.backend.errors import ModelLoadError
-from kvscope.backend.events.state import API_SCENARIO
 from kvscope.backend.events.trace import TraceError, parse_trace
 from kvscope.backend.model.loader import SHIPPED_MODELS, SHIPPED_MODELS_DIR, SMOLLM2, missing_package, model_facts
 from kvscope.backend.model.weights import WeightCache, WeightKey
 from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
-from kvscope.backend.server.engine_run import EngineRun
+from kvscope.backend.server.api_run import ApiRun, api_engine
+from kvscope.backend.server.engine_run import ServedScenario
 from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
@@ -46,18 +46,6 @@ from kvscope.backend.server.runs import Retention, ServedRun
 log = logging.getLogger(__name__)
 
 API_RUN_ID = "api"  # the server's own model; another model named by an API request gets "api-<name>"
-# A model outside the shipped demos gets its KV cache by bytes: SmolLM2 in fp32 (46 KB per token)
-# holds ~5,800 tokens in 256 MB, where a fixed 1024 blocks would take 755 MB.
-API_KV_CACHE_MB = 256.0
-
-
-def api_engine(model: str, events: str = "full", weights: str = "native", tensor_parallel: int = 1) -> EngineConfig:
-    """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
-    if model in SHIPPED_MODELS:
-        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512, events=events,
-                            tensor_parallel=tensor_parallel)
-    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
-                        max_num_batched_tokens=512, events=events, weights=weights, tensor_parallel=tensor_parallel)
 
 
 def describe_config(config: ModelConfig) -> str:
@@ -138,12 +126,13 @@ class RunManager:
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
         resolved = self.resolve(scenario, overrides)
-        kv, needs = self.kv_bytes_of(resolved), self.weight_needs_of(resolved)
+        kv = self.kv_bytes_of(resolved.model, resolved.engine)
+        needs = self.weight_needs_of(resolved.model, resolved.engine)
         planned = len(resolved.requests) + (resolved.generate.count if resolved.generate else 0)
         retention = self.retention(planned=planned)
         kv_field = "engine.num_blocks" if resolved.engine.num_blocks else "engine.kv_cache_memory_mb"
         return self._add(lambda run_id: self._saved_when_done(
-            EngineRun(resolved, speed, paused, run_id, retention=retention, lesson=lesson, weights=self.weights),
+            ServedScenario(resolved, speed, paused, run_id, retention=retention, lesson=lesson, weights=self.weights),
             dict(overrides or {})), kv, kv_field, needs=needs)
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
@@ -169,13 +158,13 @@ class RunManager:
             raise
         return self.start_replay(events, speed, paused, lesson)
 
-    def _saved_when_done(self, run: EngineRun, overrides: dict[str, Any]) -> EngineRun:
+    def _saved_when_done(self, run: ServedScenario, overrides: dict[str, Any]) -> ServedScenario:
         """Subscribed before the run starts, so that even an unpaced run's end is seen."""
         if self.library is not None:
             run.bus.subscribe(lambda event: self._save_if_done(run, event, overrides))
         return run
 
-    def _save_if_done(self, run: EngineRun, event: dict, overrides: dict[str, Any]) -> None:
+    def _save_if_done(self, run: ServedScenario, event: dict, overrides: dict[str, Any]) -> None:
         """On the run's thread, after the run applied `event`: its end (finished, or failed) saves it."""
         if event["type"] != "run_finished" and not (event["type"] == "error" and event.get("fatal")):
             return
@@ -199,7 +188,7 @@ class RunManager:
         names = dict.fromkeys([*served, *SHIPPED_MODELS, SMOLLM2])
         return [model_entry(name, name in served) for name in names]
 
-    def api_run(self, model: str | None = None) -> EngineRun:
+    def api_run(self, model: str | None = None) -> ApiRun:
         """The open-ended run that OpenAI-compatible requests for `model` join (created on first use)."""
         model = model or self.default_model
         run_id = API_RUN_ID if model == self.default_model else f"{API_RUN_ID}-{model}"
@@ -232,25 +221,20 @@ class RunManager:
             self.load_error = f"{type(e).__name__}: {e}"
             log.warning("the API run could not start: %s", self.load_error)
 
-    def watch_api_runs(self, watcher: Callable[[str, EngineRun], None]) -> None:
+    def watch_api_runs(self, watcher: Callable[[str, ApiRun], None]) -> None:
         """Call watcher(model, run) for each API run, held now or started later (before it takes a request)."""
         with self._api_lock:
             self._api_run_watchers.append(watcher)
-            held = [r for r in self.runs.values() if isinstance(r, EngineRun) and r.open_ended]
+            held = [r for r in self.runs.values() if isinstance(r, ApiRun)]
         for run in held:
-            watcher(run.scenario.model, run)
+            watcher(run.model, run)
 
-    def _start_api_run(self, model: str, run_id: str) -> EngineRun:
-        # No requests of its own, which a scenario file may not have: built, not validated.
-        scenario = Scenario.model_construct(name=API_SCENARIO, description="Requests from the OpenAI API.", lesson=[],
-                                            model=model, seed=0, engine=api_engine(model, self.limits.api_events, self.api_weights,
-                                                                             self.api_tensor_parallel),
-                                            requests=[], generate=None)
-        run = self._add(lambda _: EngineRun(scenario, speed=0.0, run_id=run_id, open_ended=True,
-                                            retention=self.retention(open_ended=True), weights=self.weights),
-                        self.kv_bytes_of(scenario), "engine.num_blocks", run_id=run_id,
-                        needs=self.weight_needs_of(scenario))
-        assert isinstance(run, EngineRun)
+    def _start_api_run(self, model: str, run_id: str) -> ApiRun:
+        config = api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel)
+        run = self._add(lambda _: ApiRun(model, config, run_id, self.retention(open_ended=True), self.weights),
+                        self.kv_bytes_of(model, config), "engine.num_blocks", run_id=run_id,
+                        needs=self.weight_needs_of(model, config))
+        assert isinstance(run, ApiRun)
         for watch in self._api_run_watchers:  # under _api_lock: no request reaches the run before they see it
             watch(model, run)
         return run
@@ -299,15 +283,14 @@ class RunManager:
 
     # ---- limits -------------------------------------------------------------------------------------
 
-    def kv_bytes_of(self, scenario: Scenario) -> int:
-        """The KV bytes the scenario's engine would allocate (from the models' configs: nothing is loaded)."""
-        draft = draft_model(scenario)
-        return build_run(lambda: kv_cache_bytes(scenario, model_config(scenario.model),
-                                                model_config(draft) if draft else None))
+    def kv_bytes_of(self, model: str, engine: EngineConfig) -> int:
+        """The KV bytes the run's engine would allocate (from the models' configs: nothing is loaded)."""
+        draft = draft_model(engine)
+        return build_run(lambda: kv_cache_bytes(engine, model_config(model), model_config(draft) if draft else None))
 
-    def weight_needs_of(self, scenario: Scenario) -> list[WeightNeed]:
-        """The weight copies the scenario's run would hold, sized from the configs (nothing is loaded)."""
-        return build_run(lambda: weight_needs(scenario))
+    def weight_needs_of(self, model: str, engine: EngineConfig) -> list[WeightNeed]:
+        """The weight copies the run would hold, sized from the configs (nothing is loaded)."""
+        return build_run(lambda: weight_needs(model, engine))
 
     def usage(self) -> dict:
         """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies."""

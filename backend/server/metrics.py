@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvscope.backend.config import EngineConfig
+from kvscope.backend.server.api_run import ApiRun
 from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.generation import FINISH_REASONS
 from kvscope.backend.server.manager import RunManager
@@ -121,7 +122,7 @@ class ServerMetrics:
 
     def watch(self, model: str, run: EngineRun) -> None:
         """Count this API run's events under its model (every series starts at 0, as Prometheus likes)."""
-        spec = run.scenario.engine.speculative
+        spec = run.engine.config.speculative
         feed = RunFeed(self, model, spec.num_tokens if spec else 0)
         run.bus.subscribe(feed.apply)
 
@@ -257,9 +258,9 @@ class LiveGauges(Collector):
         by_kind: dict[str, int] = {}
         for run in self.manager.list():
             by_kind[run.kind] = by_kind.get(run.kind, 0) + 1
-            if not (isinstance(run, EngineRun) and run.open_ended):
+            if not isinstance(run, ApiRun):
                 continue
-            labels, stats = [run.scenario.model, ENGINE], run.sim.engine.stats
+            labels, stats = [run.model, ENGINE], run.engine.stats
             running.add_metric(labels, stats.num_running)
             waiting.add_metric(labels, stats.num_waiting)
             usage.add_metric(labels, stats.kv_usage)
