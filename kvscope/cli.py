@@ -126,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                          host=args.host, public_watch=args.public_watch, dashboard_origin=dashboard,
                          limits=_limits(args))
         if events is None:  # after create_app, which gives the manager the limits the run is built under
-            manager.api_state()  # the model starts loading now: /health turns 200 without a first request
+            manager.start_api_run_in_background()  # /health turns 200 without a first request
         served = f"the API on {args.host}:{args.port}" + ("" if args.no_ui else f" and the dashboard on {dashboard}")
         try:
             if args.no_ui:

@@ -101,7 +101,7 @@ class RunManager:
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
         self._watchdog: threading.Thread | None = None  # started with the first run
         self._closing = threading.Event()
-        self._loader: threading.Thread | None = None  # starts the API run for /health (api_state)
+        self._loader: threading.Thread | None = None  # starts the API run for /health (start_api_run_in_background)
         self.load_error: str | None = None  # why that start failed last
 
         self._api_run_watchers: list[Callable[[str, EngineRun], None]] = []  # GET /metrics (metrics.py)
@@ -202,16 +202,23 @@ class RunManager:
             return run if run is not None else self._start_api_run(model, run_id)
 
     def api_state(self) -> str:
-        """"serving" when the server's own model's API run is up, else "loading" or "failed" (then its
-        start is under way in the background: a probe's answer turns to serving without any request)."""
+        """"serving" when the server's own model's API run is up, "failed" when it failed or its last start
+        did (load_error says why), else "loading"."""
         run = self.runs.get(API_RUN_ID)
         if run is not None and run.failure is None:
             return "serving"
+        return "failed" if run is not None or self.load_error is not None else "loading"
+
+    def start_api_run_in_background(self) -> None:
+        """Start the server's own model's API run on a thread of its own, unless it serves or a start is under
+        way: `kvscope serve` calls it as it starts, and /health while the run does not serve, so that the
+        probe turns to serving without any request (and a failed run is replaced)."""
+        if self.api_state() == "serving":
+            return
         with self._lock:
             if self._loader is None or not self._loader.is_alive():
                 self._loader = threading.Thread(target=self._load_api_run, name="api-run-loader", daemon=True)
                 self._loader.start()
-        return "failed" if run is not None or self.load_error is not None else "loading"
 
     def _load_api_run(self) -> None:
         try:

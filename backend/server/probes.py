@@ -2,9 +2,9 @@
 
 Readiness probes and benchmark tools (guidellm checks /health before it sends anything) call them by
 vLLM's paths and shapes. /health answers for the server's own model: 200 with an empty body once its
-API run serves, 503 while it loads or after it failed (its start is then under way in the
-background: RunManager.api_state). /tokenize gives exactly the ids the completion and chat routes
-would feed the model, chat messages through the template and its tools included.
+API run serves, 503 while it loads or after it failed (a probe then starts it in the background:
+RunManager.start_api_run_in_background). /tokenize gives exactly the ids the completion and chat
+routes would feed the model, chat messages through the template and its tools included.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from kvscope.backend.server.tools import ToolCalling, ToolChoice, Tools
 @get("/health")
 async def health_probe(request: Request) -> Response:
     manager = request.app.state.manager
-    state = await asyncio.to_thread(manager.api_state)
+    await asyncio.to_thread(manager.start_api_run_in_background)  # takes the manager's lock
+    state = manager.api_state()
     if state == "serving":
         return Response(b"", status_code=200)
     reason = manager.load_error if state == "failed" and manager.load_error else f"the model is {state}"
