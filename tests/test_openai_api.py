@@ -247,6 +247,7 @@ def test_a_model_by_id_and_an_unknown_one(client, url: str, model_name: str) -> 
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"store": True}, "store"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options.include_obfuscation"),  # the Responses API's
     ({"max_tokens": 5000}, "max_tokens"),  # beyond the context
     ({"frobnicate": 1}, "frobnicate"),
 ])

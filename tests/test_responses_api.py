@@ -226,6 +226,7 @@ def test_a_run_fault_is_a_409_or_ends_the_stream_with_response_failed(tiny_dir, 
     ({"service_tier": "flex"}, "service_tier"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),  # chat's
     ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"frobnicate": 1}, "frobnicate"),
 ])

@@ -23,7 +23,9 @@ from kvscope.backend.server.app import create_app
 from kvscope.backend.server.generation import Choice
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
-from kvscope.backend.server.openai_api import ChatBody, chat_response, message_dicts, stream_events
+from kvscope.backend.server.openai_protocol import ChatBody
+from kvscope.backend.server.openai_serving import message_dicts
+from kvscope.backend.server.openai_shapes import chat_response, stream_events
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of, named_by_source
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
 from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt

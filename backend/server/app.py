@@ -359,7 +359,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     --cors-origin (guards.py)."""
     from kvscope.backend.server.guards import CONNECTION_GUARDS
     from kvscope.backend.server.metrics import ServerMetrics
-    from kvscope.backend.server.openai_api import openai_errors_under_v1, openai_routes
+    from kvscope.backend.server.openai_api import openai_routes
+    from kvscope.backend.server.openai_errors import openai_errors_under_v1
     from kvscope.backend.server.probes import probe_routes
     from kvscope.backend.server.responses_api import responses_routes
     from kvscope.backend.server.serve import is_loopback

@@ -19,8 +19,9 @@ from pydantic import Field, model_validator
 
 from kvscope.backend.model.chat import encode_chat, reads_tools
 from kvscope.backend.server.guards import require_token
-from kvscope.backend.server.openai_api import (OPENAI_ERROR_HANDLERS, ChatMessage, Name, OpenAIError, Text, TokenId,
-                                               StrictBody, api_run, message_dicts, model_not_found)
+from kvscope.backend.server.openai_errors import OPENAI_ERROR_HANDLERS, OpenAIError
+from kvscope.backend.server.openai_protocol import ChatMessage, Name, StrictBody, Text, TokenId
+from kvscope.backend.server.openai_serving import api_run, message_dicts, served_model
 from kvscope.backend.server.tools import ToolCalling, ToolChoice, Tools
 
 
@@ -71,14 +72,6 @@ class DetokenizeBody(StrictBody):
     tokens: Annotated[list[TokenId], Field(max_length=100_000)]
 
 
-def _served(request: Request, name: str | None) -> str:
-    manager = request.app.state.manager
-    name = name or manager.default_model
-    if name not in manager.api_models():
-        raise model_not_found(name, manager.api_models())
-    return name
-
-
 def _refuse_unsupported(body: TokenizeBody) -> None:
     """The template always ends with the assistant's turn opened, as the chat route sends it."""
     if body.messages is not None and not body.add_generation_prompt:
@@ -91,7 +84,7 @@ def _refuse_unsupported(body: TokenizeBody) -> None:
 @post("/tokenize", guards=[require_token], status_code=200)
 async def tokenize(request: Request, data: JSONBody[TokenizeBody]) -> dict[str, Any]:
     _refuse_unsupported(data)
-    run = await api_run(request, _served(request, data.model), 0)
+    run = await api_run(request, served_model(request, data.model), 0)
     loaded = run.loaded
     if data.prompt is not None:
         ids = await asyncio.to_thread(loaded.tokenizer.encode, data.prompt)
@@ -105,7 +98,7 @@ async def tokenize(request: Request, data: JSONBody[TokenizeBody]) -> dict[str, 
 
 @post("/detokenize", guards=[require_token], status_code=200)
 async def detokenize(request: Request, data: JSONBody[DetokenizeBody]) -> dict[str, str]:
-    run = await api_run(request, _served(request, data.model), 0)
+    run = await api_run(request, served_model(request, data.model), 0)
     vocab_size = run.loaded.config.vocab_size
     bad = next((t for t in data.tokens if t >= vocab_size), None)
     if bad is not None:
