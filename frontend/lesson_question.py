@@ -16,7 +16,7 @@ from typing import Any
 from nicegui import ui
 
 from kvscope.backend.events.moments import Moment
-from kvscope.backend.events.questions import QUESTIONS, Choice, Question, step_events
+from kvscope.backend.events.questions import QUESTIONS, AnswerOption, Question, step_events
 from kvscope.frontend.client import RunFeed
 
 # A button's mark (also its data-mark): the sign before its label, and its Quasar colour (filled; none: outlined).
@@ -28,7 +28,7 @@ class LessonQuestion:
 
     def __init__(self) -> None:
         self.question: Question | None = None
-        self.choices: list[Choice] = []
+        self.choices: list[AnswerOption] = []
         self.pick: str | None = None
         self.locked = False  # the pick is final once the lesson moves on
         self.revealed = False
@@ -67,7 +67,7 @@ class LessonQuestion:
         self.status.set_text("Click the room's pick (a show of hands), then continue.")
         self.box.set_visibility(True)
 
-    def _button(self, choice: Choice) -> ui.button:
+    def _button(self, choice: AnswerOption) -> ui.button:
         button = ui.button(choice.label, on_click=lambda c=choice: self._choose(c.value)) \
             .classes("kv-question-choice").props("outline no-caps size=lg data-kv=question-choice") \
             .mark(f"question-choice-{choice.value}")

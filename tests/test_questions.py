@@ -11,7 +11,7 @@ import pytest
 from litestar.testing import TestClient
 
 from kvscope.backend.events.moments import Moment, find_moments
-from kvscope.backend.events.questions import QUESTIONS, Choice, step_events
+from kvscope.backend.events.questions import QUESTIONS, AnswerOption, step_events
 from kvscope.backend.events.state import RunState
 from kvscope.backend.scenario import SCENARIOS_DIR, ScenarioError, load_scenario, validate
 from kvscope.backend.server.app import create_app
@@ -32,7 +32,7 @@ def state_at(events: list[dict], moment: Moment | None) -> RunState:
     return state
 
 
-def asked(name: str) -> tuple[str, list[Choice], frozenset[str]]:
+def asked(name: str) -> tuple[str, list[AnswerOption], frozenset[str]]:
     """The scenario's (first) question: its kind, the choices offered where it is asked, the right answers."""
     events = run(name).events
     moments = {m.kind: m for m in find_moments(events)}
@@ -42,7 +42,7 @@ def asked(name: str) -> tuple[str, list[Choice], frozenset[str]]:
     return question.kind, choices, question.answer(step_events(events, moments[question.reveal].step))
 
 
-def values(choices: list[Choice]) -> list[str]:
+def values(choices: list[AnswerOption]) -> list[str]:
     return [c.value for c in choices]
 
 

@@ -20,7 +20,7 @@ from kvscope.backend.engine.request import RequestError
 from kvscope.backend.model.chat import render_speeches, render_template
 from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.server.app import create_app
-from kvscope.backend.server.generation import Choice
+from kvscope.backend.server.generation import GeneratedChoice
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 from kvscope.backend.server.openai_protocol import ChatBody
@@ -321,7 +321,7 @@ class ScriptedGeneration:
 
     def __init__(self, pieces: list[str], finish: str = "stop") -> None:
         self.id, self.created, self.pieces, self.finish = "chatcmpl-t", 0, pieces, finish
-        self.choices = [Choice(0, stream=None)]
+        self.choices = [GeneratedChoice(0, stream=None)]
 
     async def updates(self):
         choice = self.choices[0]

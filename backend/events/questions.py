@@ -25,7 +25,9 @@ QUESTION_KINDS: tuple[str, ...] = QuestionKind.__args__
 
 
 @dataclass(frozen=True)
-class Choice:
+class AnswerOption:
+    """An answer the room can pick (a button)."""
+
     value: str  # what the answer names
     label: str  # what the button says
 
@@ -35,12 +37,12 @@ class Question:
     kind: str
     reveal: str  # the moment kind whose iteration answers it
     text: str  # asked when the lesson step gives no wording of its own
-    choices: Callable[[RunState], list[Choice]]
+    choices: Callable[[RunState], list[AnswerOption]]
     answer: Callable[[list[Event]], frozenset[str]]  # from the reveal iteration's events; empty: not answered
 
 
-def _numbers(values: set[int]) -> list[Choice]:
-    return [Choice(str(v), str(v)) for v in sorted(values)]
+def _numbers(values: set[int]) -> list[AnswerOption]:
+    return [AnswerOption(str(v), str(v)) for v in sorted(values)]
 
 
 def _of(events: list[Event], kind: str) -> list[Event]:
@@ -50,9 +52,9 @@ def _of(events: list[Event], kind: str) -> list[Event]:
 # -- which request is preempted first (memory pressure) ----------------------------------------------
 
 
-def _unfinished_requests(state: RunState) -> list[Choice]:
+def _unfinished_requests(state: RunState) -> list[AnswerOption]:
     """Every request not yet finished, in arrival order, with its prompt length (what it will need)."""
-    return [Choice(r.id, f"{r.id} · {r.prompt_len} tokens") for r in state.requests.values()
+    return [AnswerOption(r.id, f"{r.id} · {r.prompt_len} tokens") for r in state.requests.values()
             if r.status not in ("finished", "rejected")]
 
 
@@ -64,7 +66,7 @@ def _preempted(events: list[Event]) -> frozenset[str]:
 # -- how many blocks a prefix hit shares (prefix caching) -------------------------------------------
 
 
-def _share_counts(state: RunState) -> list[Choice]:
+def _share_counts(state: RunState) -> list[AnswerOption]:
     """0; the shared prefix's full blocks (only full blocks are hashed); the first prompt's full blocks
     and all its blocks. The prefix's length is the scenario's (`generate.shared_prefix.tokens`), if it says."""
     size = state.cache.get("block_size") or 1
@@ -89,7 +91,7 @@ def _blocks_shared(events: list[Event]) -> frozenset[str]:
 # -- how many drafts pass before the first rejection (speculative decoding) ---------------------------
 
 
-def _draft_positions(state: RunState) -> list[Choice]:
+def _draft_positions(state: RunState) -> list[AnswerOption]:
     """0 .. k-1: a verify with a rejection accepted fewer than its k drafts."""
     spec = state.config.get("speculative") or {}
     return _numbers(set(range(spec.get("num_tokens") or 0)))
@@ -103,9 +105,10 @@ def _accepted_before_rejection(events: list[Event]) -> frozenset[str]:
 # -- which beam is pruned first (beam search) -------------------------------------------------------
 
 
-def _live_sequences(state: RunState) -> list[Choice]:
+def _live_sequences(state: RunState) -> list[AnswerOption]:
     """The live sequences of multi-sequence requests (the beams just forked), by id."""
-    return [Choice(str(v.seq_id), f"seq {v.seq_id}") for v in sorted(state.sequences.values(), key=lambda v: v.seq_id)
+    return [AnswerOption(str(v.seq_id), f"seq {v.seq_id}")
+            for v in sorted(state.sequences.values(), key=lambda v: v.seq_id)
             if v.end_step is None]
 
 
@@ -117,7 +120,7 @@ def _pruned(events: list[Event]) -> frozenset[str]:
 # -- how many copies the first write into a shared block makes (copy-on-write) ------------------------
 
 
-def _copy_counts(state: RunState) -> list[Choice]:
+def _copy_counts(state: RunState) -> list[AnswerOption]:
     """0 .. the number of live sequences sharing the blocks."""
     live = sum(v.end_step is None for v in state.sequences.values())
     return _numbers(set(range(live + 1)))

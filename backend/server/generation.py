@@ -57,7 +57,9 @@ class TextStream:
 
 
 @dataclass
-class Choice:
+class GeneratedChoice:
+    """One choice of an OpenAI answer (a prompt's sequence), as the engine's outputs build it."""
+
     index: int
     stream: TextStream
     tokens: list[dict] = field(default_factory=list)  # token entries (text, logprob, top_logprobs), EOS left out
@@ -86,14 +88,15 @@ class Generation:
         self.request_ids = [self.id] if num_prompts == 1 else [f"{self.id}-{k}" for k in range(num_prompts)]
         self.prompt_of = {rid: k for k, rid in enumerate(self.request_ids)}
         # Prompt k's choices are k*n .. k*n+n-1, as OpenAI numbers a batch's choices.
-        self.choices = [Choice(i, TextStream(loaded.tokenizer, stops)) for i in range(num_prompts * n)]
-        self.choice_of_seq: dict[int, Choice] = {}  # a request's first sequence is its first choice, forks follow
+        self.choices = [GeneratedChoice(i, TextStream(loaded.tokenizer, stops)) for i in range(num_prompts * n)]
+        # a request's first sequence is its first choice, forks follow
+        self.choice_of_seq: dict[int, GeneratedChoice] = {}
         self.seqs_seen: dict[str, int] = {}
         self.queue: asyncio.Queue[RequestOutput | RunFailed] = asyncio.Queue()
         self.timed_out = False
         self._timer: asyncio.TimerHandle | None = None
 
-    def choices_of(self, request_id: str) -> list[Choice]:
+    def choices_of(self, request_id: str) -> list[GeneratedChoice]:
         k = self.prompt_of[request_id]
         return self.choices[k * self.n:(k + 1) * self.n]
 
@@ -123,7 +126,7 @@ class Generation:
 
         return deliver
 
-    async def updates(self) -> AsyncIterator[tuple[Choice, str, dict | None]]:
+    async def updates(self) -> AsyncIterator[tuple[GeneratedChoice, str, dict | None]]:
         """(choice, new text, its token entry) until every choice has finished; None: it finished.
 
         RunFailed if the run fails first."""

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from kvscope.backend.server.generation import Choice, Generation
+from kvscope.backend.server.generation import GeneratedChoice, Generation
 from kvscope.backend.server.openai_errors import run_failed
 from kvscope.backend.server.openai_protocol import StreamOptions
 from kvscope.backend.server.run_errors import RunFailed
@@ -110,7 +110,7 @@ def _opening_chunks(gen: Generation, kind: str, logprobs: bool) -> list[dict[str
              "logprobs": completion_logprobs(c.echo_tokens) if logprobs else None} for c in gen.choices if c.echo]
 
 
-def _chunk_choice(choice: Choice, delta: str, token: dict | None, kind: str, logprobs: bool,
+def _chunk_choice(choice: GeneratedChoice, delta: str, token: dict | None, kind: str, logprobs: bool,
                   calls: ToolCallStream | None) -> dict[str, Any]:
     finish = choice.finish_reason if token is None else None
     tokens = [token] if token is not None and logprobs else []

@@ -29,8 +29,8 @@ MAX_GRAMMAR_CHARS = 65_536  # a schema, regex or EBNF text as JSON; real ones ar
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and lists
 MAX_CHOICES = 256
 GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
-Choice = Annotated[str, Field(min_length=1, max_length=1024)]
-ChoiceList = Annotated[list[Choice], Field(min_length=1, max_length=MAX_CHOICES)]
+GuidedChoice = Annotated[str, Field(min_length=1, max_length=1024)]  # one string guided_choice may answer
+ChoiceList = Annotated[list[GuidedChoice], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
 def one_reason(expected: str) -> WrapValidator:
