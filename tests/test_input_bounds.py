@@ -232,3 +232,26 @@ def test_every_line_of_a_served_runs_trace_is_strict_json(client):
         raise AssertionError(f"{constant} in the trace")
 
     assert lines and all(json.loads(line, parse_constant=refuse) for line in lines)
+
+
+def test_json_depth_counts_containers_and_stops_one_past_the_limit_without_recursion() -> None:
+    """One measure for request bodies (guards.py) and grammars (structured.py): 10,000 levels would
+    overflow a recursive one."""
+    from kvscope.backend.engine.request import RequestError
+    from kvscope.backend.server.guards import json_depth
+    from kvscope.backend.server.structured import MAX_SCHEMA_DEPTH, Grammar, check_size
+
+    assert [json_depth(v, 32) for v in ("text", [], {"a": [1, {"b": "x"}]})] == [0, 1, 3]
+    deep: list = []
+    node = deep
+    for _ in range(10_000):
+        node.append([])
+        node = node[0]
+    assert json_depth(deep, 32) == 33
+    schema: dict = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(RequestError, match=f"nested deeper than {MAX_SCHEMA_DEPTH}") as refused:
+        check_size(Grammar("response_format", {"json": schema}))
+    assert refused.value.field == "response_format"
+    check_size(Grammar("response_format", {"json": schema["items"]["items"]}))  # 63 deep: within the bound

@@ -106,7 +106,7 @@ async def check_json_body(connection: ASGIConnection, _: BaseRouteHandler) -> No
     assert isinstance(connection, Request)
     body = await connection.body()  # cached for the handler; 413 past the size limit
     try:
-        depth = json_depth(msgspec.json.decode(body))
+        depth = json_depth(msgspec.json.decode(body), MAX_JSON_DEPTH)
     except RecursionError:
         depth = MAX_JSON_DEPTH + 1
     except msgspec.DecodeError:
@@ -115,11 +115,12 @@ async def check_json_body(connection: ASGIConnection, _: BaseRouteHandler) -> No
         raise ClientException(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
 
-def json_depth(value: object) -> int:
-    """How deep arrays and objects nest in a decoded JSON value (a scalar: 0), stopping past the limit."""
+def json_depth(value: object, limit: int) -> int:
+    """How deep arrays and objects nest in a decoded JSON value (a scalar: 0), counted without recursion (a
+    10,000-deep value must not overflow the stack that measures it) and no further than one past `limit`."""
     deepest = 0
     stack: list[tuple[Iterable, int]] = [(value, 1)] if isinstance(value, (list, dict)) else []
-    while stack and deepest <= MAX_JSON_DEPTH:
+    while stack and deepest <= limit:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
         children = node.values() if isinstance(node, dict) else node

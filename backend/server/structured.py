@@ -24,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
                       model_validator)
 
 from kvscope.backend.engine.request import RequestError
+from kvscope.backend.server.guards import json_depth
 
 MAX_GRAMMAR_CHARS = 65_536  # a schema, regex or EBNF text as JSON; real ones are a few KB
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and lists
@@ -135,24 +136,12 @@ def format_grammar(fmt: ResponseFormat | None, source: str = "response_format") 
 
 
 def check_size(grammar: Grammar) -> None:
-    """RequestError when the grammar is deeper or longer than the bounds (measured without recursion:
-    a 10,000-deep schema must not overflow the stack that measures it)."""
+    """RequestError when the grammar is deeper or longer than the bounds."""
     (value,) = grammar.outputs.values()
-    if json_depth(value) > MAX_SCHEMA_DEPTH:
+    if json_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise RequestError(grammar.source, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     if len(json.dumps(value)) > MAX_GRAMMAR_CHARS:
         raise RequestError(grammar.source, f"longer than {MAX_GRAMMAR_CHARS} characters as JSON")
-
-
-def json_depth(value: Any) -> int:
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 @contextmanager
