@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kvscope.backend.server.run_errors import RunBusy, RunError
-from kvscope.backend.server.run_pacing import Pacing
+from kvscope.backend.server.run_pacing import Pacer
 from kvscope.backend.server.run_viewers import Viewers
 
 # ---- pacing -------------------------------------------------------------------------------------------
 
 
 def test_steps_asked_for_while_paused_are_owed_one_by_one_and_a_pause_forgets_them():
-    pacing = Pacing(speed=4.0)
+    pacing = Pacer(speed=4.0)
     pacing.apply("step", 3)
     assert (pacing.paused, pacing.steps_requested) == (True, 3)
     assert [pacing.take_manual_step() for _ in range(4)] == [True, True, True, False]
@@ -23,7 +23,7 @@ def test_steps_asked_for_while_paused_are_owed_one_by_one_and_a_pause_forgets_th
 
 
 def test_a_paused_run_steps_only_when_it_has_work_and_a_step_is_owed():
-    pacing = Pacing(paused=True)
+    pacing = Pacer(paused=True)
     assert not pacing.may_step(has_work=True)
     pacing.apply("step", None)
     assert pacing.may_step(has_work=True) and not pacing.may_step(has_work=False)
@@ -35,7 +35,7 @@ def test_a_paused_run_steps_only_when_it_has_work_and_a_step_is_owed():
                                                   ("speed", None, "value"), ("lesson", 2, "value"),
                                                   ("seek", -1, "value")])
 def test_a_control_that_is_not_one_changes_nothing(action, value, field):
-    pacing = Pacing(speed=2.0, paused=True)
+    pacing = Pacer(speed=2.0, paused=True)
     pacing.apply("step", 5)
     touched = pacing.touched
     with pytest.raises(RunError) as refused:
@@ -44,14 +44,27 @@ def test_a_control_that_is_not_one_changes_nothing(action, value, field):
     assert (pacing.speed, pacing.paused, pacing.steps_requested, pacing.touched) == (2.0, True, 5, touched)
 
 
+def test_the_runs_pacing_and_a_dashboards_mirror_of_its_control_events_agree():
+    """One definition of what a control does to the pacing: the server's Pacer applies it, a dashboard
+    applies the control event it records, and both say the same after every control."""
+    from kvscope.backend.events.pacing import Pacing
+
+    pacer, mirror = Pacer(speed=4.0, paused=True), Pacing.from_snapshot({"paused": True, "speed": 4.0})
+    for action, value in [("step", 2), ("resume", None), ("speed", 0), ("lesson", 1), ("pause", None),
+                          ("seek", 3), ("speed", 2.5), ("resume", None), ("lesson", 0), ("step", None)]:
+        pacer.apply(action, value)
+        mirror.apply_control({"type": "control", "action": action, "value": value})
+        assert pacer.view() == mirror, (action, value)
+
+
 def test_a_paced_iteration_is_due_one_period_after_the_last_and_a_late_one_is_not_caught_up():
-    pacing = Pacing(speed=4.0)
+    pacing = Pacer(speed=4.0)
     assert pacing.next_due(previous=10.0, now=10.1) == 10.25
     assert pacing.next_due(previous=10.0, now=12.0) == 12.0  # late: now, not a burst of the missed ones
 
 
 def test_a_run_paused_and_untouched_past_its_ttl_may_expire_and_a_control_touches_it():
-    pacing = Pacing(paused=True)
+    pacing = Pacer(paused=True)
     pacing.touched = 100.0
     assert pacing.idle_past(60.0, now=161.0) and not pacing.idle_past(60.0, now=159.0)
     assert not pacing.idle_past(None, now=1e9)

@@ -6,8 +6,10 @@ scenario's lesson explains happened (backend/events/moments.py finds them in the
 publishes), so the class sees that moment at any speed. A run left paused and untouched too long
 expires (`Retention.paused_ttl_s`).
 
-Nothing here locks or sleeps: the worker reads a Pacing holding its own lock, and controls change it
-under the same lock, so the rules can be tested without threads.
+Nothing here locks or sleeps: the worker reads a Pacer holding its own lock, and controls change it
+under the same lock, so the rules can be tested without threads. A Pacer is the run's Pacing (the one
+definition of paused, speed and lesson mode, and of how a control changes them, that a dashboard
+mirrors: backend/events/pacing.py) plus what the worker alone needs: the steps owed and the last touch.
 """
 
 from __future__ import annotations
@@ -15,20 +17,18 @@ from __future__ import annotations
 import time
 
 from kvscope.backend.events.moments import Moment, MomentFinder, lesson_moments
-from kvscope.backend.events.pacing import Pacing as PacingView
+from kvscope.backend.events.pacing import Pacing
 from kvscope.backend.server.run_errors import RunError
 
 DEFAULT_SPEED = 4.0  # iterations per second: slow enough to watch block by block
 CONTROLS = ("pause", "resume", "step", "speed", "lesson", "seek")
 
 
-class Pacing:
-    """Speed, pause, steps asked for while paused, lesson mode, and when a control last touched the run."""
+class Pacer(Pacing):
+    """The run's Pacing, the steps asked for while paused, and when a control last touched the run."""
 
     def __init__(self, speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> None:
-        self.speed = speed
-        self.paused = paused
-        self.lesson = lesson  # pause after each iteration where a moment its lesson explains happened
+        super().__init__(paused=paused, speed=speed, lesson=lesson)
         self.steps_requested = 0
         self.touched = time.monotonic()  # a paused run expires paused_ttl_s after its last control
 
@@ -38,19 +38,13 @@ class Pacing:
         self.touched = time.monotonic()
         if action in ("pause", "resume", "seek"):
             self.steps_requested = 0  # steps asked for before (a million, say) must not outlive them
-        if action in ("pause", "resume"):
-            self.paused = action == "pause"
         elif action == "step":
-            self.paused = True
             self.steps_requested += int(value or 1)
-        elif action == "speed":
-            self.speed = float(value)
-        elif action == "lesson":
-            self.lesson = bool(value)
+        self.apply_control({"action": action, "value": value})
 
-    def view(self) -> PacingView:
-        """What the run's snapshot and the run list say of it (the fields a dashboard mirrors)."""
-        return PacingView(self.paused, self.speed, self.lesson)
+    def view(self) -> Pacing:
+        """What the run's snapshot and the run list say of it (the fields a dashboard mirrors), as a copy."""
+        return Pacing(self.paused, self.speed, self.lesson)
 
     def hold(self) -> None:
         """Pause as a control would (lesson mode, at a moment)."""

@@ -1,6 +1,6 @@
 """A run's worker thread and its supervision: the one thread that touches the engine (or the replay).
 
-The worker runs the run's iterations at the pace its Pacing allows, and between two iterations the
+The worker runs the run's iterations at the pace its Pacer allows, and between two iterations the
 commands other threads hand it (`call`: a live request, an abort, a seek), so the engine is never
 touched by two threads. It is the supervisor between the server and the engine: an exception on the
 thread, or a worker late by more than `stall_timeout_s` for what it is doing (a step, a command, its
@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from kvscope.backend.server.run_errors import RunFailed, describe_fault
-from kvscope.backend.server.run_pacing import Pacing
+from kvscope.backend.server.run_pacing import Pacer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,9 +47,9 @@ class DrivenRun(Protocol):
 
 
 class RunWorker:
-    """The thread, the commands waiting for it, and its deadline; `wakeup` guards them and the Pacing."""
+    """The thread, the commands waiting for it, and its deadline; `wakeup` guards them and the Pacer."""
 
-    def __init__(self, run_id: str, run: DrivenRun, pacing: Pacing, stall_timeout_s: float | None = None,
+    def __init__(self, run_id: str, run: DrivenRun, pacing: Pacer, stall_timeout_s: float | None = None,
                  paused_ttl_s: float | None = None) -> None:
         self.run_id = run_id
         self.run = run

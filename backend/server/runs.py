@@ -34,7 +34,7 @@ from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.events.bus import encode_event
 from kvscope.backend.events.state import RunState
 from kvscope.backend.server.run_errors import RunError, RunFailed
-from kvscope.backend.server.run_pacing import DEFAULT_SPEED, LessonMoments, Pacing
+from kvscope.backend.server.run_pacing import DEFAULT_SPEED, LessonMoments, Pacer
 from kvscope.backend.server.run_trace import RunTrace
 from kvscope.backend.server.run_viewers import Viewers, Watcher
 from kvscope.backend.server.run_worker import RunWorker
@@ -70,7 +70,7 @@ class ServedRun:
         self.lock = threading.Lock()  # the reducer, the trace and the viewers change together under it
         self.viewers = Viewers(run_id, retention.max_viewers)
         self.trace = RunTrace(run_id, retention.trace_window, retention.trace_dir if self.keeps_trace else None)
-        self.pacing = Pacing(speed, paused, lesson)  # changed under self.worker.wakeup
+        self.pacing = Pacer(speed, paused, lesson)  # changed under self.worker.wakeup
         self.lesson_moments = LessonMoments()
         self.worker = RunWorker(run_id, self, self.pacing, retention.stall_timeout_s, retention.paused_ttl_s)
         self.finished = False
