@@ -104,7 +104,7 @@ class RunManager:
         self._loader: threading.Thread | None = None  # starts the API run for /health (start_api_run_in_background)
         self.load_error: str | None = None  # why that start failed last
 
-        self._api_run_watchers: list[Callable[[str, EngineRun], None]] = []  # GET /metrics (metrics.py)
+        self._api_run_watchers: list[Callable[[str, ApiRun], None]] = []  # GET /metrics (metrics.py)
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvscope.backend.config import EngineConfig
@@ -123,15 +123,16 @@ class ServerMetrics:
     def watch(self, model: str, run: EngineRun) -> None:
         """Count this API run's events under its model (every series starts at 0, as Prometheus likes)."""
         spec = run.engine.config.speculative
-        feed = RunFeed(self, model, spec.num_tokens if spec else 0)
-        run.bus.subscribe(feed.apply)
+        counter = RunEventCounter(self, model, spec.num_tokens if spec else 0)
+        run.bus.subscribe(counter.apply)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class RunFeed:
-    """One API run's events into the app's metrics (on the run's worker thread, after its reducer saw them)."""
+class RunEventCounter:
+    """Counts one API run's events into the app's counters and histograms, under its model's labels (a
+    subscriber of the run's bus: on its worker thread, after its reducer saw each event)."""
 
     def __init__(self, metrics: ServerMetrics, model: str, num_spec_tokens: int) -> None:
         self.m, self.labels = metrics, (model, ENGINE)
