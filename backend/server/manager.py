@@ -110,6 +110,8 @@ class RunManager:
         return self.runs.get(run_id)
 
     def list(self) -> list[ServedRun]:
+        """The runs held, once those that expired are forgotten (their memory let go: the listing routes and
+        the /metrics scrape are what a server left alone still gets, so expiry is collected here)."""
         with self._lock:
             self._sweep_locked()
             return list(self.runs.values())

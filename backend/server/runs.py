@@ -1,6 +1,7 @@
 """Runs as a service: a served run assembles its parts around one reducer and one worker thread.
 
-A run hosts an engine (engine_run.py) or a recorded trace (replay.py), built from these parts:
+A run hosts an engine (engine_run.py: a scenario's, or the OpenAI API's in api_run.py) or a recorded
+trace (replay.py), built from these parts:
 
     run_worker.py     the worker thread, the commands it runs between iterations, and its supervision
     run_pacing.py     speed, pause / resume / step / seek, lesson mode's pauses, a paused run's expiry
