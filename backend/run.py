@@ -120,7 +120,7 @@ class ScenarioRun:
             "prefix_hit_rate": self.engine.blocks.prefix_hit_rate,
             "num_preemptions": self.engine.scheduler.num_preemptions,
             "peak_kv_blocks_saved_by_sharing": m.peak_blocks_saved_by_sharing,
-            "speculative": self.engine.spec_stats.summary() if self.engine.proposer else None,
+            "speculative": self.engine.spec_stats.summary() if self.engine.config.speculative else None,
             "per_request": {r.request_id: {"finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
                                            "output_tokens": len(r.seq.output_token_ids), "ttft_s": r.times.ttft(),
                                            "e2e_s": r.times.e2e(), "output_text": r.output_text}

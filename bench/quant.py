@@ -122,7 +122,7 @@ class EngineScorer:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.engine = Engine(loaded, config, EventBus(level="off"))
-        self.model = self.engine.runner.model
+        self.model = self.engine.executor.runner.model
         self.hidden: list[torch.Tensor] = []
         self.active = False  # the float model is shared with the dense rows: record only our own forwards
         self.model.register_forward_hook(lambda _m, _args, out: self.hidden.append(out) if self.active else None)

@@ -78,7 +78,7 @@ class BenchRequest:
 
 @dataclass
 class Probe:
-    """Wraps an engine's runners, proposer and step; records seconds per call."""
+    """Wraps an engine's executor, its draft runner and its step; records seconds per call."""
 
     target: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, batch rows, seconds)
     draft: list[tuple[str, int, float]] = field(default_factory=list)  # (kind, batch rows, seconds)
@@ -86,12 +86,13 @@ class Probe:
     steps: list[dict] = field(default_factory=list)  # per iteration: kind and seconds by part
 
     def attach(self, engine: Engine) -> None:
-        engine.runner.execute = self._timed(engine.runner.execute, self.target, target_kind)
-        runner = getattr(engine.proposer, "runner", None)
+        executor = engine.executor
+        executor.execute = self._timed(executor.execute, self.target, target_kind)
+        runner = getattr(executor.proposer, "runner", None)
         if runner is not None:
             runner.logits = self._timed(runner.logits, self.draft, draft_kind)  # the proposer samples itself
-        if engine.proposer is not None:
-            engine.proposer.propose = self._timed_propose(engine.proposer.propose)
+        if executor.proposer is not None:
+            executor.propose = self._timed_propose(executor.propose)
         engine.step = self._timed_step(engine.step)
 
     @staticmethod
@@ -104,11 +105,11 @@ class Probe:
         return wrapper
 
     def _timed_propose(self, propose: Callable) -> Callable:
-        def wrapper(requests):
+        def wrapper(inp):
             start = time.perf_counter()
-            proposals = propose(requests)
-            rounds = max((r.num_tokens for r in requests), default=0)
-            self.propose.append((len(requests), rounds, time.perf_counter() - start))
+            proposals = propose(inp)
+            rounds = max((r.num_drafts for r in inp.rows), default=0)
+            self.propose.append((len(inp.rows), rounds, time.perf_counter() - start))
             return proposals
         return wrapper
 
@@ -194,8 +195,8 @@ def run_once(target: LoadedModel, draft: LoadedModel | None, config: EngineConfi
     outputs = {rid: req.seq.output_token_ids for rid, req in engine.requests.items()}
     stats = engine.spec_stats
     spec = stats.summary() | {"drafts_per_verify": stats.num_proposed / max(1, stats.num_verifies)}
-    return TimedRun(seconds, engine.step_no, sum(map(len, outputs.values())), spec if engine.proposer else {}, probe,
-                    outputs)
+    return TimedRun(seconds, engine.step_no, sum(map(len, outputs.values())),
+                    spec if engine.executor.proposer else {}, probe, outputs)
 
 
 # ---- the sweep ------------------------------------------------------------------------------------

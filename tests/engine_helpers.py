@@ -50,7 +50,8 @@ def run_engine(loaded: LoadedModel, config: EngineConfig, workload, sampling=GRE
 
 def assert_replay_matches(state: RunState, engine: Engine) -> None:
     """The reducer, fed only events, agrees with the block manager on tables and the free list."""
-    live = {seq.seq_id: seq.block_table for seq in engine.live_sequences() if seq.block_table}
+    tables = {seq.seq_id: engine.blocks.block_table(seq.seq_id) for seq in engine.live_sequences()}
+    live = {seq_id: table for seq_id, table in tables.items() if table}
     assert {k: v for k, v in state.block_tables.items() if v} == live
     assert list(state.free_blocks) == engine.blocks.free_block_ids
 

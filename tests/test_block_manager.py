@@ -125,7 +125,7 @@ def replay_block_events(events: list[tuple[str, dict]], num_blocks: int) -> tupl
 
 def assert_replay_matches(bm: BlockManager, events: list, seqs: list[Sequence]) -> None:
     tables, free_list, cached_free = replay_block_events(events, bm.num_blocks)
-    assert tables == {s.seq_id: s.block_table for s in seqs if s.block_table}
+    assert tables == {s.seq_id: bm.block_table(s.seq_id) for s in seqs if bm.block_table(s.seq_id)}
     assert free_list == bm.free_block_ids
     assert len(cached_free) == bm.num_cached_blocks
 
@@ -137,10 +137,10 @@ def test_blocks_are_allocated_in_order_and_decode_fills_the_partial_block_first(
     bm, events = make(num_blocks=8, block_size=4, prefix_caching=False)
     a, b = seq(0, range(10)), seq(1, range(5))
     assert bm.allocate_slots(a, 10) == []
-    assert a.block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
     assert events == [alloc(0, a, 0), alloc(1, a, 1), alloc(2, a, 2)]
     assert bm.allocate_slots(b, 5) == []
-    assert b.block_table == [3, 4]
+    assert bm.block_table(b.seq_id) == [3, 4]
     assert bm.free_block_ids == [5, 6, 7]
     assert (bm.num_used_blocks, bm.num_free_blocks) == (5, 3)
 
@@ -148,7 +148,7 @@ def test_blocks_are_allocated_in_order_and_decode_fills_the_partial_block_first(
     assert bm.blocks_needed(a, 2) == 0  # slots 10 and 11 fit in block 2
     assert bm.blocks_needed(a, 3) == 1
     assert bm.allocate_slots(a, 3) == []
-    assert a.block_table == [0, 1, 2, 5]
+    assert bm.block_table(a.seq_id) == [0, 1, 2, 5]
     bm.check_invariants([a, b])
 
 
@@ -159,7 +159,7 @@ def test_a_finished_sequence_frees_its_tail_first_and_its_full_blocks_stay_cache
     events.clear()
     do_free(bm, a)
     assert events == [free(2, a, cached=False), free(1, a, cached=True), free(0, a, cached=True)]
-    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert bm.block_table(a.seq_id) == [] and a.num_computed_tokens == 0
     assert bm.free_block_ids == [3, 4, 5, 2, 1, 0]  # the tail will be evicted before the prefix
     assert bm.num_cached_blocks == 2
 
@@ -171,11 +171,11 @@ def test_a_request_with_the_same_prefix_shares_the_full_blocks():
     b = seq(1, [*range(8), 100, 101, 102])
     events.clear()
     assert do_match(bm, b) == 8
-    assert b.block_table == [0, 1]
+    assert bm.block_table(b.seq_id) == [0, 1]
     assert (b.num_computed_tokens, b.num_cached_prompt_tokens) == (8, 8)
     assert events == [share(0, b, 0, ref_count=2), share(1, b, 1, ref_count=2)]
     assert bm.allocate_slots(b, 3) == []
-    assert b.block_table == [0, 1, 3]
+    assert bm.block_table(b.seq_id) == [0, 1, 3]
     assert bm.prefix_hit_rate == pytest.approx(8 / 11)
     bm.check_invariants([a, b])
 
@@ -209,14 +209,14 @@ def test_the_whole_prompt_is_never_matched_and_a_recomputed_duplicate_keeps_the_
     compute(bm, a, 8)
     b = seq(1, range(8))
     assert do_match(bm, b) == 4  # the last token must be computed to get logits
-    assert b.block_table == [0]
+    assert bm.block_table(b.seq_id) == [0]
     compute(bm, b, 4)
-    assert b.block_table == [0, 2]  # block 2 holds the same tokens as block 1
+    assert bm.block_table(b.seq_id) == [0, 2]  # block 2 holds the same tokens as block 1
     events.clear()
     do_free(bm, b)
     assert events == [free(2, b, cached=False), free(0, b, cached=True)]
     d = seq(2, range(9))
-    assert do_match(bm, d) == 8 and d.block_table == [0, 1]
+    assert do_match(bm, d) == 8 and bm.block_table(d.seq_id) == [0, 1]
 
 
 def test_lru_eviction_emits_evict_before_alloc_and_evicts_the_tail_first():
@@ -232,7 +232,7 @@ def test_lru_eviction_emits_evict_before_alloc_and_evicts_the_tail_first():
     assert bm.num_cached_blocks == 1
     c = seq(2, [1, 2, 3, 4, 5])
     assert do_match(bm, c) == 2  # [1, 2] survived in block 0; [3, 4] was evicted with block 1
-    assert c.block_table == [0]
+    assert bm.block_table(c.seq_id) == [0]
     bm.check_invariants([b, c])
 
 
@@ -244,9 +244,9 @@ def test_a_hash_collision_never_gives_a_false_hit(monkeypatch):
     # Every block hashes to 42. b's second block has the tokens of a's FIRST block: only the chain
     # (the parent's content) tells them apart.
     b = seq(1, [1, 2, 1, 2, 9])
-    assert do_match(bm, b) == 2 and b.block_table == [0]
+    assert do_match(bm, b) == 2 and bm.block_table(b.seq_id) == [0]
     c = seq(2, [3, 4, 5])
-    assert do_match(bm, c) == 0 and c.block_table == []
+    assert do_match(bm, c) == 0 and bm.block_table(c.seq_id) == []
     bm.check_invariants([a, b, c])
 
 
@@ -257,7 +257,7 @@ def test_fork_shares_every_block_and_the_first_write_copies_the_partial_last_blo
     child = seq(1, range(6), request_id="r0")
     events.clear()
     do_fork(bm, parent, child)
-    assert child.block_table == [0, 1] and child.num_computed_tokens == 6
+    assert bm.block_table(child.seq_id) == [0, 1] and child.num_computed_tokens == 6
     assert events == [share(0, child, 0, 2, "fork"), share(1, child, 1, 2, "fork")]
     bm.check_invariants([parent, child])
 
@@ -266,13 +266,13 @@ def test_fork_shares_every_block_and_the_first_write_copies_the_partial_last_blo
     assert bm.blocks_needed(child, 1) == 1
     events.clear()
     assert bm.allocate_slots(child, 1) == [(1, 2)]
-    assert child.block_table == [0, 2]
+    assert bm.block_table(child.seq_id) == [0, 2]
     assert events == [alloc(2, child, 1),
                       ("block_copy", dict(src_block_id=1, dst_block_id=2, seq_id=1)),
                       free(1, child, cached=False)]
     assert bm.ref_count(1) == 1
     assert bm.allocate_slots(parent, 1) == []  # block 1 is the parent's alone now
-    assert parent.block_table == [0, 1]
+    assert bm.block_table(parent.seq_id) == [0, 1]
     bm.check_invariants([parent, child])
 
 
@@ -284,7 +284,7 @@ def test_truncate_frees_the_emptied_tail_and_the_rewrite_of_the_kept_block_forge
     do_truncate(bm, a, 5)
     a.token_ids = a.token_ids[:5]
     assert events == [free(2, a, cached=False)]
-    assert a.block_table == [0, 1] and a.num_computed_tokens == 5
+    assert bm.block_table(a.seq_id) == [0, 1] and a.num_computed_tokens == 5
     b = seq(1, range(10))
     assert do_match(bm, b) == 8  # block 1 is not rewritten yet: still valid, now shared
     do_free(bm, b)
@@ -294,7 +294,7 @@ def test_truncate_frees_the_emptied_tail_and_the_rewrite_of_the_kept_block_forge
     c = seq(2, range(10))
     assert do_match(bm, c) == 4  # block 1 no longer promises tokens 4..7
     d = seq(3, [0, 1, 2, 3, 4, 50, 51, 52, 9])
-    assert do_match(bm, d) == 8 and d.block_table == [0, 1]
+    assert do_match(bm, d) == 8 and bm.block_table(d.seq_id) == [0, 1]
 
 
 def test_truncate_keeps_dropped_full_blocks_cached_because_their_content_is_still_valid():
@@ -305,7 +305,7 @@ def test_truncate_keeps_dropped_full_blocks_cached_because_their_content_is_stil
     do_truncate(bm, a, 8)
     assert events == [free(2, a, cached=True)]
     b = seq(1, range(13))
-    assert do_match(bm, b) == 12 and b.block_table == [0, 1, 2]
+    assert do_match(bm, b) == 12 and bm.block_table(b.seq_id) == [0, 1, 2]
 
 
 def test_truncate_of_a_shared_block_keeps_it_and_the_next_write_copies_it():
@@ -316,7 +316,7 @@ def test_truncate_of_a_shared_block_keeps_it_and_the_next_write_copies_it():
     do_fork(bm, parent, child)
     do_truncate(bm, child, 6)
     child.token_ids = child.token_ids[:6] + [66]
-    assert child.block_table == [0, 1] and child.num_computed_tokens == 6
+    assert bm.block_table(child.seq_id) == [0, 1] and child.num_computed_tokens == 6
     assert bm.allocate_slots(child, 1) == [(1, 2)]
     d = seq(2, range(9))
     assert do_match(bm, d) == 8  # the parent's block 1 is untouched and still findable
@@ -329,7 +329,7 @@ def test_allocation_failure_changes_nothing():
     n_events = len(events)
     assert bm.blocks_needed(b, 8) == 2 and not bm.can_allocate(2)
     assert bm.allocate_slots(b, 8) is None
-    assert b.block_table == [] and len(events) == n_events and bm.free_block_ids == [2]
+    assert bm.block_table(b.seq_id) == [] and len(events) == n_events and bm.free_block_ids == [2]
 
     # The copy for copy-on-write counts too.
     a.num_computed_tokens = 6
@@ -339,7 +339,7 @@ def test_allocation_failure_changes_nothing():
     a2 = seq(3, range(6), request_id="r0")
     do_fork(bm, a, a2)
     assert bm.allocate_slots(a2, 1) is None  # block 1 is shared and no block is left for the copy
-    assert a2.block_table == [0, 1] and child.block_table == [0, 2]
+    assert bm.block_table(a2.seq_id) == [0, 1] and bm.block_table(child.seq_id) == [0, 2]
     bm.check_invariants([a, child, a2])
 
 
@@ -350,17 +350,18 @@ def test_without_prefix_caching_nothing_is_matched_or_cached():
     do_free(bm, a)
     assert all(not f["cached"] for t, f in events if t == "block_free")
     b = seq(1, [1, 2, 3, 4, 5])
-    assert do_match(bm, b) == 0 and b.block_table == []
+    assert do_match(bm, b) == 0 and bm.block_table(b.seq_id) == []
     assert bm.prefix_hit_rate == 0.0
 
 
-def test_check_invariants_notices_a_table_the_manager_does_not_know():
+def test_check_invariants_notices_a_table_no_live_sequence_holds():
     bm, _ = make(num_blocks=4, block_size=2)
-    a = seq(0, [1, 2, 3])
+    a, b = seq(0, [1, 2, 3]), seq(1, [4, 5])
     bm.allocate_slots(a, 3)
-    a.block_table.append(3)
+    bm.allocate_slots(b, 2)
+    bm.check_invariants([a, b])
     with pytest.raises(AssertionError):
-        bm.check_invariants([a])
+        bm.check_invariants([a])  # b's table leaked: nobody frees it
 
 
 def test_a_full_story_replays_from_events_alone():
@@ -426,12 +427,12 @@ class Simulation:
 
     def allocate(self, i: int, n: int) -> None:
         s = self._pick(i)
-        before = (list(s.block_table), self.bm.free_block_ids, len(self.events))
+        before = (list(self.bm.block_table(s.seq_id)), self.bm.free_block_ids, len(self.events))
         needed = self.bm.blocks_needed(s, n)
         copies = self.bm.allocate_slots(s, n)
         if copies is None:
             assert not self.bm.can_allocate(needed)
-            assert before == (s.block_table, self.bm.free_block_ids, len(self.events))
+            assert before == (self.bm.block_table(s.seq_id), self.bm.free_block_ids, len(self.events))
             return
         for src, dst in copies:
             self.kv[dst] = list(self.kv.get(src, [None] * self.bm.block_size))
@@ -443,9 +444,9 @@ class Simulation:
         end = self.reserved.get(s.seq_id, 0)
         while len(s.token_ids) < end:
             s.token_ids.append(fill[len(s.token_ids) % len(fill)] if fill else 0)
-        bs = self.bm.block_size
+        bs, table = self.bm.block_size, self.bm.block_table(s.seq_id)
         for pos in range(s.num_computed_tokens, end):
-            self.kv.setdefault(s.block_table[pos // bs], [None] * bs)[pos % bs] = tuple(s.token_ids[:pos + 1])
+            self.kv.setdefault(table[pos // bs], [None] * bs)[pos % bs] = tuple(s.token_ids[:pos + 1])
         s.num_computed_tokens = max(s.num_computed_tokens, end)
         self.bm.commit_computed(s)
 
@@ -481,8 +482,9 @@ class Simulation:
         self.bm.check_invariants(self.live)
         bs = self.bm.block_size
         for s in self.live:
+            table = self.bm.block_table(s.seq_id)
             for pos in range(s.num_computed_tokens):
-                slot = self.kv[s.block_table[pos // bs]][pos % bs]
+                slot = self.kv[table[pos // bs]][pos % bs]
                 assert slot == tuple(s.token_ids[:pos + 1]), f"seq {s.seq_id} reads a wrong slot {pos}"
         assert_replay_matches(self.bm, self.events, self.live)
 

@@ -142,7 +142,7 @@ def test_beam_search_forks_and_prunes_with_block_events(demo):
     freed = {e["seq_id"] for e in events if e["type"] == "block_free"}
     assert pruned <= freed, "a pruned beam gives its blocks back"
     assert len(finished_events(events)["b"]["outputs"]) == 1  # n = 1: only the best
-    assert all(not s.block_table for s in engine.live_sequences())
+    assert all(not engine.blocks.block_table(s.seq_id) for s in engine.live_sequences())
 
 
 def test_beam_search_in_a_busy_batch_with_preemption(demo):
@@ -188,7 +188,7 @@ def test_aborting_a_multi_sequence_request_ends_every_sequence(demo, sampling):
     engine.add_request("other", demo.tokenizer.encode("CASSIUS:\nWell,"), 6, {"temperature": 0})
     for _ in range(4):
         engine.step()
-    live = [s.seq_id for s in engine.requests["m"].seqs if s.seq_id in engine.unfinished]
+    live = [s.seq_id for s in engine.requests["m"].seqs if s.seq_id in engine.scheduler.live]
     assert len(live) > 1
     engine.abort("m")
     done = finished_events(events)["m"]
@@ -197,5 +197,5 @@ def test_aborting_a_multi_sequence_request_ends_every_sequence(demo, sampling):
     while engine.has_unfinished():
         engine.step()
     assert finished_events(events)["other"]["finish_reason"] in ("eos", "length")
-    assert all(not s.block_table for s in engine.requests["m"].seqs)
+    assert all(not engine.blocks.block_table(s.seq_id) for s in engine.requests["m"].seqs)
     engine.blocks.check_invariants(engine.live_sequences())

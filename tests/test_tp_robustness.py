@@ -84,7 +84,7 @@ def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(d
     engine.add_request("long", "ROMEO:\n", 500, SamplingParams(temperature=0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    workers = engine.runner.ranks.processes
+    workers = engine.executor.runner.ranks.processes
     os.kill(workers[victim - 1].pid, sig)
     with pytest.raises(RankFailed, match=says):
         for _ in range(100):
@@ -100,7 +100,7 @@ def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
     before = listening_ports()
     engine = Engine(demo, EngineConfig(tensor_parallel=2, events="off"))
     assert listening_ports() - before, "the store and gloo listen while the ranks run"
-    workers = engine.runner.ranks.processes
+    workers = engine.executor.runner.ranks.processes
     engine.close()
     engine.close()  # twice is fine
     assert [p.poll() for p in workers] == [0], "told to stop, the ranks exit cleanly"

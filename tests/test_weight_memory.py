@@ -41,7 +41,7 @@ def serving(model: str, **limits) -> tuple[TestClient, RunManager, WeightCache, 
 
 def first_qweight(manager: RunManager, run_id: str):
     """The first quantized layer's codes in the model the run's engine computes with."""
-    model = manager.get(run_id).engine.runner.model
+    model = manager.get(run_id).engine.executor.runner.model
     return next(m for m in model.modules() if isinstance(m, QuantLinear)).qweight
 
 
@@ -83,7 +83,7 @@ def test_runs_with_one_draft_model_share_its_weights(tiny_dir):
                                                         "num_tokens": 2}), "paused": True}
     with client:
         runs = [start(client, body) for _ in range(2)]
-        drafts = [manager.get(r).engine.proposer.runner.model.lm_head.weight for r in runs]
+        drafts = [manager.get(r).engine.executor.proposer.runner.model.lm_head.weight for r in runs]
         assert drafts[0].data_ptr() == drafts[1].data_ptr()
         assert loads == [tiny_dir, "demo-draft"]
     manager.stop_all()
@@ -144,7 +144,7 @@ def test_the_accounting_returns_to_baseline_and_the_copy_is_freed_when_the_runs_
     client, manager, cache, _ = serving(tiny_dir, paused_ttl_s=0.2)
     with client:
         runs = [start(client, int8(tiny_dir, 32)) for _ in range(2)]
-        copy = weakref.ref(manager.get(runs[0]).engine.runner.model)
+        copy = weakref.ref(manager.get(runs[0]).engine.executor.runner.model)
         assert cache.held_bytes() > 0
         deadline = time.monotonic() + 60
         while client.get("/api/runs").json():  # both expire (paused, untouched) and are forgotten

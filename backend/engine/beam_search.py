@@ -27,7 +27,7 @@ class Hypothesis:
 
 
 @dataclass
-class Choice:
+class BeamChoice:
     parent: int  # index of the beam it extends
     token_id: int
     logprob: float  # of the token alone
@@ -52,17 +52,17 @@ class BeamState:
 
 
 def select(cumulative: list[float], best: list[list[tuple[int, float]]], width: int, eos_ids: list[int],
-           allow_eos: bool) -> tuple[list[Choice], list[Choice]]:
+           allow_eos: bool) -> tuple[list[BeamChoice], list[BeamChoice]]:
     """(next beams, EOS candidates that finish), best first, from each beam's best next tokens.
 
     best[b]: beam b's top `width + len(eos_ids)` (token, logprob) pairs (the executor's `candidates`):
     enough to find `width` non-EOS candidates even when every EOS ranks among them. Ties rank the
     lower beam index, then the lower token id, first, so the search is deterministic.
     """
-    candidates = [Choice(b, t, lp, cumulative[b] + lp) for b, pairs in enumerate(best) for t, lp in pairs]
+    candidates = [BeamChoice(b, t, lp, cumulative[b] + lp) for b, pairs in enumerate(best) for t, lp in pairs]
     candidates.sort(key=lambda c: (-c.cumulative_logprob, c.parent, c.token_id))
-    beams: list[Choice] = []
-    finishing: list[Choice] = []
+    beams: list[BeamChoice] = []
+    finishing: list[BeamChoice] = []
     for rank, c in enumerate(candidates):
         if len(beams) == width:
             break

@@ -1,7 +1,9 @@
 """The physical blocks of the paged KV cache: who holds which block, and which blocks can be reused.
 
-Pure bookkeeping (vLLM v1 / nano-vllm style): ref counts, one free queue, prefix hashes. It never
-touches tensors; when a shared block must be copied it returns (src, dst) pairs for the runner.
+Pure bookkeeping (vLLM v1 / nano-vllm style): ref counts, one free queue, prefix hashes, and every
+sequence's block table, keyed by its seq_id (this module alone writes a table; `block_table` hands
+out a copy). It never touches tensors; when a shared block must be copied it returns (src, dst) pairs
+for the runner. It reads a sequence's tokens and computed count, which the scheduler writes.
 
 Free queue: block ids in eviction order (front = evicted first), an OrderedDict so that a prefix
 hit can take a cached block out of the middle in O(1). Allocation pops the front. A block whose
@@ -14,7 +16,9 @@ Prefix caching: a FULL block of computed tokens gets a chained hash
 further up the chain) never yields a false hit. A free block keeps its hash ("cached") until it
 is popped for a new allocation; then `block_evict` comes just before its `block_alloc`.
 
-Event rules (their fields: backend/events/schema.py). Replaying the block events alone rebuilds every
+Event rules (their fields: backend/events/schema.py). Each change is reported through `emit(type,
+**fields)` as it happens: the scheduler records them in order among the step's other outputs, and
+the engine emits them as events (step_events.py). Replaying the block events alone rebuilds every
 table and the free list:
 - `block_alloc(block_id, seq_id, logical_index)`: the block leaves the free list, ref count 1,
   `table[logical_index] = block_id` (an append, or a replacement during copy-on-write).
@@ -71,6 +75,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}  # the one findable ("canonical") block per hash
         self._next_content_id = 0
         self._write_end: dict[int, int] = {}  # seq_id -> end of the slots reserved by allocate_slots
+        self._tables: dict[int, list[int]] = {}  # seq_id -> logical block index -> physical block id
         self._lookup_tokens = 0
         self._hit_tokens = 0
 
@@ -102,13 +107,24 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_count[block_id]
 
+    def block_table(self, seq_id: int) -> list[int]:
+        """A copy of the sequence's block table (logical index -> physical block id); empty if it holds none."""
+        return list(self._tables.get(seq_id, ()))
+
+    def num_blocks_of(self, seq_id: int) -> int:
+        return len(self._tables.get(seq_id, ()))
+
+    def _table(self, seq: Sequence) -> list[int]:
+        """The sequence's own table, made on first use (removed again when the sequence lets go of every block)."""
+        return self._tables.setdefault(seq.seq_id, [])
+
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free blocks `allocate_slots(seq, num_new_tokens)` would take, copy-on-write included."""
         end = seq.num_computed_tokens + num_new_tokens
-        grow = max(0, self._blocks_for(end) - len(seq.block_table))
+        grow = max(0, self._blocks_for(end) - self.num_blocks_of(seq.seq_id))
         return grow + len(self._shared_in_write_range(seq, end))
 
     # ---- prefix cache ---------------------------------------------------------------------------
@@ -146,10 +162,10 @@ class BlockManager:
         `count=False` leaves the prefix hit rate alone (a draft model's lookups are not requests')."""
         if not self.enable_prefix_caching:
             return 0
-        assert not seq.block_table, "match_prefix expects a sequence without blocks"
+        assert not self.num_blocks_of(seq.seq_id), "match_prefix expects a sequence without blocks"
         for block in self.lookup_prefix(seq) if hits is None else hits:
             self._share(seq, block, "prefix_cache")
-        matched = len(seq.block_table) * self.block_size
+        matched = self.num_blocks_of(seq.seq_id) * self.block_size
         if count:
             self._lookup_tokens += len(seq.token_ids)
             self._hit_tokens += matched
@@ -160,19 +176,20 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        table = self._tables.get(seq.seq_id, [])
         first = num_full
         # Committed blocks form a prefix of the table, so walking back costs only the new ones.
-        while first > 0 and seq.block_table[first - 1] not in self._content:
+        while first > 0 and table[first - 1] not in self._content:
             first -= 1
         for index in range(first, num_full):
-            self._commit_block(seq, index)
+            self._commit_block(seq, table, index)
 
-    def _commit_block(self, seq: Sequence, index: int) -> None:
-        block = seq.block_table[index]
+    def _commit_block(self, seq: Sequence, table: list[int], index: int) -> None:
+        block = table[index]
         block_tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         parent_hash, parent_content_id = self._root(seq)
         if index > 0:
-            parent = self._content[seq.block_table[index - 1]]
+            parent = self._content[table[index - 1]]
             parent_hash, parent_content_id = parent.hash, parent.content_id
         h = hash_block(parent_hash, block_tokens)
         canonical = self._hash_to_block.get(h)
@@ -221,31 +238,34 @@ class BlockManager:
         """
         end = seq.num_computed_tokens + num_new_tokens
         shared = self._shared_in_write_range(seq, end)
-        grow = max(0, self._blocks_for(end) - len(seq.block_table))
+        grow = max(0, self._blocks_for(end) - self.num_blocks_of(seq.seq_id))
         if not self.can_allocate(grow + len(shared)):
             return None
-        copies = [self._copy_on_write(seq, index) for index in shared]
+        table = self._table(seq)
+        copies = [self._copy_on_write(seq, table, index) for index in shared]
         for index in self._write_range(seq, end):
             # A full block rewritten after a truncation: its hash would promise the old tokens.
-            self._forget(seq.block_table[index])
+            self._forget(table[index])
         for _ in range(grow):
             block = self._take_free_block()
-            seq.block_table.append(block)
-            self._emit_alloc(seq, block, len(seq.block_table) - 1)
+            table.append(block)
+            self._emit_alloc(seq, block, len(table) - 1)
         self._write_end[seq.seq_id] = end
         return copies
 
     def _write_range(self, seq: Sequence, end: int) -> range:
         """Logical indices of the existing blocks that the slots [num_computed_tokens, end) write."""
-        return range(seq.num_computed_tokens // self.block_size, min(len(seq.block_table), self._blocks_for(end)))
+        return range(seq.num_computed_tokens // self.block_size,
+                     min(self.num_blocks_of(seq.seq_id), self._blocks_for(end)))
 
     def _shared_in_write_range(self, seq: Sequence, end: int) -> list[int]:
-        return [i for i in self._write_range(seq, end) if self._ref_count[seq.block_table[i]] > 1]
+        table = self._tables.get(seq.seq_id, [])
+        return [i for i in self._write_range(seq, end) if self._ref_count[table[i]] > 1]
 
-    def _copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int]:
-        src = seq.block_table[index]
+    def _copy_on_write(self, seq: Sequence, table: list[int], index: int) -> tuple[int, int]:
+        src = table[index]
         dst = self._take_free_block()
-        seq.block_table[index] = dst
+        table[index] = dst
         self._emit_alloc(seq, dst, index)
         self._emit("block_copy", src_block_id=src, dst_block_id=dst, seq_id=seq.seq_id)
         self._release(seq, src)
@@ -263,9 +283,10 @@ class BlockManager:
         if self._ref_count[block] == 0:
             del self._free[block]  # a cached block revived by a prefix hit
         self._ref_count[block] += 1
-        seq.block_table.append(block)
+        table = self._table(seq)
+        table.append(block)
         self._emit("block_share", block_id=block, seq_id=seq.seq_id, request_id=seq.request_id,
-                   logical_index=len(seq.block_table) - 1, ref_count=self._ref_count[block],
+                   logical_index=len(table) - 1, ref_count=self._ref_count[block],
                    reason=reason)
 
     def _emit_alloc(self, seq: Sequence, block: int, logical_index: int) -> None:
@@ -278,8 +299,9 @@ class BlockManager:
         """Drop all of the sequence's blocks, tail first (so its tail is evicted before its prefix).
 
         Nothing of it is computed any more: the scheduler sets num_computed_tokens to 0."""
-        while seq.block_table:
-            self._release(seq, seq.block_table.pop())
+        table = self._tables.pop(seq.seq_id, [])
+        while table:
+            self._release(seq, table.pop())
         self._write_end.pop(seq.seq_id, None)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -289,8 +311,8 @@ class BlockManager:
         before writing, which makes the copies. The child has the parent's computed tokens (the
         scheduler records them).
         """
-        assert not child.block_table, "fork expects a child without blocks"
-        for block in parent.block_table:
+        assert not self.num_blocks_of(child.seq_id), "fork expects a child without blocks"
+        for block in self.block_table(parent.seq_id):
             self._share(child, block, "fork")
         self._write_end.pop(parent.seq_id, None)
 
@@ -304,8 +326,9 @@ class BlockManager:
         `num_computed_tokens` to at most num_tokens.
         """
         keep = self._blocks_for(num_tokens)
-        while len(seq.block_table) > keep:
-            self._release(seq, seq.block_table.pop())
+        table = self._tables.get(seq.seq_id, [])
+        while len(table) > keep:
+            self._release(seq, table.pop())
         if seq.seq_id in self._write_end:
             self._write_end[seq.seq_id] = min(self._write_end[seq.seq_id], num_tokens)
 
@@ -329,7 +352,8 @@ class BlockManager:
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Assert the bookkeeping is consistent with the live sequences' block tables."""
         seqs = list(seqs)
-        holders = Counter(block for seq in seqs for block in seq.block_table)
+        holders = Counter(block for seq in seqs for block in self._tables.get(seq.seq_id, ()))
+        assert sum(holders.values()) == sum(map(len, self._tables.values())), "a table of no live sequence"
         assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
         for block in range(self.num_blocks):
             assert self._ref_count[block] == holders[block], f"block {block}: ref count vs tables"
@@ -339,14 +363,16 @@ class BlockManager:
         for h, block in self._hash_to_block.items():
             assert self._content[block].hash == h
         for seq in seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id}: repeated block"
-            assert seq.num_computed_tokens <= len(seq.block_table) * self.block_size
+            table = self._tables.get(seq.seq_id, [])
+            assert len(set(table)) == len(table), f"seq {seq.seq_id}: repeated block"
+            assert seq.num_computed_tokens <= len(table) * self.block_size
             self._check_private_writes(seq)
 
     def _check_private_writes(self, seq: Sequence) -> None:
         """Slots reserved for writing lie in blocks no other sequence holds: no two write one slot."""
-        end = min(self._write_end.get(seq.seq_id, 0), len(seq.block_table) * self.block_size)
+        table = self._tables.get(seq.seq_id, [])
+        end = min(self._write_end.get(seq.seq_id, 0), len(table) * self.block_size)
         for position in range(seq.num_computed_tokens, end):
-            block = seq.block_table[position // self.block_size]
+            block = table[position // self.block_size]
             assert self._ref_count[block] == 1, f"seq {seq.seq_id} would write shared block {block}"
             assert block not in self._content, f"seq {seq.seq_id} would rewrite hashed block {block}"

@@ -1,10 +1,14 @@
-"""The engine: one `step()` is one iteration, a pipeline of parts that each own one stage.
+"""The engine: one `step()` is one iteration, four stages, each owned by one part.
 
-scheduler.schedule() -> step_input() -> ModelRunner.execute(StepInput) -> StepOutput
--> OutputProcessor.process() (the update; SpecDecoder.propose() drafts for the next step) -> metrics.
-Requests, forks and ends are the RequestTracker's, event dicts the StepEvents'; only the scheduler
-writes a sequence's state. It knows nothing of HTTP or dashboards: everything it decides goes out
-as events on its bus, and each request's tokens through `stream_outputs`.
+    plan = scheduler.schedule()                          who runs (scheduler.py)
+    out = executor.execute(scheduler.step_input(plan))   forward and sampling (executor.py)
+    outputs = scheduler.update_from_output(plan, out)    the results become state (scheduler.py)
+    emit(outputs)                                        events (step_events.py) and the callers' stream
+
+With speculative decoding the update is followed by the draft pass, the same way round:
+`scheduler.schedule_drafts()`, `executor.propose(...)`, `scheduler.update_from_drafts(...)`.
+The engine knows nothing of HTTP or dashboards: everything it decides goes out as events on its
+bus, and each request's own outputs (arrival, forks, tokens, finish) to the sink of `stream_outputs`.
 """
 
 from __future__ import annotations
@@ -19,22 +23,21 @@ from dataclasses import dataclass, field
 import torch
 
 from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
+from kvscope.backend.engine.admission import prepare
 from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.executor import Executor, Forward
+from kvscope.backend.engine.grammar import Grammars
 from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_dtype_name, kv_formula, num_blocks_for_budget
-from kvscope.backend.engine.metrics import MetricsTracker
-from kvscope.backend.engine.output_processor import OutputProcessor
+from kvscope.backend.engine.metrics import MetricsTracker, SpecStats
 from kvscope.backend.engine.request import Request, RequestError
-from kvscope.backend.engine.request_output import Sink
-from kvscope.backend.engine.request_tracker import RequestTracker
+from kvscope.backend.engine.request_output import Arrived, EngineOutput, Finished, Forked, Rejected, Sink, Token, ignore
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import SchedulerOutput, Scheduler
+from kvscope.backend.engine.scheduler import Scheduler
 from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.spec_decode import SpecDecoder, make_proposer
-from kvscope.backend.engine.speculative import DraftModelProposer, NgramProposer, SpecStats
+from kvscope.backend.engine.speculative import DraftModelProposer, make_proposer
 from kvscope.backend.engine.step_events import StepEvents
-from kvscope.backend.engine.step_input import StepInput, row_sampling, step_input
-from kvscope.backend.engine.step_output import StepOutput
+from kvscope.backend.engine.step_output import DraftOutput, StepOutput
 from kvscope.backend.engine.tp_runner import start_tensor_parallel
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.events.bus import EventBus
@@ -43,6 +46,8 @@ from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.model.quant import QuantError, gguf_summary, quantize_loaded
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import WeightCache
+
+REQUEST_OUTPUTS = (Arrived, Forked, Token, Finished)  # what a caller's sink gets; the rest is for the events
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -84,7 +89,7 @@ class Runtime:
     """
 
     cache: KVCache  # or anything with its sizes: num_blocks, block_size, dtype, storage_dtype, bytes_per_*
-    runner: ModelRunner  # execute(StepInput) -> StepOutput
+    runner: Forward  # logits(StepInput) -> [len(logit_rows), V]: a ModelRunner, or what stands in for one
     device: str
     attention_backend: str
     weights: dict | None = None  # the header's `weights`
@@ -157,7 +162,7 @@ class EngineStats:
 
 
 class Engine:
-    """One model, one KV cache, one queue of requests, composed of one object per stage of the step."""
+    """One model, one KV cache, one queue of requests: a scheduler, an executor, and the events."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
                  draft: LoadedModel | None = None, runtime: Runtime | None = None,
@@ -169,62 +174,59 @@ class Engine:
         self.loaded, self.config, self.seed = loaded, config, seed
         self.bus = bus or EventBus(level=config.events)
         self.bus.level = config.events
-        self.cache, self.runner, self.clock = self.runtime.cache, self.runtime.runner, self.runtime.clock
+        self.cache, self.clock = self.runtime.cache, self.runtime.clock
         self.device, self.attention_backend = self.runtime.device, self.runtime.attention_backend
         self.weights = self.runtime.weights
-        self.blocks = BlockManager(self.cache.num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
-                                   self.bus.emit)
-        self.events = StepEvents(self.bus, config, loaded.tokenizer, loaded.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(config, self.blocks, self._on_preempt)
-        self.tracker = RequestTracker(config, self.blocks, self.scheduler, self.events, loaded.tokenizer,
-                                      loaded.config.vocab_size, self._on_seq_end, self.clock)
-        self.spec = SpecDecoder(make_proposer(config, loaded.config.vocab_size, draft, self.cache,
-                                              self.attention_backend, self.scheduler, self.events.eos_ids,
-                                              self.tracker.new_seq_id, shared.model if shared else load_model),
-                                config, self.scheduler, self.tracker, self.events) if config.speculative else None
-        self.outputs = OutputProcessor(self.tracker, self.events, self.scheduler, config.max_model_len, self.spec)
+        tokenizer, vocab_size = loaded.tokenizer, loaded.config.vocab_size
+        self.scheduler = Scheduler(config, self.cache.num_blocks, tokenizer, seed, self.clock)
+        proposer = make_proposer(config, vocab_size, draft, self.cache, self.attention_backend,
+                                 shared.model if shared else load_model) if config.speculative else None
+        self.executor = Executor(self.runtime.runner, proposer)
+        self.events = StepEvents(self.bus, config, tokenizer)
+        self.grammars = Grammars(tokenizer, vocab_size, tokenizer.eos_token_ids)
         self.metrics = MetricsTracker()
         self.step_no = 0
         self.stats = EngineStats(num_blocks=self.cache.num_blocks)
+        self._sink: Sink = ignore
 
     # ---- one iteration ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One iteration: schedule -> execute and sample -> update (tokens, ends, next drafts) -> metrics."""
+        """One iteration: schedule -> execute -> update -> emit (then the drafts for the next one)."""
         self.bus.step = self.step_no
         started = self.clock()
-        self.tracker.abort_impossible(self.cache.num_blocks)
-        plan = self.scheduler.schedule()  # SchedulerOutput: who runs, with how many tokens (and drafts)
-        self.tracker.mark_scheduled(plan.scheduled, started)
-        out = self.runner.execute(self._input_for(plan)) if plan.scheduled else StepOutput([])
+        plan = self.scheduler.schedule(started)
+        self._emit(plan.outputs)
+        out = self.executor.execute(self.scheduler.step_input(plan, *self.events.observing())) if plan.rows \
+            else StepOutput([])
         now = self.clock()
-        self.events.iteration(plan.scheduled, now - started, self.scheduler, self.blocks,
-                              self.runtime.iteration_fields())
-        generated = self.outputs.process(plan.scheduled, out, now)  # tokens appended, sequences ended, requests finished
-        if self.spec:
-            self.spec.propose()  # drafts for the next step, held by the scheduler
-        self.metrics.on_iteration(now, plan.num_prefill_tokens, generated)
-        kv = self.metrics.observe_kv(self.live_sequences(), self.blocks.num_used_blocks, self.cache.num_blocks,
-                                     self.config.block_size)
-        self.events.metrics(self.metrics.tokens_per_s(), kv, self.blocks, self.scheduler,
-                            self.spec.stats.summary() if self.spec else {})
+        self.events.iteration(plan, now - started, self.runtime.iteration_fields())
+        outputs = self.scheduler.update_from_output(plan, out)
+        self._emit(outputs)
+        if self.config.speculative:
+            drafts = self.scheduler.schedule_drafts()
+            proposed = self.executor.propose(drafts) if drafts.rows else DraftOutput()
+            self._emit(self.scheduler.update_from_drafts(drafts, proposed))
+        self.metrics.on_iteration(now, plan.num_prefill_tokens, sum(isinstance(o, Token) for o in outputs))
+        s = self.scheduler
+        kv = self.metrics.observe_kv(s.live_sequences(), s.blocks)
+        self.events.metrics(self.metrics.tokens_per_s(), kv, s.blocks, s.num_preemptions, len(s.running),
+                            len(s.waiting), s.spec_stats.summary() if self.config.speculative else {})
         self.step_no += 1
         self._count()
 
+    def _emit(self, outputs: list[EngineOutput]) -> None:
+        """The outputs as events, in order, and a request's own ones to the caller's sink."""
+        self.events.emit(outputs)
+        for output in outputs:
+            if isinstance(output, REQUEST_OUTPUTS):
+                self._sink(output)
+
     def _count(self) -> None:
         running = {seq.request_id for seq in self.scheduler.running}
-        unfinished = {req.request_id for req in self.tracker.unfinished.values()}
-        self.stats = EngineStats(len(running), len(unfinished - running), self.blocks.num_used_blocks,
+        unfinished = {seq.request_id for seq in self.scheduler.live.values()}
+        self.stats = EngineStats(len(running), len(unfinished - running), self.scheduler.blocks.num_used_blocks,
                                  self.cache.num_blocks, self.scheduler.num_preemptions)
-
-    def _input_for(self, plan: SchedulerOutput) -> StepInput:
-        """The scheduler's decision as plain data, with each row's sampling: all the executor reads."""
-        eos = self.events.eos_ids
-        dist = self.events.wants_dist
-        return step_input(plan.scheduled, plan.block_copies, self.config.block_size,
-                          [row_sampling(item, self.tracker.request_of(item.seq), eos,
-                                        self.tracker.matchers.get(item.seq.seq_id)) for item in plan.scheduled],
-                          eos, self.config.dist_top_n if dist else 0, dist and self.events.rows is not None)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -234,56 +236,52 @@ class Engine:
 
         arrival: when it was received, read from `self.clock` (default: now); TTFT and queue time count from it."""
         try:
-            req = self.tracker.admit(request_id, prompt, max_tokens, sampling, self.cache.num_blocks, self.seed,
-                                     self.step_no, arrival)
+            if request_id in self.scheduler.requests:
+                raise RequestError("id", f"duplicate request id {request_id!r}")
+            new = prepare(request_id, prompt, max_tokens, sampling, self.config, self.cache.num_blocks,
+                          self.loaded.tokenizer, self.grammars, self.clock() if arrival is None else arrival)
         except RequestError as e:
-            self.events.request_rejected(request_id, e.field, e.reason)
+            self._emit([Rejected(request_id, e.field, e.reason)])
             raise
+        self._emit(self.scheduler.add_request(new, self.step_no))
         self._count()
-        return req
+        return self.scheduler.requests[request_id]
 
     def abort(self, request_id: str, reason: str = "aborted by the user") -> None:
-        req = self.requests.get(request_id)
-        if req is not None and req.finish_reason is None:
-            self.tracker.abort(req, reason)
-            self._count()
+        self._emit(self.scheduler.abort(request_id, reason))
+        self._count()
 
     def abort_all(self, reason: str) -> None:
         """End every unfinished request (finish_reason abort): a server shutting down."""
-        for request_id in list(dict.fromkeys(req.request_id for req in self.tracker.unfinished.values())):
+        for request_id in dict.fromkeys(seq.request_id for seq in list(self.scheduler.live.values())):
             self.abort(request_id, reason)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request from `requests` (its events are out; the open-ended API run calls this)."""
-        self.tracker.forget(request_id)
+        self.scheduler.forget(request_id)
 
     def stream_outputs(self, sink: Sink) -> None:
         """Hand every request's arrival, forks, tokens and finish to `sink`, on the stepping thread."""
-        self.tracker.on_output = sink
+        self._sink = sink
 
     def has_unfinished(self) -> bool:
-        return bool(self.tracker.unfinished)
+        return bool(self.scheduler.live)
 
     @property
     def requests(self) -> dict[str, Request]:
-        return self.tracker.requests
+        return self.scheduler.requests
 
     @property
-    def unfinished(self) -> dict[int, Request]:
-        """seq_id -> request, for every sequence not yet ended."""
-        return self.tracker.unfinished
-
-    @property
-    def proposer(self) -> NgramProposer | DraftModelProposer | None:
-        return self.spec.proposer if self.spec else None
+    def blocks(self) -> BlockManager:
+        return self.scheduler.blocks
 
     @property
     def spec_stats(self) -> SpecStats:
-        return self.spec.stats if self.spec else SpecStats()
+        return self.scheduler.spec_stats
 
     def live_sequences(self) -> list[Sequence]:
         """Every sequence holding blocks or waiting for them: the requests' and the draft model's."""
-        return self.tracker.live_sequences() + (self.spec.sequences() if self.spec else [])
+        return self.scheduler.live_sequences()
 
     def token_text(self, token: int) -> str:
         return self.events.token_text(token)
@@ -292,16 +290,6 @@ class Engine:
         """Free what the engine holds outside this process's memory: a tensor-parallel engine's other ranks.
         Idempotent; an engine that is never closed frees them when it is collected, or when this process ends."""
         self.runtime.close()
-
-    # ---- wiring between the parts -------------------------------------------------------------------
-
-    def _on_preempt(self, seq: Sequence, num_blocks: int) -> None:
-        self._on_seq_end(seq)  # the draft recomputes too, from the target's tokens
-        self.events.preempt(seq, num_blocks)
-
-    def _on_seq_end(self, seq: Sequence) -> None:
-        if self.spec:
-            self.spec.release(seq)
 
     # ---- the header: what a trace needs to make sense of everything after it ----------------------
 
@@ -314,10 +302,18 @@ class Engine:
             model={"name": model_name or self.loaded.name, "n_layers": c.num_hidden_layers,
                    "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
                    "attention": c.attention, "vocab_size": c.vocab_size, "dtype": dtype,
-                   "kv_bytes_per_token": self.cache.bytes_per_token, "eos_token_ids": self.events.eos_ids,
+                   "kv_bytes_per_token": self.cache.bytes_per_token, "eos_token_ids": self.scheduler.eos_ids,
                    "config": c.model_dump(mode="json")},
             cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size, "dtype": kv_dtype,
                    "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
-            weights=self.weights,
-            **(self.spec.header() if self.spec else {}), **self.runtime.header,
+            weights=self.weights, **self._draft_header(), **self.runtime.header,
         )
+
+    def _draft_header(self) -> dict:
+        """The draft model's size and cache, when one runs beside the target."""
+        proposer = self.executor.proposer
+        if not isinstance(proposer, DraftModelProposer):
+            return {}
+        c, cache = proposer.runner.model.config, proposer.cache
+        return {"draft_model": {"name": self.config.speculative.draft_model, "n_layers": c.num_hidden_layers,
+                                "kv_bytes_per_token": cache.bytes_per_token, "bytes_per_block": cache.bytes_per_block}}

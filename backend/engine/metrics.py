@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.sequence import Sequence
 
 
@@ -34,11 +35,12 @@ class RequestTimes:
         return None if self.finish is None else self.finish - self.arrival
 
 
-def slots_holding_tokens(seqs: Iterable[Sequence], block_size: int) -> int:
+def slots_holding_tokens(seqs: Iterable[Sequence], blocks: BlockManager) -> int:
     """Distinct cache slots that hold a computed token (a shared block counts once)."""
     fill: dict[int, int] = {}
+    block_size = blocks.block_size
     for seq in seqs:
-        for i, block in enumerate(seq.block_table):
+        for i, block in enumerate(blocks.block_table(seq.seq_id)):
             used = min(block_size, max(0, seq.num_computed_tokens - i * block_size))
             fill[block] = max(fill.get(block, 0), used)
     return sum(fill.values())
@@ -83,14 +85,15 @@ class MetricsTracker:
         span = self._recent[-1][0] - self._recent[0][0]
         return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
 
-    def observe_kv(self, seqs: list[Sequence], used_blocks: int, num_blocks: int, block_size: int) -> KVSnapshot:
+    def observe_kv(self, seqs: list[Sequence], blocks: BlockManager) -> KVSnapshot:
         """This iteration's KV use, added to the running means.
 
         usage: reserved blocks over all; waste: reserved-but-empty slots over all slots; blocks saved
         by sharing (forks, prefix hits): what every table would hold unshared, less the distinct blocks."""
-        usage = used_blocks / num_blocks
-        waste = (used_blocks * block_size - slots_holding_tokens(seqs, block_size)) / (num_blocks * block_size)
-        held = [b for s in seqs for b in s.block_table]
+        used, num_blocks, block_size = blocks.num_used_blocks, blocks.num_blocks, blocks.block_size
+        usage = used / num_blocks
+        waste = (used * block_size - slots_holding_tokens(seqs, blocks)) / (num_blocks * block_size)
+        held = [b for s in seqs for b in blocks.block_table(s.seq_id)]
         saved = len(held) - len(set(held))
         self._usage_sum += usage
         self._waste_sum += waste
@@ -102,3 +105,32 @@ class MetricsTracker:
         """Mean (usage, waste) over the iterations seen."""
         n = max(1, self._samples)
         return self._usage_sum / n, self._waste_sum / n
+
+
+@dataclass
+class SpecStats:
+    """Running totals behind speculative decoding's acceptance rate, alpha and tokens per verify."""
+
+    num_verifies: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_appended: int = 0  # accepted + the resampled or bonus token
+    # alpha = E[sum_x min(p(x), q(x))], over the drafted positions the target judged (those up to the
+    # first rejection): later ones were drafted after a token the target did not keep.
+    alpha_sum: float = 0.0
+    num_judged: int = 0
+
+    def record(self, num_proposed: int, num_accepted: int, expected_accept: list[float]) -> None:
+        judged = expected_accept[:num_accepted + 1]
+        self.num_verifies += 1
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_appended += num_accepted + 1
+        self.alpha_sum += sum(judged)
+        self.num_judged += len(judged)
+
+    def summary(self) -> dict[str, float]:
+        """The metrics event's spec fields."""
+        return {"spec_acceptance_rate": self.num_accepted / max(1, self.num_proposed),
+                "spec_alpha": self.alpha_sum / max(1, self.num_judged),
+                "spec_tokens_per_verify": self.num_appended / max(1, self.num_verifies)}

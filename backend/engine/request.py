@@ -13,7 +13,6 @@ from kvscope.backend.engine.metrics import RequestTimes
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.errors import KvscopeError
-from kvscope.backend.model.tokenizer import Tokenizer
 
 
 class RequestError(KvscopeError):
@@ -22,6 +21,8 @@ class RequestError(KvscopeError):
 
 @dataclass(eq=False)  # identity: a request is found in lists by who it is
 class Request:
+    """Built by the scheduler at admission and written by it alone (tests/test_one_writer.py)."""
+
     request_id: str
     prompt_ids: list[int]
     prompt_text: str
@@ -31,12 +32,11 @@ class Request:
     arrival_step: int
     times: RequestTimes
     seq: Sequence  # the first sequence: the only one unless n > 1 or beam search forks more
-    seqs: list[Sequence] = field(default_factory=list)  # every sequence of the request, in fork order
-    streams: dict[int, int] = field(default_factory=dict)  # seq_id -> its random stream (fork order)
-    generators: list[torch.Generator] = field(default_factory=list)  # by stream, made when first drawn from
-    cumulative_logprob: dict[int, float] = field(default_factory=dict)  # seq_id -> sum of its tokens' logprobs
+    seqs: list[Sequence]  # every sequence of the request, in fork order
+    streams: dict[int, int]  # seq_id -> its random stream (fork order)
+    cumulative_logprob: dict[int, float]  # seq_id -> sum of its tokens' logprobs
+    generators: list[torch.Generator] = field(default_factory=list)  # by stream; none when greedy or beams
     seq_finish: dict[int, str] = field(default_factory=dict)  # seq_id -> why it ended
-    stop_texts: dict[int, str] = field(default_factory=dict)  # seq_id -> output cut before a stop string
     beam: BeamState | None = None
     finish_reason: str | None = None
     abort_reason: str | None = None
@@ -44,31 +44,18 @@ class Request:
     outputs: list[dict] = field(default_factory=list)  # set when it ends: every returned sequence, best first
     draft_generator: torch.Generator | None = None  # speculative drafts draw from their own stream
 
-    def __post_init__(self) -> None:
-        self.seqs = [self.seq]
-        self.add_stream(self.seq)
-
-    def add_stream(self, seq: Sequence) -> None:
-        """Give a new sequence its own random stream (the next in fork order) and a zero cumulative log-prob."""
-        self.streams[seq.seq_id] = len(self.streams)
-        self.cumulative_logprob[seq.seq_id] = 0.0
-
-    def generator(self, stream: int) -> torch.Generator:
-        """Stream i's generator: n > 1 draws a first token from streams 0..n-1 before the siblings exist."""
-        while len(self.generators) <= stream:  # stream 0 keeps the plain seed: n = 1 draws what it always drew
-            self.generators.append(torch.Generator().manual_seed(
-                (self.seed + len(self.generators) * 0x9E3779B97F4A7C15) % 2**63))
-        return self.generators[stream]
-
     @property
     def multi(self) -> bool:
         """Whether the request has (or will have) several sequences."""
         return self.params.n > 1 or self.beam is not None
 
-    def output_text_of(self, seq: Sequence, tokenizer: Tokenizer, eos_ids: list[int]) -> str:
-        if seq.seq_id in self.stop_texts:
-            return self.stop_texts[seq.seq_id]
-        return tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
+
+def stream_generators(seed: int, params: SamplingParams) -> list[torch.Generator]:
+    """One generator per random stream: n > 1 draws a first token from streams 0..n-1 before the siblings
+    exist. Stream 0 keeps the plain seed, so n = 1 draws what it always drew. Greedy and beam search draw nothing."""
+    if params.greedy or params.beam_width:
+        return []
+    return [torch.Generator().manual_seed((seed + i * 0x9E3779B97F4A7C15) % 2**63) for i in range(params.n)]
 
 
 def check_fits(config: EngineConfig, num_blocks: int, prompt_len: int, max_tokens: int) -> None:
@@ -128,32 +115,14 @@ def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
         raise RequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def finish_reason_after(req: Request, seq: Sequence, token: int, eos_ids: list[int], max_model_len: int,
-                        tokenizer: Tokenizer) -> str | None:
-    """Why the sequence stops after `token` was appended, or None to go on."""
-    p = req.params
-    if token in eos_ids and not p.ignore_eos:
+def finish_reason(params: SamplingParams, token: int, num_output: int, seq_len: int, max_tokens: int,
+                  max_model_len: int, eos_ids: list[int], stopped_by_string: bool) -> str | None:
+    """Why a sequence stops after `token` was appended (its output now num_output tokens long), or None to go on.
+    stopped_by_string: a stop string appeared in its text (detokenizer.IncrementalText)."""
+    if token in eos_ids and not params.ignore_eos:
         return "eos"
-    if token in p.stop_token_ids:
+    if token in params.stop_token_ids or stopped_by_string:
         return "stop"
-    if p.stop and _cut_at_stop_string(req, seq, eos_ids, tokenizer):
-        return "stop"
-    if len(seq.output_token_ids) >= req.max_tokens or len(seq) >= max_model_len:
+    if num_output >= max_tokens or seq_len >= max_model_len:
         return "length"
     return None
-
-
-def _cut_at_stop_string(req: Request, seq: Sequence, eos_ids: list[int], tokenizer: Tokenizer) -> bool:
-    """Whether a stop string has appeared; if so the text is cut before it (it is not returned).
-
-    Checked after every token, so a new occurrence must end in the newest token: decoding a tail of
-    tokens that surely holds the longest stop string (a character is at most 4 bytes, a token at
-    least 1, plus a few for a character cut at the tail's start) keeps the check O(1) per token.
-    """
-    start = max(seq.num_prompt_tokens, len(seq) - 4 * max(map(len, req.params.stop)) - 4)
-    tail = tokenizer.decode([t for t in seq.token_ids[start:] if t not in eos_ids])
-    if not any(s in tail for s in req.params.stop):
-        return False
-    text = tokenizer.decode([t for t in seq.output_token_ids if t not in eos_ids])
-    req.stop_texts[seq.seq_id] = text[: min(i for i in (text.find(s) for s in req.params.stop) if i >= 0)]
-    return True

@@ -1,11 +1,11 @@
-"""The model runner, the step's executor: one forward pass over the paged cache for a StepInput
-(step_input.py), and its logits sampled into a StepOutput (sample_step.py).
+"""The model runner: one forward pass over the paged cache for a StepInput (step_input.py), and the
+logits of the rows that sample (the executor, executor.py, samples them).
 
 Every row contributes its query tokens to one flat list (prefill chunks and decode tokens side by
 side). The attention metadata says, per row, where its queries start in that list, how long its
 context is, and which blocks hold it; the slot mapping says where each new token's K/V is written.
-The runner reads nothing but the StepInput and returns nothing but token ids and numbers: no
-sequence, so it could run in another process (a rank-0 worker hands back ids, not [B, V] logits).
+The runner reads nothing but the StepInput: no sequence, so it could run in another process (a
+tensor-parallel worker runs the same forward on its shard).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.backend.engine.kv_cache import KVCache
-from kvscope.backend.engine.sample_step import sample_step
 from kvscope.backend.engine.step_input import StepInput
-from kvscope.backend.engine.step_output import StepOutput
 from kvscope.backend.model.attention import causal_attention
 from kvscope.backend.model.transformer import CausalLM
 
@@ -117,7 +115,8 @@ class PagedTritonBackend:
         from kvscope.kernels import cache_write, mla_decode, paged_decode, paged_prefill
 
         self.cache_write, self.mla_decode = cache_write.write_kv_cache, mla_decode.mla_decode_attention
-        self.paged_decode, self.paged_prefill = paged_decode.paged_decode_attention, paged_prefill.paged_prefill_attention
+        self.paged_decode = paged_decode.paged_decode_attention
+        self.paged_prefill = paged_prefill.paged_prefill_attention
         self.cache, self.meta = cache, meta
         dev = cache.data.device
         decode, prefill = meta.decode_seqs, meta.prefill_seqs
@@ -193,11 +192,6 @@ class ModelRunner:
             prefill_seqs=[i for i in rows if inp.num_query(i) > 1],
         )
         return torch.tensor(inp.input_ids, device=dev), torch.tensor(inp.positions, device=dev), meta
-
-    @torch.no_grad()
-    def execute(self, inp: StepInput) -> StepOutput:
-        """Run one iteration and sample it: the tokens each row drew, verified or ranked."""
-        return sample_step(self.logits(inp), inp)
 
     @torch.no_grad()
     def logits(self, inp: StepInput) -> torch.Tensor:

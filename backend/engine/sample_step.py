@@ -2,9 +2,10 @@
 
 Rows of logits follow the StepInput's `logit_rows`: one per sampling row, k + 1 per verify row.
 Sampling rows are drawn together (each from its own uniforms, so batching changes nothing), verify
-rows judge their drafts by modified rejection sampling (rejection.verify), beam rows hand back
-their best candidates. Everything the scheduler's side needs comes back as numbers: no logits
-leave the executor, only the top-N rows observers asked for.
+rows judge their drafts by modified rejection sampling (rejection.verify) against the proposer's
+distributions the executor kept, beam rows hand back their best candidates. Everything the
+scheduler's side needs comes back as numbers: no logits leave the executor, only what observers
+asked for (the top-N rows of each distribution, and whole T=1 rows when the what-if keeps them).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from kvscope.backend.engine.step_output import RowOutput, StepOutput, TopLogprob
 MIN_LOGPROB = -9999.0
 
 
-def sample_step(logits: torch.Tensor, inp: StepInput) -> StepOutput:
-    """logits [len(inp.logit_rows), V] -> one RowOutput per row of `inp` (None where nothing samples)."""
+def sample_step(logits: torch.Tensor, inp: StepInput, draft_q: dict[int, torch.Tensor] | None = None) -> StepOutput:
+    """logits [len(inp.logit_rows), V] -> one RowOutput per row of `inp` (None where nothing samples).
+
+    draft_q: seq_id -> [k, V] the draft model's distributions of a verify row's drafts (the first
+    rows: the scheduler may verify fewer than were drafted); a verify row without one judged
+    one-hot drafts (n-gram lookup)."""
     rows: list[RowOutput | None] = [None] * inp.num_rows
     drawn: list[tuple[int, int]] = []  # (row, its logits row) of the rows that sample
     at = 0
@@ -29,7 +34,9 @@ def sample_step(logits: torch.Tensor, inp: StepInput) -> StepOutput:
         if how is None:
             continue
         if how.kind == "verify":
-            rows[i] = _verify_row(logits[at:at + inp.num_query(i)], how, inp)
+            q = (draft_q or {}).get(inp.seq_ids[i])
+            q = None if q is None else q[:len(how.drafts)]  # [k, V]
+            rows[i] = _verify_row(logits[at:at + inp.num_query(i)], how, inp, q)
             at += inp.num_query(i)
         elif how.kind == "beam":
             rows[i] = _beam_row(logits[at], how)
@@ -69,14 +76,14 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     return outs
 
 
-def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput) -> RowOutput:
-    """Judge k drafts against the target's k + 1 rows of logits [k + 1, V]."""
+def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput, draft_q: torch.Tensor | None) -> RowOutput:
+    """Judge k drafts against the target's k + 1 rows of logits [k + 1, V]; draft_q [k, V] or None (one-hot)."""
     drafts, k = how.drafts, len(how.drafts)
     # What each position's penalties see: the tokens before it, the drafts before it included.
     prefixes = [how.history + drafts[:j] for j in range(k + 1)] if penalised(how.params) else None
     raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1),
                                   how.allowed)
-    q = (how.draft_q if how.draft_q is not None else one_hot(drafts, p.shape[-1])).to(p.device)  # [k, V]
+    q = (draft_q if draft_q is not None else one_hot(drafts, p.shape[-1])).to(p.device)  # [k, V]
     verdict = verify(p, q, drafts, how.uniforms, how.params.greedy)
     new = drafts[:verdict.num_accepted] + [verdict.token_id]
     raw = raw_log[:len(new)].exp()

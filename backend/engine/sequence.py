@@ -1,8 +1,12 @@
-"""A sequence: one stream of tokens with its block table. A request has one (n = 1) or several."""
+"""A sequence: one stream of tokens. A request has one (n = 1) or several (n > 1, beam search).
+
+Its blocks are not here: the block manager keeps every block table, keyed by `seq_id`
+(`BlockManager.block_table`). Only the scheduler writes a sequence's fields (tests/test_one_writer.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -19,7 +23,6 @@ class Sequence:
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
     status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)  # logical block index -> physical block id
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache
     # Which model's K/V the blocks hold: 0 the target, 1 a speculative draft model. Prefix-cache

@@ -1,38 +1,40 @@
-"""The event dicts the engine emits: each kind built in one place (the schema is backend/events/schema.py).
+"""The engine's event dicts, built here from what the step returned (the schema: backend/events/schema.py).
 
-The engine's parts (request tracker, output processor, speculative decoder, scheduler callbacks)
-report through these methods instead of building dicts, so an event's fields are written once.
+Every record the scheduler returns (request_output.py) becomes its event in `emit`, in the order
+it happened, and the iteration and metrics events are written from the scheduler's output and
+counters. The block events' fields are the block manager's own (its docstring is their contract):
+they pass through as recorded. Nothing here changes the engine; an event the bus's level drops is
+not built.
 """
 
 from __future__ import annotations
-
-
-import torch
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.engine.metrics import KVSnapshot
-from kvscope.backend.engine.request import Request
-from kvscope.backend.engine.scheduler import ScheduledSeq, Scheduler
-from kvscope.backend.engine.sequence import Sequence
-from kvscope.backend.engine.step_output import MaskEffect, RowOutput
+from kvscope.backend.engine.request_output import (Arrived, BlockChange, Drafted, EngineOutput, Finished, Forked,
+                                                   Preempted, Rejected, SeqEnded, Token, Verified)
+from kvscope.backend.engine.scheduler_output import SchedulerOutput
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.tokenizer import Tokenizer
 
 
 class StepEvents:
-    def __init__(self, bus: EventBus, config: EngineConfig, tokenizer: Tokenizer, eos_ids: list[int]) -> None:
-        self.bus, self.config, self.tokenizer, self.eos_ids = bus, config, tokenizer, eos_ids
+    def __init__(self, bus: EventBus, config: EngineConfig, tokenizer: Tokenizer) -> None:
+        self.bus, self.config, self.tokenizer = bus, config, tokenizer
         self._token_text: dict[int, str] = {}
         self.rows: DistRows | None = None  # a served run attaches one: each dist token's whole raw row
+        self._builders = {Arrived: self._arrived, Rejected: self._rejected, Forked: self._forked,
+                          SeqEnded: self._seq_end, Preempted: self._preempt, Finished: self._finished,
+                          Token: self._token, BlockChange: self._block, Drafted: self._drafted,
+                          Verified: self._verified}
 
-    @property
-    def wants_dist(self) -> bool:
-        return self.bus.wants_dist
-
-    def wants(self, kind: str) -> bool:
-        return self.bus.wants(kind)
+    def observing(self) -> tuple[int, bool]:
+        """What the step must hand back for the events: top-N distribution rows per token (0: none), and
+        whole raw rows (a served run's what-if)."""
+        dist = self.bus.wants_dist
+        return (self.config.dist_top_n if dist else 0), dist and self.rows is not None
 
     def token_text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -40,115 +42,109 @@ class StepEvents:
             text = self._token_text[token] = self.tokenizer.token_text(token)
         return text
 
+    def emit(self, outputs: list[EngineOutput]) -> None:
+        for output in outputs:
+            self._builders[type(output)](output)
+
     # ---- requests and sequences -------------------------------------------------------------------
 
-    def request_arrived(self, req: Request) -> None:
-        self.bus.emit("request_arrived", request_id=req.request_id, seq_id=req.seq.seq_id,
-                      prompt_token_ids=req.prompt_ids, prompt_text=req.prompt_text,
-                      sampling=req.params.model_dump(), max_tokens=req.max_tokens)
+    def _arrived(self, a: Arrived) -> None:
+        self.bus.emit("request_arrived", request_id=a.request_id, seq_id=a.seq_id, prompt_token_ids=a.prompt_token_ids,
+                      prompt_text=a.prompt_text, sampling=a.sampling.model_dump(), max_tokens=a.max_tokens)
 
-    def request_rejected(self, request_id: str, field: str, reason: str) -> None:
-        self.bus.emit("request_rejected", request_id=request_id, field=field, reason=reason)
+    def _rejected(self, r: Rejected) -> None:
+        self.bus.emit("request_rejected", request_id=r.request_id, field=r.field, reason=r.reason)
 
-    def seq_fork(self, parent: Sequence, child: Sequence) -> None:
-        self.bus.emit("seq_fork", request_id=child.request_id, parent_seq_id=parent.seq_id, seq_id=child.seq_id,
-                      position=len(parent))
+    def _forked(self, f: Forked) -> None:
+        self.bus.emit("seq_fork", request_id=f.request_id, parent_seq_id=f.parent_seq_id, seq_id=f.seq_id,
+                      position=f.position)
 
-    def seq_end(self, seq: Sequence, reason: str) -> None:
-        self.bus.emit("seq_end", request_id=seq.request_id, seq_id=seq.seq_id, reason=reason)
+    def _seq_end(self, e: SeqEnded) -> None:
+        self.bus.emit("seq_end", request_id=e.request_id, seq_id=e.seq_id, reason=e.reason)
 
-    def preempt(self, seq: Sequence, num_blocks: int) -> None:
-        self.bus.emit("preempt", request_id=seq.request_id, seq_id=seq.seq_id, num_blocks_freed=num_blocks,
+    def _preempt(self, p: Preempted) -> None:
+        self.bus.emit("preempt", request_id=p.request_id, seq_id=p.seq_id, num_blocks_freed=p.num_blocks_freed,
                       mode="recompute")
 
-    def request_finished(self, req: Request) -> None:
-        best, t = req.outputs[0], req.times
-        self.bus.emit("request_finished", request_id=req.request_id, seq_id=best["seq_id"],
-                      finish_reason=req.finish_reason, reason=req.abort_reason,
-                      output_token_ids=best["output_token_ids"], output_text=req.output_text,
-                      ttft_s=t.ttft(), tpot_s=t.tpot(), e2e_s=t.e2e(), queue_s=t.queue(),
-                      num_cached_prompt_tokens=req.seq.num_cached_prompt_tokens,
-                      **({"outputs": req.outputs} if req.multi else {}))
+    def _finished(self, f: Finished) -> None:
+        best = f.outputs[0]
+        self.bus.emit("request_finished", request_id=f.request_id, seq_id=best["seq_id"], finish_reason=f.finish_reason,
+                      reason=f.reason, output_token_ids=best["output_token_ids"], output_text=best["output_text"],
+                      **f.times, num_cached_prompt_tokens=f.num_cached_prompt_tokens,
+                      **({"outputs": list(f.outputs)} if f.multi else {}))
+
+    def _block(self, b: BlockChange) -> None:
+        self.bus.emit(b.type, **b.fields)
 
     # ---- the iteration ----------------------------------------------------------------------------
 
-    def iteration(self, batch: list[ScheduledSeq], duration: float, scheduler: Scheduler,
-                  blocks: BlockManager, extra: dict | None = None) -> None:
+    def iteration(self, plan: SchedulerOutput, duration: float, extra: dict | None = None) -> None:
         """extra: fields the runtime adds (simulate mode: the iteration's roofline `intensity` and `bound`)."""
         self.bus.emit(
             "iteration",
-            batch=[{"request_id": i.seq.request_id, "seq_id": i.seq.seq_id, "phase": i.phase,
-                    "num_query_tokens": i.num_tokens, "context_len": i.context_len,
-                    **({"num_draft_tokens": i.num_draft} if i.phase == "verify" else {})} for i in batch],
-            num_batched_tokens=sum(i.num_tokens for i in batch), token_budget=self.config.max_num_batched_tokens,
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            kv_blocks_used=blocks.num_used_blocks, duration_s=duration, max_num_seqs=self.config.max_num_seqs,
-            **(extra or {}),
+            batch=[{"request_id": r.request_id, "seq_id": r.seq_id, "phase": r.phase,
+                    "num_query_tokens": r.num_tokens, "context_len": r.context_len,
+                    **({"num_draft_tokens": r.num_draft} if r.phase == "verify" else {})} for r in plan.rows],
+            num_batched_tokens=plan.num_batched_tokens, token_budget=self.config.max_num_batched_tokens,
+            num_running=plan.num_running, num_waiting=plan.num_waiting, kv_blocks_used=plan.num_blocks_used,
+            duration_s=duration, max_num_seqs=self.config.max_num_seqs, **(extra or {}),
         )
         if self.bus.wants("attention_mask"):
-            for i in batch:
-                begin = i.context_len - i.num_tokens
-                kind = i.phase if i.phase != "prefill" else ("chunked_prefill" if begin > 0 else "prefill")
-                self.bus.emit("attention_mask", request_id=i.seq.request_id, seq_id=i.seq.seq_id, kind=kind,
-                              query_positions=[begin, i.context_len], key_len=i.context_len)
+            for r in plan.rows:
+                begin = r.context_len - r.num_tokens
+                kind = r.phase if r.phase != "prefill" else ("chunked_prefill" if begin > 0 else "prefill")
+                self.bus.emit("attention_mask", request_id=r.request_id, seq_id=r.seq_id, kind=kind,
+                              query_positions=[begin, r.context_len], key_len=r.context_len)
 
-    def metrics(self, tokens_per_s: float, kv: KVSnapshot, blocks: BlockManager, scheduler: Scheduler,
-                spec: dict[str, float]) -> None:
+    def metrics(self, tokens_per_s: float, kv: KVSnapshot, blocks: BlockManager, num_preemptions: int,
+                num_running: int, num_waiting: int, spec: dict[str, float]) -> None:
         self.bus.emit("metrics", tokens_per_s=tokens_per_s, kv_usage=kv.usage, kv_waste=kv.waste,
-                      prefix_hit_rate=blocks.prefix_hit_rate, num_preemptions=scheduler.num_preemptions,
-                      num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                      prefix_hit_rate=blocks.prefix_hit_rate, num_preemptions=num_preemptions,
+                      num_running=num_running, num_waiting=num_waiting,
                       kv_blocks_saved_by_sharing=kv.blocks_saved_by_sharing, **spec)
 
     # ---- tokens -----------------------------------------------------------------------------------
 
-    def token(self, req: Request, seq: Sequence, token: int, logprob: float, raw_probs: torch.Tensor | None,
-              top: list | None, source: str = "target",
-              alternatives: tuple[tuple[int, float], ...] | None = None,
-              grammar: MaskEffect | None = None) -> None:
-        """One token event; raw_probs [V] is the T=1 distribution it came from (kept for the what-if),
-        top its distribution's rows [token, raw p, final p] (step_output.RowOutput.tops), alternatives its
-        top_logprobs when the request asks, grammar what the structured output's mask did."""
+    def _token(self, t: Token) -> None:
         if not self.bus.wants("token"):
             return
-        fields = {"request_id": req.request_id, "seq_id": seq.seq_id, "position": len(seq),
-                  "token_id": token, "text": self.token_text(token), "logprob": logprob, "source": source}
-        p = req.params
-        if top is not None:
-            fields["dist"] = {"top": [[t, self.token_text(t), raw, final] for t, raw, final in top],
-                              "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-                              "min_p": p.min_p}
-            if self.rows is not None and raw_probs is not None:
-                self.rows.put(req.request_id, seq.seq_id, fields["position"], raw_probs)
-        if alternatives is not None:
-            fields["top_logprobs"] = [[t, self.token_text(t), lp] for t, lp in alternatives]
-        if grammar is not None:
-            fields["num_allowed"], fields["masked_mass"] = grammar.num_allowed, grammar.masked_mass
+        fields = {"request_id": t.request_id, "seq_id": t.seq_id, "position": t.position,
+                  "token_id": t.token_id, "text": self.token_text(t.token_id), "logprob": t.logprob, "source": t.source}
+        p = t.params
+        if t.dist is not None:
+            fields["dist"] = {"top": [[tok, self.token_text(tok), raw, final] for tok, raw, final in t.dist],
+                              "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}
+            if self.rows is not None and t.raw_probs is not None:
+                self.rows.put(t.request_id, t.seq_id, t.position, t.raw_probs)
+        if t.top_logprobs is not None:
+            fields["top_logprobs"] = [[tok, self.token_text(tok), lp] for tok, lp in t.top_logprobs]
+        if t.grammar is not None:
+            fields["num_allowed"], fields["masked_mass"] = t.grammar.num_allowed, t.grammar.masked_mass
             if "dist" in fields:  # the tokens the mask took from the model: the view's first stage
-                fields["dist"]["masked"] = [[t, self.token_text(t), p] for t, p in grammar.masked_top]
+                fields["dist"]["masked"] = [[tok, self.token_text(tok), prob] for tok, prob in t.grammar.masked_top]
         self.bus.emit("token", **fields)
 
     # ---- speculative decoding ---------------------------------------------------------------------
 
-    def spec_propose(self, seq: Sequence, drafts: list[int], q_probs: list[float], method: str,
-                     draft_seq_id: int | None) -> None:
-        if drafts and self.bus.wants("spec_propose"):
-            self.bus.emit("spec_propose", request_id=seq.request_id, seq_id=seq.seq_id, token_ids=drafts,
-                          q_probs=q_probs, method=method, position=len(seq),
-                          draft_seq_id=draft_seq_id, token_texts=[self.token_text(t) for t in drafts])
+    def _drafted(self, d: Drafted) -> None:
+        if d.token_ids and self.bus.wants("spec_propose"):
+            self.bus.emit("spec_propose", request_id=d.request_id, seq_id=d.seq_id, token_ids=d.token_ids,
+                          q_probs=d.q_probs, method=d.method, position=d.position, draft_seq_id=d.draft_seq_id,
+                          token_texts=[self.token_text(t) for t in d.token_ids])
 
-    def spec_verify(self, seq: Sequence, drafts: list[int], row: RowOutput) -> None:
-        """row: the verify row's output (step_output.py): the verdict, p and q of each draft, the top-N dists."""
+    def _verified(self, v: Verified) -> None:
+        """The verdict, p and q of each draft, the top-N dists (step_output.RowOutput's verify fields)."""
         if not self.bus.wants("spec_verify"):
             return
-        accepted = row.num_accepted
+        row, accepted = v.row, v.row.num_accepted
         results = [{"token_id": t, "text": self.token_text(t), "p": row.draft_p[j], "q": row.draft_q[j],
-                    "accepted": j < accepted} for j, t in enumerate(drafts)]
+                    "accepted": j < accepted} for j, t in enumerate(v.drafts)]
         fields = {}
         if row.verify_dists is not None and self.bus.wants_dist:
             fields["dists"] = [[[t, self.token_text(t), p, q] for t, p, q in position] for position in row.verify_dists]
         resampled = row.source == "resampled"
         closing = row.token_ids[-1]
-        self.bus.emit("spec_verify", request_id=seq.request_id, seq_id=seq.seq_id, position=len(seq),
+        self.bus.emit("spec_verify", request_id=v.request_id, seq_id=v.seq_id, position=v.position,
                       results=results, num_accepted=accepted,
                       resampled_token_id=closing if resampled else None,
                       bonus_token_id=None if resampled else closing, expected_accept=row.expected_accept, **fields)

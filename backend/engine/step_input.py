@@ -1,9 +1,9 @@
-"""What the executor computes and samples in one step, as plain data: no Sequence, no Request.
+"""What the executor computes and samples, as plain data: no Sequence, no Request.
 
-The scheduler's entries (ScheduledSeq, which point at live sequences) are flattened here, on the
-scheduler's side, into lists of ints that pickle, with each sampling row's settings and random
-numbers (`RowSampling`): an executor in another process or on another rank needs nothing else,
-and nothing it does can write back into a sequence. Its answer is a StepOutput (step_output.py).
+The scheduler flattens its decision (scheduler_output.py) into lists of ints that pickle, with each
+sampling row's settings and random numbers (`RowSampling`): an executor in another process or on
+another rank needs nothing else, and nothing it does can write back into a sequence. Its answer is
+a StepOutput (step_output.py). `DraftInput` is the same for the draft pass of speculative decoding.
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from typing import Literal
 
 import torch
 
-from kvscope.backend.engine.grammar import Matcher
-from kvscope.backend.engine.request import Request
-from kvscope.backend.engine.sampler import penalised, uniform
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import ScheduledSeq
 from kvscope.backend.phase import Phase
 
 
@@ -34,11 +30,12 @@ class RowSampling:
     streams: int = 1  # sample: tokens drawn from this row, one per stream
     history: list[int] | None = None  # prompt + output before the row's first query token, when penalised
     prompt_len: int = 0  # where the output starts in history
-    drafts: list[int] = field(default_factory=list)  # verify: the drafted tokens, the row's last k queries
-    draft_q: torch.Tensor | None = None  # verify: [k, V] the proposer's distributions; None: one-hot (n-gram)
+    # verify: the drafted tokens, the row's last k queries; the executor kept the proposer's distribution
+    # of each (Executor.propose), so none travels here
+    drafts: list[int] = field(default_factory=list)
     beam_top: int = 0  # beam: candidates to hand back (beam_search.select needs width + len(eos) per beam)
     # structured outputs: the grammar's packed masks, int32 [1 (sample) or k + 1 (verify), ceil(V / 32)];
-    # filled from the sequence's matcher here, on the scheduler's side, which alone holds grammar state
+    # filled from the sequence's matcher by the scheduler, which alone holds grammar state
     allowed: torch.Tensor | None = None
 
 
@@ -72,61 +69,72 @@ class StepInput:
         return self.query_starts[row + 1] - self.query_starts[row]
 
 
-def step_input(batch: list[ScheduledSeq], block_copies: list[tuple[int, int]], block_size: int,
+@dataclass(frozen=True)
+class RowTokens:
+    """One row's query before flattening: its tokens (drafts last), where they start, its blocks."""
+
+    request_id: str
+    seq_id: int
+    phase: Phase
+    token_ids: list[int]  # the query tokens: a chunk of the sequence, then its drafts
+    start: int  # position of token_ids[0]
+    block_table: list[int]
+    num_draft: int = 0
+    samples: bool = False  # the row reaches the sequence's last token: its logits come back
+
+
+def step_input(rows: list[RowTokens], block_copies: list[tuple[int, int]], block_size: int,
                sampling: list[RowSampling | None] | None = None, eos_ids: list[int] | None = None,
                dist_top_n: int = 0, keep_raw: bool = False) -> StepInput:
-    """Flatten the scheduled entries (verify entries already hold their drafts) into a StepInput.
-
-    sampling: per entry (`row_sampling`); without it the step only computes logits (a draft model's)."""
+    """Flatten the rows into a StepInput. sampling: per row; without it the step only computes logits
+    (the draft model's forwards)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
     starts = [0]
-    for item in batch:
-        seq, begin = item.seq, item.context_len - item.num_tokens
-        ids += seq.token_ids[begin:item.context_len - item.num_draft]
-        positions += range(begin, item.context_len)
-        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(begin, item.context_len)]
-        if item.drafts:  # the drafts are fed after the sequence's last token; they are not its tokens yet
-            ids += item.drafts.token_ids
-        if item.phase == "verify":  # every position: each checks the draft that follows it
+    for row in rows:
+        end = row.start + len(row.token_ids)
+        ids += row.token_ids
+        positions += range(row.start, end)
+        slots += [row.block_table[p // block_size] * block_size + p % block_size for p in range(row.start, end)]
+        if row.num_draft:  # every position: each checks the draft that follows it
             logit_rows += range(starts[-1], len(ids))
-        elif item.samples:
+        elif row.samples:
             logit_rows.append(len(ids) - 1)
         starts.append(len(ids))
-    return StepInput(request_ids=[item.seq.request_id for item in batch], seq_ids=[item.seq.seq_id for item in batch],
-                     phases=[item.phase for item in batch], query_starts=starts,
-                     context_lens=[item.context_len for item in batch],
-                     block_tables=[list(item.seq.block_table) for item in batch], input_ids=ids, positions=positions,
+    return StepInput(request_ids=[r.request_id for r in rows], seq_ids=[r.seq_id for r in rows],
+                     phases=[r.phase for r in rows], query_starts=starts,
+                     context_lens=[r.start + len(r.token_ids) for r in rows],
+                     block_tables=[r.block_table for r in rows], input_ids=ids, positions=positions,
                      slot_mapping=slots, logit_rows=logit_rows, block_copies=list(block_copies),
                      sampling=list(sampling or []), eos_ids=list(eos_ids or []), dist_top_n=dist_top_n,
                      keep_raw=keep_raw)
 
 
-def row_sampling(item: ScheduledSeq, req: Request, eos_ids: list[int],
-                 matcher: Matcher | None = None) -> RowSampling | None:
-    """How the entry's logits become tokens, with the uniforms drawn now from its streams' generators.
+# ---- the draft pass of speculative decoding -------------------------------------------------------
 
-    matcher: the sequence's grammar (structured outputs), whose masks the row carries."""
-    seq, params = item.seq, req.params
-    history = list(seq.token_ids) if penalised(params) else None
-    if item.drafts:
-        streams = [req.streams[seq.seq_id]] * (item.num_draft + 1)
-        drafts = list(item.drafts.token_ids)
-        return RowSampling("verify", params, _uniforms(req, streams), history=history,
-                           prompt_len=seq.num_prompt_tokens, drafts=drafts, draft_q=item.drafts.q,
-                           allowed=matcher.masks(drafts) if matcher else None)
-    if not item.samples:
-        return None
-    if req.beam is not None:
-        return RowSampling("beam", params, beam_top=req.beam.width + len(eos_ids))
-    # n > 1: the first token is drawn n times from the same logits, stream i for the sibling forked i-th.
-    first_of_n = params.n > 1 and len(req.seqs) == 1 and not seq.output_token_ids
-    streams = list(range(params.n)) if first_of_n else [req.streams[seq.seq_id]]
-    return RowSampling("sample", params, _uniforms(req, streams), streams=len(streams), history=history,
-                       prompt_len=seq.num_prompt_tokens, allowed=matcher.masks([]) if matcher else None)
+@dataclass(frozen=True)
+class DraftRow:
+    """What a proposer needs to draft for one target sequence."""
+
+    request_id: str
+    seq_id: int  # the target sequence the drafts are for
+    num_drafts: int  # k
+    params: SamplingParams
+    uniforms: list[float]  # k draws from the request's own draft stream; none when greedy
+    token_ids: list[int]  # the target's tokens (n-gram lookup reads them, and penalties)
+    prompt_len: int
+    # A draft model's own sequence: it first catches up on the target's tokens it has not computed
+    # (token_ids[start:]: the whole prompt the first time, later the tokens accepted since), then
+    # drafts one token per forward. Its blocks cover every slot it writes: start .. len + k - 1.
+    draft_seq_id: int | None = None
+    start: int = 0
+    block_table: list[int] = field(default_factory=list)
 
 
-def _uniforms(req: Request, streams: list[int]) -> list[float]:
-    return [] if req.params.greedy else [uniform(req.generator(s)) for s in streams]
+@dataclass(frozen=True)
+class DraftInput:
+    rows: list[DraftRow] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write of the draft's blocks
+    eos_ids: list[int] = field(default_factory=list)

@@ -3,8 +3,9 @@
 One `RowOutput` per row of the StepInput. A row that samples drew one token per stream (n streams
 at the first token of an n > 1 request, else one); a verify row lists the drafts it accepted and
 the token the target added after them; a beam row hands back its best candidates for the beam
-ranking (beam_search.select). The scheduler's `update_from_output` turns these into request state;
-the events and the API's output stream read them too, and nothing else of the step.
+ranking (beam_search.select). The scheduler's `update_from_output` turns these into request state
+and into the step's outputs (request_output.py), from which the events and the API's stream are
+built. `DraftOutput` is the answer to a DraftInput: drafted ids, never distributions.
 
 The optional tensors are for observers only: `tops` (the top-N distribution rows a token event
 draws) and `raw_probs` (the whole T=1 row the sampling view's what-if keeps) are computed only when
@@ -55,3 +56,12 @@ class StepOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.rows if r is not None)
+
+
+@dataclass
+class DraftOutput:
+    """The drafts for each DraftInput row. The proposer's distributions stay in the executor, which
+    judges the drafts with them in the next step's verify rows."""
+
+    token_ids: list[list[int]] = field(default_factory=list)  # per row: the drafts (an n-gram lookup may find fewer)
+    q_probs: list[list[float]] = field(default_factory=list)  # per row: each draft's probability under the proposer

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 
 from kvscope import part_dir
 
@@ -85,6 +86,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def decoder(self) -> Callable[[int], str]:
+        """Decode one sequence's tokens as they come: each call returns the text its token completes ("" while
+        it is part of an unfinished UTF-8 character). The texts add up to `decode` of the tokens, in time
+        linear in their number (tokenizers' DecodeStream keeps a short window of the last tokens)."""
+        stream = DecodeStream(skip_special_tokens=False)
+        return lambda token_id: stream.step(self._tok, token_id) or ""
 
     def token_text(self, token_id: int) -> str:
         """The text one token stands for (may be a partial UTF-8 character, shown as U+FFFD)."""

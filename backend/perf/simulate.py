@@ -23,9 +23,7 @@ import torch
 from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.engine import Runtime
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.sample_step import sample_step
 from kvscope.backend.engine.step_input import StepInput
-from kvscope.backend.engine.step_output import StepOutput
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR
 from kvscope.backend.model.tokenizer import Tokenizer
 from kvscope.backend.perf.cost_model import BatchItem, Deployment, IterationCost, iteration_cost, resident_bytes
@@ -76,17 +74,13 @@ class ShapeOnlyModel:
 
 
 class SimulatedRunner:
-    """ModelRunner's interface: execute(StepInput) -> StepOutput, the forward priced instead of computed."""
+    """A runner (executor.Forward): logits for a StepInput, the forward priced instead of computed."""
 
     def __init__(self, dep: Deployment, clock: ModelledClock, vocab_size: int, seed: int) -> None:
         self.dep, self.clock = dep, clock
         gen = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab_size, vocab_size, generator=gen) * LOGIT_SCALE  # [V, V]: last -> next
         self.last: IterationCost | None = None
-
-    def execute(self, inp: StepInput) -> StepOutput:
-        """Sample the stand-in logits, as ModelRunner samples the model's."""
-        return sample_step(self.logits(inp), inp)
 
     def logits(self, inp: StepInput) -> torch.Tensor:
         """Advance the clock by the batch's modelled time; one row of stand-in logits per sampling sequence."""

@@ -145,6 +145,6 @@ def kv_cache_bytes(engine: EngineConfig, config: ModelConfig, draft: ModelConfig
     ranks = [shard_config(config, shard_plan(config, r, engine.tensor_parallel)) for r in range(engine.tensor_parallel)]
     blocks = engine.num_blocks or num_blocks_for_budget(ranks[0], engine.block_size, engine.kv_cache_memory_mb, kv_dtype)
     per_token = sum(rank.kv_bytes_per_token(kv_dtype) for rank in ranks)
-    if draft is not None:  # the draft's cache has the target's blocks (spec_decode.make_proposer)
+    if draft is not None:  # the draft's cache has the target's blocks (speculative.make_proposer)
         per_token += draft.kv_bytes_per_token(kv_dtype)
     return blocks * engine.block_size * per_token
