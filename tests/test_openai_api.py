@@ -399,3 +399,27 @@ def test_a_malformed_tool_history_is_a_400_naming_the_message(client, model_name
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
     assert refused.value.body["param"] == param
+
+
+async def test_an_answer_forwards_the_engines_text_deltas_and_what_is_left_comes_with_the_finish() -> None:
+    """generation.py sends each Token's own text (stop strings and split characters are the engine's:
+    backend/engine/detokenizer.py); text the engine hands out only as a sequence ends (a beam's, say)
+    comes with that choice's finish, so a stream's deltas always add up to the answer."""
+    from types import SimpleNamespace
+
+    from kvscope.backend.engine.request_output import Arrived, Finished, Forked, Token
+    from kvscope.backend.server.generation import Generation
+
+    tokenizer = SimpleNamespace(eos_token_ids=[2], token_text=lambda t: f"<{t}>")
+    gen = Generation(SimpleNamespace(loaded=SimpleNamespace(tokenizer=tokenizer)), 2, "cmpl")
+    rid = gen.request_ids[0]
+    ends = ({"seq_id": 0, "output_token_ids": [10, 12, 2], "output_text": "Hello", "finish_reason": "eos"},
+            {"seq_id": 1, "output_token_ids": [11], "output_text": "Wor", "finish_reason": "length"})
+    for output in [Arrived(rid, 0, 3), Forked(rid, 1), Token(rid, 0, 10, -0.1, None, text="Hel"),
+                   Token(rid, 1, 11, -0.2, None, text=""), Token(rid, 0, 12, -0.3, None, text="lo"),
+                   Token(rid, 0, 2, -0.01, None), Finished(rid, "eos", ends)]:
+        gen.queue.put_nowait(output)
+    updates = [(c.index, delta, token is None) async for c, delta, token in gen.updates()]
+    assert updates == [(0, "Hel", False), (1, "", False), (0, "lo", False), (0, "", True), (1, "Wor", True)]
+    assert [(c.text, c.finish_reason, len(c.tokens)) for c in gen.choices] == \
+        [("Hello", "stop", 2), ("Wor", "length", 1)]

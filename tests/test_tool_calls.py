@@ -321,7 +321,7 @@ class ScriptedGeneration:
 
     def __init__(self, pieces: list[str], finish: str = "stop") -> None:
         self.id, self.created, self.pieces, self.finish = "chatcmpl-t", 0, pieces, finish
-        self.choices = [GeneratedChoice(0, stream=None)]
+        self.choices = [GeneratedChoice(0)]
 
     async def updates(self):
         choice = self.choices[0]

@@ -1,8 +1,9 @@
 """The bridge between an API call and the engine's worker thread: the engine requests behind one
 OpenAI call (one per prompt; its n choices are the request's n sequences, sharing the prompt's
 blocks), their outputs as they arrive (the engine's own stream, request_output.py: never the
-trace, so every `events` level serves the same answers), text deltas that add up to the final
-text, and the logprobs of an echoed prompt."""
+trace, so every `events` level serves the same answers), and the logprobs of an echoed prompt.
+The text comes as the engine made it final (`Token.text`: stop strings cut, a character split
+across tokens whole), so the deltas a stream sends add up to the answer's text."""
 
 from __future__ import annotations
 
@@ -24,44 +25,11 @@ from kvscope.backend.server.run_errors import RunFailed
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
 
-class TextStream:
-    """Text deltas for one choice, so that they add up to exactly the final text.
-
-    The final text drops a stop string and everything after it, so with stop strings the text
-    waits: the newest token (the request may yet stop on it) and a tail that could still become
-    the start of a stop string are held back until later tokens or the end show where the cut is.
-    An unfinished UTF-8 character is held back too.
-    """
-
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.wait_for_stop = bool(stops)
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        sure = self.ids[:-1] if self.wait_for_stop else self.ids
-        text = self.tokenizer.decode(sure)  # whole-text decode: byte-level BPE splits characters
-        end = len(text) - self.holdback
-        while end > len(self.sent) and text[end - 1] == "\ufffd":
-            end -= 1
-        delta = text[len(self.sent):end]
-        self.sent += delta
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        delta, self.sent = final_text[len(self.sent):], final_text
-        return delta
-
-
 @dataclass
 class GeneratedChoice:
     """One choice of an OpenAI answer (a prompt's sequence), as the engine's outputs build it."""
 
     index: int
-    stream: TextStream
     tokens: list[dict] = field(default_factory=list)  # token entries (text, logprob, top_logprobs), EOS left out
     chars: int = 0  # length of the echo and token texts so far: the next token's text_offset
     echo: str = ""  # the prompt, when the client asked for it back (echo)
@@ -69,18 +37,17 @@ class GeneratedChoice:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, those the prefix cache held
     completion_tokens: int = 0
-    text: str = ""
+    text: str = ""  # the deltas so far; the whole output text once finished
     finish_reason: str | None = None
 
 
 class Generation:
     """The engine requests behind one API call (one per prompt, each with n sequences), and their events."""
 
-    def __init__(self, run: EngineRun, n: int, stops: list[str], prefix: str, num_prompts: int = 1) -> None:
+    def __init__(self, run: EngineRun, n: int, prefix: str, num_prompts: int = 1) -> None:
         self.run = run
-        loaded = run.loaded  # read-only: the tokenizer for text deltas, the folder for chat templates
-        self.tokenizer = loaded.tokenizer
-        self.eos_ids = set(loaded.tokenizer.eos_token_ids)
+        self.tokenizer = run.loaded.tokenizer  # read-only: each token's own text, for logprobs
+        self.eos_ids = set(self.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
         self.created = int(time.time())
         self.n = n
@@ -88,7 +55,7 @@ class Generation:
         self.request_ids = [self.id] if num_prompts == 1 else [f"{self.id}-{k}" for k in range(num_prompts)]
         self.prompt_of = {rid: k for k, rid in enumerate(self.request_ids)}
         # Prompt k's choices are k*n .. k*n+n-1, as OpenAI numbers a batch's choices.
-        self.choices = [GeneratedChoice(i, TextStream(loaded.tokenizer, stops)) for i in range(num_prompts * n)]
+        self.choices = [GeneratedChoice(i) for i in range(num_prompts * n)]
         # a request's first sequence is its first choice, forks follow
         self.choice_of_seq: dict[int, GeneratedChoice] = {}
         self.seqs_seen: dict[str, int] = {}
@@ -149,16 +116,19 @@ class Generation:
                 entry = self._entry(output)
                 choice.tokens.append(entry)
                 choice.chars += len(entry["text"])
-                yield choice, choice.stream.push(output.token_id), entry
+                choice.text += output.text
+                yield choice, output.text, entry
             elif isinstance(output, Finished):
                 for choice in mine:
                     choice.cached_tokens = output.num_cached_prompt_tokens
                 for out in output.outputs:
                     choice = self.choice_of_seq.get(out["seq_id"], mine[0])  # aborted before a fork
-                    choice.text = out["output_text"]
+                    final = out["output_text"]
+                    assert final.startswith(choice.text), "the engine's text deltas add up to the output text"
+                    rest, choice.text = final[len(choice.text):], final  # a beam's text comes whole, at its end
                     choice.completion_tokens = len(out["output_token_ids"])
                     choice.finish_reason = FINISH_REASONS.get(out["finish_reason"], out["finish_reason"])
-                    yield choice, choice.stream.finish(choice.text), None
+                    yield choice, rest, None
                 for choice in mine:  # aborted before it forked: the siblings never started
                     if choice.finish_reason is None:
                         choice.finish_reason = FINISH_REASONS.get(output.finish_reason, output.finish_reason)

@@ -71,7 +71,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
     if not all(ids):
         raise OpenAIError(400, "prompt: empty prompt", "prompt")
     max_tokens = [fit_in_context(run, len(i), data.max_tokens, 16, "prompt", "max_tokens") for i in ids]
-    gen = Generation(run, n, sampling["stop"], "cmpl", len(prompts))
+    gen = Generation(run, n, "cmpl", len(prompts))
     if data.echo:
         await set_echo(run, gen, prompts, ids, data.logprobs)
     if data.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
@@ -95,7 +95,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
-    gen = Generation(run, data.n or 1, sampling["stop"], "chatcmpl")
+    gen = Generation(run, data.n or 1, "chatcmpl")
     with named_by_source(grammar):
         await gen.submit([(prompt, max_tokens)], sampling)
     return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)

@@ -156,7 +156,7 @@ async def create_response(request: Request, data: JSONBody[ResponsesBody]) -> Re
         raise OpenAIError(400, str(e), "input") from None
     max_tokens = fit_in_context(run, len(prompt), data.max_output_tokens, DEFAULT_CHAT_MAX_TOKENS, "input",
                                 "max_output_tokens")
-    gen = Generation(run, 1, [], "resp")
+    gen = Generation(run, 1, "resp")
     with named_by_source(grammar):
         await gen.submit([(prompt, max_tokens)], sampling)
     events = stream_events(gen, data, model) if data.stream else None
