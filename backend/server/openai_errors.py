@@ -93,7 +93,10 @@ def model_not_found(name: str, served: list[str]) -> OpenAIError:
     return OpenAIError(404, f"model {name!r} {reason}", "model", "model_not_found")
 
 
-def openai_errors_under_v1(handler: Callable[[Request, Exception], Response]) -> Callable[[Request, Exception], Response]:
+Handler = Callable[[Request, Exception], Response]
+
+
+def openai_errors_under_v1(handler: Handler) -> Handler:
     """An app-level handler that answers in OpenAI's shape under /v1 (404s and 405s never reach the /v1 router)."""
 
     def answer(request: Request, exc: Exception) -> Response:
