@@ -8,6 +8,7 @@ cache), the prompt tokenized and checked against the engine's limits. What passe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -18,6 +19,9 @@ from kvscope.backend.engine.request import (RequestError, check_fits, check_prom
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.errors import validation_error
 from kvscope.backend.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -33,12 +37,15 @@ class NewRequest:
 
 def prepare(request_id: str, prompt: str | list[int], max_tokens: int, sampling: SamplingParams | dict | None,
             config: EngineConfig, num_blocks: int, tokenizer: Tokenizer, grammars: Grammars,
-            arrival: float) -> NewRequest:
-    """The request ready to queue, or RequestError naming the first field it cannot accept."""
+            arrival: float, grammar: CompiledGrammar | None = None) -> NewRequest:
+    """The request ready to queue, or RequestError naming the first field it cannot accept.
+
+    grammar: its structured output already compiled (a server compiles a client's off the stepping
+    thread, Grammars.compiled); else it is compiled here, or found in the cache."""
     params = parse_sampling(sampling)
     check_supported(params, config)
     check_token_ids(params, grammars.vocab_size)
-    matcher = grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+    matcher = grammars.matcher(params.structured_outputs, grammar) if params.structured_outputs else None
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     check_prompt_ids(ids, grammars.vocab_size)
     check_fits(config, num_blocks, len(ids), max_tokens)

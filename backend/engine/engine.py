@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.model.quant import QuantError, gguf_summary, quantize_loaded
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
 from kvscope.backend.model.weights import WeightCache
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 REQUEST_OUTPUTS = (Arrived, Forked, Token, Finished)  # what a caller's sink gets; the rest is for the events
 
@@ -231,15 +235,18 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], max_tokens: int,
-                    sampling: SamplingParams | dict | None = None, arrival: float | None = None) -> Request:
+                    sampling: SamplingParams | dict | None = None, arrival: float | None = None,
+                    grammar: CompiledGrammar | None = None) -> Request:
         """Queue a request, or refuse it (RequestError naming the field; a request_rejected event).
 
-        arrival: when it was received, read from `self.clock` (default: now); TTFT and queue time count from it."""
+        arrival: when it was received, read from `self.clock` (default: now); TTFT and queue time count from it.
+        grammar: its structured output compiled by the caller (`self.grammars.compiled`, on a thread of its
+        own): the stepping thread then compiles nothing."""
         try:
             if request_id in self.scheduler.requests:
                 raise RequestError("id", f"duplicate request id {request_id!r}")
             new = prepare(request_id, prompt, max_tokens, sampling, self.config, self.cache.num_blocks,
-                          self.loaded.tokenizer, self.grammars, self.clock() if arrival is None else arrival)
+                          self.loaded.tokenizer, self.grammars, self.clock() if arrival is None else arrival, grammar)
         except RequestError as e:
             self._emit([Rejected(request_id, e.field, e.reason)])
             raise

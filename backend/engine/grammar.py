@@ -1,8 +1,12 @@
 """Structured outputs: grammars compiled by xgrammar, one matcher per sequence, a token mask per row.
 
-A request's `structured_outputs` (sampling_params.py) is compiled once at admission against the
-model's vocabulary (a JSON schema, any JSON object, a regex, a choice list or an EBNF grammar all
-become one xgrammar grammar) and cached by its text, so a repeated request compiles nothing. Each
+A request's `structured_outputs` (sampling_params.py) is compiled once against the model's
+vocabulary (a JSON schema, any JSON object, a regex, a choice list or an EBNF grammar all become one
+xgrammar grammar) and cached by its text, so a repeated request compiles nothing. The cache is
+bounded in bytes, as xgrammar measures a compiled grammar (one can hold ~170 MB), not in entries;
+`compiled` may run on any thread (xgrammar releases the GIL while it compiles), so a server compiles
+a client's grammar on a thread of its own, with a time limit, and hands the engine the result. A
+grammar that allows no token at its very start can never produce an output: it is refused. Each
 sequence walks the grammar with its own `Matcher`: the scheduler's side asks it for a packed
 bitmask of the tokens allowed next (one per verified position for a verify row), the executor
 applies it before any other filter (sampler.constrain), and the update advances it with every
@@ -15,8 +19,8 @@ without structured outputs never pays.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +32,7 @@ from kvscope.backend.model.tokenizer import Tokenizer
 if TYPE_CHECKING:
     import xgrammar
 
-MAX_CACHED = 128  # compiled grammars kept per engine (a JSON schema's is tens of KB to a few MB)
+MAX_CACHED_BYTES = 256 * 2**20  # compiled grammars kept per engine, by xgrammar's own measure of each
 MAX_REASON_CHARS = 200  # xgrammar's messages quote the whole input: a user's schema is not echoed back
 
 
@@ -46,6 +50,10 @@ class Matcher:
         """Advance past a token the mask allowed (every appended token was drawn under this matcher's mask)."""
         accepted = self._inner.accept_token(token)
         assert accepted, f"token {token} was appended though the grammar forbids it"
+
+    def allows_nothing(self) -> bool:
+        """No token is allowed next, and the grammar has not ended: nothing can ever continue from here."""
+        return not self.terminated and bool((self.masks([])[0] == 0).all())
 
     @property
     def terminated(self) -> bool:
@@ -75,51 +83,78 @@ class Matcher:
 class Grammars:
     """The grammars of one engine's model: a compiler over its vocabulary and the compiled grammars."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int],
+                 max_bytes: int = MAX_CACHED_BYTES) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self.max_bytes = max_bytes
         self._compiled: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
+        self.cached_bytes = 0  # of the grammars in the cache, as xgrammar counts them
         self.num_compiled = 0  # compilations done (a cache hit compiles nothing)
+        self._lock = threading.Lock()  # the cache and the compiler: compiled() is called from any thread
+        self._compiler_instance: xgrammar.GrammarCompiler | None = None
 
-    @cached_property
     def _compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar
 
-        return xgrammar.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids),
-                                        cache_enabled=False)  # our cache, keyed by the grammar's text, is the one
+        with self._lock:
+            if self._compiler_instance is None:
+                self._compiler_instance = xgrammar.GrammarCompiler(
+                    tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids),
+                    cache_enabled=False)  # our cache, keyed by the grammar's text and bounded in bytes, is the one
+            return self._compiler_instance
 
-    def matcher(self, spec: StructuredOutputs) -> Matcher:
-        """A new matcher at the start of the grammar (compiled now, or found in the cache)."""
+    def matcher(self, spec: StructuredOutputs, compiled: xgrammar.CompiledGrammar | None = None) -> Matcher:
+        """A new matcher at the start of the grammar: `compiled` (the caller compiled it), or compiled now,
+        or found in the cache. RequestError naming the field if it does not compile, or allows nothing."""
         import xgrammar
 
         # Rollback is unlimited in xgrammar >= 0.2 (max_rollback_tokens is deprecated): a verify row walks
         # any number of drafts ahead.
-        inner = xgrammar.GrammarMatcher(self.compiled(spec), terminate_without_stop_token=not self.eos_ids)
-        return Matcher(inner, self.vocab_size)
+        inner = xgrammar.GrammarMatcher(compiled or self.compiled(spec), terminate_without_stop_token=not self.eos_ids)
+        matcher = Matcher(inner, self.vocab_size)
+        if matcher.allows_nothing():
+            raise RequestError(f"sampling.structured_outputs.{spec.kind}",
+                               "allows no token at its start: no output can ever match it")
+        return matcher
 
     def compiled(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        """The grammar compiled, or RequestError naming the field (its reason cut short: never the whole input)."""
+        """The grammar compiled, or RequestError naming the field (its reason cut short: never the whole input).
+        Any thread may call it; the compilation itself runs outside the lock."""
         key = (spec.kind, source_text(spec))
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         try:
             compiled = self._compile(*key)
         except (RuntimeError, ValueError) as e:
             raise RequestError(f"sampling.structured_outputs.{spec.kind}", short_reason(e)) from None
-        self.num_compiled += 1
-        self._compiled[key] = compiled
-        if len(self._compiled) > MAX_CACHED:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self.num_compiled += 1
+            self._keep(key, compiled)
         return compiled
 
+    def _keep(self, key: tuple[str, str], compiled: xgrammar.CompiledGrammar) -> None:
+        """Cache it, evicting the least recently used until the bytes fit; one larger than the whole budget
+        is used by its request and not kept."""
+        size = compiled.memory_size_bytes
+        if key in self._compiled or size > self.max_bytes:
+            return
+        self._compiled[key] = compiled
+        self.cached_bytes += size
+        while self.cached_bytes > self.max_bytes:
+            _, evicted = self._compiled.popitem(last=False)
+            self.cached_bytes -= evicted.memory_size_bytes
+
     def _compile(self, kind: str, source: str) -> xgrammar.CompiledGrammar:
+        compiler = self._compiler()
         if kind in ("json", "json_object"):
             # Compact JSON (no free whitespace between tokens): with it a small model can emit newlines
             # until max_tokens, a known failure of any-whitespace JSON grammars; the JSON is the same.
-            return self._compiler.compile_json_schema(source, any_whitespace=False)
+            return compiler.compile_json_schema(source, any_whitespace=False)
         if kind == "regex":
-            return self._compiler.compile_regex(source)
-        return self._compiler.compile_grammar(source)  # grammar, and choice as an EBNF alternation
+            return compiler.compile_regex(source)
+        return compiler.compile_grammar(source)  # grammar, and choice as an EBNF alternation
 
 
 def source_text(spec: StructuredOutputs) -> str:

@@ -40,6 +40,7 @@ class Request:
     beam: BeamState | None = None
     finish_reason: str | None = None
     abort_reason: str | None = None
+    error: str | None = None  # why one of its rows could not be sampled (it ended aborted, by its own fault)
     output_text: str = ""
     outputs: list[dict] = field(default_factory=list)  # set when it ends: every returned sequence, best first
     draft_generator: torch.Generator | None = None  # speculative drafts draw from their own stream

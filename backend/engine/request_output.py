@@ -74,6 +74,9 @@ class Finished:
     reason: str | None = None  # why it was aborted
     multi: bool = False  # it had (or would have had) several sequences
     times: dict[str, float | None] = field(default_factory=dict)  # ttft_s, tpot_s, e2e_s, queue_s
+    # The request failed by its own fault (a row it could not sample: its grammar allows no token): the
+    # API answers with an error, where an abort (the client left, the server stops) is a finish reason.
+    error: str | None = None
 
 
 RequestOutput = Arrived | Forked | Token | Finished

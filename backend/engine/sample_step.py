@@ -6,9 +6,14 @@ rows judge their drafts by modified rejection sampling (rejection.verify) agains
 distributions the executor kept, beam rows hand back their best candidates. Everything the
 scheduler's side needs comes back as numbers: no logits leave the executor, only what observers
 asked for (the top-N rows of each distribution, and whole T=1 rows when the what-if keeps them).
+A row that cannot be sampled (a grammar that leaves no token allowed, logits that are not numbers)
+comes back as an error of its own (`RowOutput.error`), with no token and no number: one request's
+grammar never fails the batch, and no NaN leaves the executor.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -59,6 +64,7 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     result = sample(rows, [h.params for h in how],
                     [h.uniforms[s] if h.uniforms else 0.0 for h, (_, _, s) in zip(how, streams, strict=True)],
                     inp.eos_ids, [h.history or [] for h in how], [h.prompt_len for h in how], masks)
+    errors = row_errors(result.raw_logprobs, result.final_probs, masks)
     effect = mask_effect(rows, masks, inp.dist_top_n) if masks is not None else None
     raw_probs = result.raw_probs
     tops = top_rows(raw_probs, result.final_probs, result.token_ids, inp.dist_top_n, inp.eos_ids)
@@ -66,6 +72,9 @@ def _sample_rows(logits: torch.Tensor, drawn: list[tuple[int, int]], inp: StepIn
     for i, _ in drawn:
         js = list(range(start, start + inp.sampling[i].streams))  # a row's streams sit side by side
         start = js[-1] + 1
+        if error := next((errors[j] for j in js if errors[j]), None):
+            outs.append(RowOutput(error=error))
+            continue
         asks = inp.sampling[i].params.logprobs
         outs.append(RowOutput(
             token_ids=[result.token_ids[j] for j in js], logprobs=[result.logprobs[j] for j in js],
@@ -83,6 +92,18 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput, draft_q:
     prefixes = [how.history + drafts[:j] for j in range(k + 1)] if penalised(how.params) else None
     raw_log, _, p = distributions(logits, [how.params] * (k + 1), inp.eos_ids, prefixes, [how.prompt_len] * (k + 1),
                                   how.allowed)
+    errors = row_errors(raw_log, p, how.allowed)
+    if errors[0]:  # the position after the sequence's last token: nothing can follow it
+        return RowOutput(error=errors[0])
+    bad = next((j for j, e in enumerate(errors) if e), None)
+    if bad is not None:
+        # A later position has nothing to draw from (a grammar stranded after some drafts): judge only the
+        # drafts before it, whose positions all can be drawn from. Verifying fewer drafts is still exact;
+        # the sequence meets the stranded position in a later step, as a plain decode.
+        drafts, k = drafts[:bad - 1], bad - 1
+        raw_log, p, logits = raw_log[:k + 1], p[:k + 1], logits[:k + 1]
+        how = dataclasses.replace(how, uniforms=how.uniforms[:k] + how.uniforms[-1:], drafts=drafts)
+        draft_q = None if draft_q is None else draft_q[:k]
     q = (draft_q if draft_q is not None else one_hot(drafts, p.shape[-1])).to(p.device)  # [k, V]
     verdict = verify(p, q, drafts, how.uniforms, how.params.greedy)
     new = drafts[:verdict.num_accepted] + [verdict.token_id]
@@ -105,8 +126,27 @@ def _verify_row(logits: torch.Tensor, how: RowSampling, inp: StepInput, draft_q:
 def _beam_row(logits: torch.Tensor, how: RowSampling) -> RowOutput:
     """A beam's best next tokens by log-probability (after logit_bias and allowed_token_ids), best first."""
     logprobs = torch.log_softmax(constrain(logits[None].float(), [how.params])[0], dim=-1)  # [V]
+    if error := row_errors(logprobs[None], logprobs[None], None)[0]:
+        return RowOutput(error=error)
     best = logprobs.topk(min(how.beam_top, logprobs.shape[-1]))
     return RowOutput(candidates=list(zip(best.indices.tolist(), best.values.tolist(), strict=True)))
+
+
+def row_errors(raw_logprobs: torch.Tensor, final: torch.Tensor, masks: torch.Tensor | None) -> list[str | None]:
+    """Per row of log_softmax of the constrained logits [B, V] and of the final distribution [B, V]: why it
+    cannot be sampled, or None. The raw row is read, not only the final one: a greedy row's final
+    distribution is one-hot on its argmax even when every logit is -inf. No finite log-probability, or a
+    NaN in either, leaves no token to give; when the grammar's mask allows nothing, the grammar is why."""
+    ok = (torch.isfinite(raw_logprobs).any(-1) & ~torch.isnan(raw_logprobs).any(-1)
+          & ~torch.isnan(final).any(-1)).tolist()
+    empty = (masks == 0).all(-1).tolist() if masks is not None else [False] * len(ok)
+    return [None if fine else GRAMMAR_STRANDED if stranded else NOT_A_NUMBER
+            for fine, stranded in zip(ok, empty, strict=True)]
+
+
+GRAMMAR_STRANDED = ("the structured output's grammar allows no token here: no continuation of this output "
+                    "can match it, so the sequence ends")
+NOT_A_NUMBER = "the model's scores for the next token are not numbers (NaN or infinite), so no token can be drawn"
 
 
 def stacked_masks(how: list[RowSampling], vocab_size: int) -> torch.Tensor | None:

@@ -306,14 +306,19 @@ class Scheduler:
         sampled: list[tuple[Sequence, RowOutput]] = []
         beams: list[tuple[Sequence, RowOutput]] = []
         verified: list[tuple[ScheduledRow, Sequence, RowOutput]] = []
+        failed: list[tuple[Sequence, str]] = []
         for row, result in zip(plan.rows, out.rows, strict=True):
             seq = self.live[row.seq_id]
-            if row.drafts:  # its cache is settled only once the drafts are judged
+            if result is not None and result.error:
+                failed.append((seq, result.error))
+            elif row.drafts:  # its cache is settled only once the drafts are judged
                 verified.append((row, seq, result))
-                continue
-            self._computed(seq, row.context_len)
-            if result is not None:
-                (beams if result.candidates else sampled).append((seq, result))
+            else:
+                self._computed(seq, row.context_len)
+                if result is not None:
+                    (beams if result.candidates else sampled).append((seq, result))
+        for seq, error in failed:
+            self._fail(seq, error)
         for seq, result in sampled:
             self._append_drawn(seq, result, now)
         self._advance_beams(beams, now)
@@ -417,6 +422,21 @@ class Scheduler:
         for seq in self.live_of(req):
             self._end_seq(req, seq, "abort")
 
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """A row of this sequence could not be sampled: the sequence ends, aborted with the reason (a beam
+        search, whose beams rank together, ends whole); the request reports the error when it finishes.
+        Every other sequence and request goes on."""
+        req = self.requests[seq.request_id]
+        if req.finish_reason is not None:
+            return
+        req.error = req.error or f"{error} (at output token {len(seq.output_token_ids) + 1})"
+        if req.abort_reason is None:
+            req.abort_reason = req.error
+        if req.beam is not None:
+            self._abort(req, req.abort_reason)
+        else:
+            self._end_seq(req, seq, "abort")
+
     def _finish(self, req: Request) -> None:
         req.outputs = self._returned(req)
         best = req.outputs[0]
@@ -429,7 +449,8 @@ class Scheduler:
         t = req.times
         self._outputs.append(Finished(req.request_id, req.finish_reason, tuple(req.outputs),
                                       req.seq.num_cached_prompt_tokens, req.abort_reason, req.multi,
-                                      {"ttft_s": t.ttft(), "tpot_s": t.tpot(), "e2e_s": t.e2e(), "queue_s": t.queue()}))
+                                      {"ttft_s": t.ttft(), "tpot_s": t.tpot(), "e2e_s": t.e2e(), "queue_s": t.queue()},
+                                      req.error))
 
     def _returned(self, req: Request) -> list[dict]:
         """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""
@@ -466,6 +487,8 @@ class Scheduler:
         ready: list[Request] = []
         for seq, result in rows:
             req = self.requests[seq.request_id]
+            if req.finish_reason is not None:  # a sibling's row failed, and the whole search with it
+                continue
             req.beam.pending[seq.seq_id] = result.candidates
             if req not in ready and all(s.seq_id in req.beam.pending for s in self.live_of(req)):
                 ready.append(req)
@@ -509,8 +532,9 @@ class Scheduler:
         """A verify row's verdict: the accepted drafts and the token after them are appended, the rejected
         drafts' slots roll back in both caches."""
         req, start = self.requests[row.request_id], len(seq)
-        self.spec_stats.record(row.num_draft, result.num_accepted, result.expected_accept)
-        self._outputs.append(Verified(req.request_id, seq.seq_id, start, list(row.drafts), result))
+        judged = list(row.drafts[:len(result.draft_p)])  # the executor may judge fewer (sample_step._verify_row)
+        self.spec_stats.record(len(judged), result.num_accepted, result.expected_accept)
+        self._outputs.append(Verified(req.request_id, seq.seq_id, start, judged, result))
         sources = ["draft_accepted"] * result.num_accepted + [result.source]
         for j, source in enumerate(sources):
             if self._append(req, seq, result, j, now, source):

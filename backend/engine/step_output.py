@@ -47,6 +47,9 @@ class RowOutput:
     verify_dists: list[list[list]] | None = None  # per position, [token, p, q] rows of spec_verify's `dists`
     # beam rows
     candidates: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob), best first
+    # A row that could not be sampled (a grammar that allows no token here, logits that are not numbers):
+    # why, and nothing else. The scheduler ends that sequence alone; the rest of the batch goes on.
+    error: str | None = None
 
 
 @dataclass
