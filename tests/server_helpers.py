@@ -23,10 +23,8 @@ model_name, url  # noqa: F401`).
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import inspect
-import textwrap
+import linecache
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,23 +75,17 @@ async def until(condition: Callable[[], T], what: str | None = None, timeout: fl
 def described(condition: Callable[[], Any]) -> str:
     """A condition in words: a lambda's body as written (`feed.state.step == 0`), else the function's name."""
     name = getattr(condition, "__qualname__", repr(condition))
-    try:
-        lines, _ = inspect.getsourcelines(condition)
-    except (OSError, TypeError):
+    code = getattr(condition, "__code__", None)
+    lines = linecache.getlines(code.co_filename) if code is not None and name.endswith("<lambda>") else []
+    # where the body's instructions come from: (line, end line, column, end column), columns in UTF-8 bytes
+    spans = [p for p in (code.co_positions() if lines else ()) if None not in p and p[2:] != (0, 0)]
+    if not spans:
         return name
-    text = textwrap.dedent("".join(lines)).strip()
-    start = text.find("lambda")
-    if name.endswith("<lambda>") and start >= 0:
-        # the longest piece from `lambda` on that parses: the call around it continues past its end
-        for end in range(len(text), start, -1):
-            try:
-                tree = ast.parse(text[start:end], mode="eval").body
-            except SyntaxError:
-                continue
-            node = tree.elts[0] if isinstance(tree, ast.Tuple) and tree.elts else tree
-            if isinstance(node, ast.Lambda):
-                return ast.unparse(node.body)
-    return name
+    (first, start), (last, end) = min((p[0], p[2]) for p in spans), max((p[1], p[3]) for p in spans)
+    body = [line.encode() for line in lines[first - 1:last]]
+    body[-1] = body[-1][:end]  # first, on one line: the start below counts from the same line's beginning
+    body[0] = body[0][start:]
+    return " ".join(b"".join(body).decode().replace("\\\n", " ").split())
 
 
 # ---- runs settled by round trips through their worker --------------------------------------------------
