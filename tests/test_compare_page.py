@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from kvscope.backend.events.state import RunState
-from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, synthetic_column, until, until_run  # noqa: F401
+from tests.server_helpers import settled_feed, until
+from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, synthetic_column, until_run  # noqa: F401
 
 
 def cuts(events: list[dict], steps: tuple[int, ...]) -> list[int]:
@@ -72,10 +71,7 @@ async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_s
     """memory-pressure, 24 blocks vs 256, in lesson mode: it paused silently with no lesson card (#22). Each
     column has its card; when the 24-block run stops at its preemption the other is held, the line above
     the columns says which side reached it, and one continue goes on with both."""
-    page = await dash.open("/")
-    await until(lambda: "memory-pressure" in page.panel.picker.options)
-    page.panel.picker.set_value("memory-pressure")
-    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page = await dash.open_with_scenario("memory-pressure")
     page.compare.choose("num_blocks", 24, 256)
     dash.user.find(marker="start-compare").click()
     await until(lambda: len(dash.built) == 2)
@@ -94,7 +90,7 @@ async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_s
     line = side.hold_line.content
     assert line.startswith(f"blocks: 24 reached “First preemption” at iteration {small.moment.step}")
     assert "blocks: 256 is held at iteration" in line and side.hold_line.visible
-    await asyncio.sleep(0.6)
+    await settled_feed(dash.backend, large.feed)
     assert large.feed.state.step <= held_at + 1  # an iteration under way when the pause came may end
 
     dash.user.find(marker="side-continue-0").click()  # continue: both go on

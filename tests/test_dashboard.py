@@ -29,6 +29,8 @@ from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import free_port, listen, serve_in_thread
 from kvscope.frontend.app import Dashboard, make_root
 from kvscope.frontend.client import Backend, FeedHub, RunFeed
+from kvscope.frontend.new_run import base_of
+from tests.server_helpers import live_server, settled_feed, until
 
 # Deadlines for conditions, not budgets: generous, since a loaded CI machine takes many times longer.
 STEP_TIMEOUT_S = 120.0
@@ -37,7 +39,7 @@ SEE_RETRIES = int(STEP_TIMEOUT_S / 0.1)  # should_see sleeps 0.1 s between tries
 
 @pytest.fixture(scope="module")
 def backend_url() -> str:
-    with serve_in_thread(create_app(RunManager(limits=ServiceLimits(allow_paths=True)))) as url:
+    with live_server(RunManager(limits=ServiceLimits(allow_paths=True))) as url:
         yield url
 
 
@@ -70,6 +72,15 @@ class Dash:
         await until(lambda: len(self.built) > count)
         return self.last
 
+    async def open_with_scenario(self, name: str) -> Dashboard:
+        """The landing page with `name` picked in its scenario list, once the panel holds that scenario's values."""
+        page = await self.open("/")
+        await until(lambda: name in page.panel.picker.options)
+        page.panel.picker.set_value(name)
+        base = base_of(await self.backend.scenario(name))
+        await until(lambda: page.panel.base == base, f"the panel holds {name}'s own values")
+        return page
+
 
 @asynccontextmanager
 async def simulated(backend_url: str, model: str) -> AsyncIterator[Dash]:
@@ -90,16 +101,6 @@ async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture
         yield dash
     errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
     assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
-
-
-async def until(condition: Callable[[], object], timeout: float = STEP_TIMEOUT_S) -> None:
-    """Let the event loop run until condition() is true (bounded)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("timed out waiting for the dashboard")
-        await asyncio.sleep(0.02)
 
 
 def small_scenario(model: str, name: str = "small", count: int = 6, **engine) -> dict:
@@ -273,10 +274,7 @@ async def test_engine_form_becomes_overrides(dash: Dash, tiny_dir: str) -> None:
 
 
 async def test_start_run_from_the_panel_and_every_view_draws_it(dash: Dash) -> None:
-    page = await dash.open("/")
-    await until(lambda: "continuous-batching" in page.panel.picker.options)
-    page.panel.picker.set_value("continuous-batching")
-    await until(lambda: page.panel.base.get("block_size") == 16)
+    page = await dash.open_with_scenario("continuous-batching")
     page.panel.speed = 0.0
     dash.user.find(marker="start-run").click()
     await until(lambda: len(dash.built) == 2)
@@ -544,7 +542,7 @@ async def test_step_play_pause_and_speed(dash: Dash, tiny_dir: str) -> None:
     assert feed.state.step == -1
     dash.user.find(marker="step").click()
     await until(lambda: feed.state.step == 0)
-    await asyncio.sleep(0.3)
+    await settled_feed(dash.backend, feed)
     assert feed.state.step == 0 and page.controls.paused()  # exactly one iteration, still paused
     page.controls.speed_select.set_value(0.0)  # unpaced
     await until(lambda: page.controls.speed == 0.0)
@@ -652,17 +650,16 @@ async def test_a_replay_page_has_no_prompt_box_even_before_its_snapshot(dash: Da
     feed = dash.hub.feeds[replay] = RunFeed(dash.backend, replay)  # a feed still waiting for its snapshot
     feed.task = asyncio.get_running_loop().create_task(asyncio.Event().wait())
     page = await dash.open(f"/?run={replay}")
-    await asyncio.sleep(0.6)  # a refresh of the column
-    assert page.columns[0].feed is feed and feed.state is None
-    assert not page.columns[0].prompt_row.visible  # the run list said "replay"
+    column = page.columns[0]
+    assert column.feed is feed and not column.prompt_row.visible  # the run list said "replay"
+    column.prompt_row.set_visibility(True)
+    await until(lambda: not column.prompt_row.visible)  # the column's refresh, with no snapshot yet, hides it again
+    assert column.feed is feed and feed.state is None
     feed.task.cancel()
 
 
 async def test_side_by_side_static_vs_continuous(dash: Dash) -> None:
-    page = await dash.open("/")
-    await until(lambda: "continuous-batching" in page.panel.picker.options)
-    page.panel.picker.set_value("continuous-batching")
-    await until(lambda: page.panel.base.get("block_size") == 16)
+    page = await dash.open_with_scenario("continuous-batching")
     page.compare.choose("batching", "static", "continuous")
     dash.user.find(marker="start-compare").click()
     await until(lambda: len(dash.built) == 2)

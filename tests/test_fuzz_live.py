@@ -1,12 +1,11 @@
 """The fuzzing harness (bench/fuzz.py), CI-sized, and the cases it found, kept as plain tests."""
 
 import pytest
-from litestar.testing import TestClient
 
 from bench.fuzz import fuzz, report
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.guards import MAX_JSON_DEPTH
 from kvscope.backend.server.manager import RunManager
+from tests.server_helpers import in_process
 
 # 240 cases take about 80 s on a quiet 2-core machine; the time limit only guards a hang (a loaded
 # machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
@@ -24,9 +23,8 @@ def test_a_live_server_keeps_every_invariant_under_fuzzing():
 @pytest.fixture(scope="module")
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as client:
+    with in_process(manager) as client:
         yield client
-    manager.stop_all()
 
 
 def test_a_scenario_name_too_long_for_the_file_system_is_a_404(client):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from litestar.testing import TestClient
 from PIL import Image
 
 from kvscope.backend.config import EngineConfig, ModelConfig
@@ -39,7 +37,6 @@ from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.simulate import simulation
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import Scenario
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import API_RUN_ID, RunManager
 from kvscope.cli import main
@@ -47,8 +44,8 @@ from kvscope.frontend.export.gif import frame_steps
 from kvscope.frontend.export.replayed import replay
 from kvscope.frontend.views.attention import MAX_ROWS, mask_items
 from tests.conftest import make_tiny_model
+from tests.server_helpers import app_client, wait_for
 
-LOCAL = "http://127.0.0.1:8000"
 MB = 1024**2
 SMALL_PEAK = 16 * MB  # what refusing a hostile file may cost; the hostile sizes are gigabytes
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -187,7 +184,7 @@ def test_a_hostile_trace_is_one_line_naming_the_field_before_anything_is_sized(r
                                                             "a lesson step that is not a step",
                                                             "a block_alloc at logical index 2e8"))
 def test_the_api_answers_a_hostile_trace_with_a_400_naming_the_field(tiny_dir, recorded, claim, text_of, message):
-    client = TestClient(create_app(RunManager(default_model=tiny_dir)), base_url=LOCAL)
+    client = app_client(RunManager(default_model=tiny_dir))
     with client:
         answer = {}
         peak = peak_bytes(lambda: answer.update(r=client.post("/api/runs", json={"trace": text_of(recorded)})))
@@ -266,19 +263,12 @@ def test_the_mask_view_builds_only_the_rows_it_draws():
 EXPORTS = [("timeline", ".png"), ("blocks", ".png"), ("batch", ".png"), ("timeline", ".json"), ("timeline", ".gif")]
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def windowed(tiny_dir, tmp_path_factory) -> Path:
     """The server's own GET /api/runs/api/trace: its header and a window of 40 events that starts after both
     requests arrived and ends while they still run (the batch view gave a KeyError on such a download)."""
     manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(trace_window=40))
-    client = TestClient(create_app(manager), base_url=LOCAL)
+    client = app_client(manager)
     path = tmp_path_factory.mktemp("windowed") / "api.jsonl"
     with client:
         run = manager.api_run()

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from litestar.testing import TestClient
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.sampler import final_distribution
@@ -16,20 +15,18 @@ from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.events.bus import encode_event
 from kvscope.backend.events.trace import TraceError, parse_trace
 from kvscope.backend.scenario import MAX_ARRIVAL_STEP, MAX_DRAWN_TOKENS, MAX_OUTPUT_TOKENS, ScenarioError, validate
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
 from tests.engine_helpers import outputs, run_engine
+from tests.server_helpers import in_process
 
-LOCAL = "http://127.0.0.1:8000"
 
 
 @pytest.fixture(scope="module")
 def client(tiny_dir):
     manager = RunManager(default_model=tiny_dir)
-    with TestClient(create_app(manager), base_url=LOCAL) as c:
+    with in_process(manager) as c:
         assert_api_serves(c)  # the api run starts with the first /v1 request
         yield c
-    manager.stop_all()
 
 
 def completion(client, **body):

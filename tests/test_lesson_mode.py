@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from kvscope.backend.events.moments import find_moments
 from kvscope.frontend.lesson import FOCUS_CLASS, card_of, lesson_markdown, lesson_steps
-from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until, until_run  # noqa: F401 (fixtures)
+from tests.server_helpers import settled_feed, until
+from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, until_run  # noqa: F401 (fixtures)
 
 
 async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: Dash, tiny_dir: str) -> None:
@@ -26,7 +25,7 @@ async def test_lesson_mode_pauses_memory_pressure_at_its_first_preemption(dash: 
     await until(lambda: feed.pacing.paused)
     moment = guide.moment
     step = feed.state.step
-    await asyncio.sleep(0.5)  # dozens of iterations unpaced: the run really stopped
+    await settled_feed(dash.backend, feed)  # unpaced, a run that went on would be iterations further
     assert feed.state.step == step == moment.step  # at the preemption, not after it
     assert feed.state.num_preemptions >= 1
     victim = moment.request_ids[0]
@@ -80,10 +79,7 @@ def test_every_moment_has_a_title() -> None:
 
 
 async def test_compare_any_setting_of_one_scenario_side_by_side(dash: Dash) -> None:
-    page = await dash.open("/")
-    await until(lambda: "memory-pressure" in page.panel.picker.options)
-    page.panel.picker.set_value("memory-pressure")
-    await until(lambda: page.panel.base.get("num_blocks") == 24)
+    page = await dash.open_with_scenario("memory-pressure")
     page.compare.choose("num_blocks", 24, 256)
     dash.user.find(marker="start-compare").click()
     await until(lambda: len(dash.built) == 2)
@@ -131,10 +127,7 @@ async def test_a_lesson_question_takes_the_rooms_pick_and_marks_it_at_its_moment
 
 
 async def test_a_run_started_from_the_page_waits_at_step_0_until_its_page_has_drawn_it(dash: Dash) -> None:
-    page = await dash.open("/")
-    await until(lambda: "continuous-batching" in page.panel.picker.options)
-    page.panel.picker.set_value("continuous-batching")
-    await until(lambda: page.panel.base.get("block_size") == 16)
+    page = await dash.open_with_scenario("continuous-batching")
     page.panel.has_lesson = lambda: False  # a scenario whose lesson never pauses (all shipped ones do)
     page.panel.speed = 0.0  # unpaced: a run that did not wait would be dozens of iterations in
     dash.user.find(marker="start-run").click()

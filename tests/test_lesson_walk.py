@@ -19,7 +19,6 @@ import io
 import json
 import os
 import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from kvscope.backend.events.moments import VIEWS, find_moments
 from kvscope.backend.model.loader import missing_package
 from kvscope.backend.scenario import SCENARIOS_DIR, load_scenario
 from kvscope.frontend.lesson import MOMENT_TITLES
-from tests.test_browser import ROOT, WAIT_S, api, backend_url, browser, dashboard_url, page, wait_until  # noqa: F401
+from tests.server_helpers import wait_for
+from tests.test_browser import ROOT, WAIT_S, api, backend_url, browser, dashboard_url, page  # noqa: F401
 
 SCENARIOS = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
 DOCS_DIR = ROOT / "docs" / "images" / "scenarios"
@@ -86,20 +86,24 @@ def check_the_moment(page, backend_url: str, run_id: str, kind: str, errors: lis
     of them and the lesson card both wholly in the window (projector mode), and the blocks it concerns ringed."""
     assert not errors, f"page errors at {kind}: {errors[:3]}"
     views = VIEWS[kind]
-    seen = {name: page.evaluate(IN_SIGHT, f".kv-card[data-view='{name}']") for name in views}
-    assert all(s is not None and s["focused"] for s in seen.values()), f"{kind}: not outlined: {seen}"
+
+    def outlined() -> bool:
+        seen = [page.evaluate(IN_SIGHT, f".kv-card[data-view='{name}']") for name in views]
+        return all(s is not None and s["focused"] for s in seen)
+
+    wait_for(outlined, f"{kind}: {', '.join(views)} outlined")  # in the update with the moment's text, or just after
     # projector mode's promise (docs/dashboard.md): the lesson card and the view it names, both whole
     named = f".kv-card[data-view='{views[0]}']"
-    wait_until(lambda: page.evaluate(IN_SIGHT, named)["whole"], WAIT_S,  # a smooth scroll takes a moment
-               f"{kind}: {views[0]} is not wholly in the window: {page.evaluate(IN_SIGHT, named)}")
+    wait_for(lambda: page.evaluate(IN_SIGHT, named)["whole"],  # a smooth scroll takes a moment
+             f"{kind}: {views[0]} is not wholly in the window: {page.evaluate(IN_SIGHT, named)}")
     assert page.evaluate(IN_SIGHT, ".kv-lesson-card")["whole"], f"{kind}: the lesson card is not wholly in the window"
     if kind == "finished":
         return
     moments = {m.kind: m for m in find_moments(trace_events(backend_url, run_id))}
     blocks = " ".join(str(b) for b in moments[kind].blocks)
     canvas = page.locator("[data-kv=block-pool] canvas")
-    wait_until(lambda: (canvas.get_attribute("data-ringed") or "") == blocks, WAIT_S,
-               f"{kind}: blocks {blocks} not ringed")
+    wait_for(lambda: (canvas.get_attribute("data-ringed") or "") == blocks,
+             f"{kind}: blocks {blocks} not ringed")
 
 
 def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
@@ -117,8 +121,8 @@ def answer_the_moment(page) -> bool:
     asked = choices.count() > 0 and all(not c.get_attribute("data-mark") for c in choices.all())
     if asked:
         choices.first.click()
-        wait_until(lambda: page.locator(CHOICES).first.get_attribute("data-mark") == "picked", WAIT_S,
-                   "the pick was not marked")
+        wait_for(lambda: page.locator(CHOICES).first.get_attribute("data-mark") == "picked",
+                 "the pick was not marked")
     page.locator("[data-kv=lesson-continue]").click()
     return asked
 
@@ -168,11 +172,10 @@ def walk(page, backend_url: str, run_id: str, name: str, walk_dir: Path, errors:
     while walked[-1] != "finished":
         before = progress(page)
         questions += answer_the_moment(page)
-        wait_until(lambda: progress(page) != before and page.locator("[data-kv=lesson-continue]").is_visible(),
-                   WAIT_S * 3, f"{name}: no step after {walked[-1]} (at {before!r})")
+        wait_for(lambda: progress(page) != before and page.locator("[data-kv=lesson-continue]").is_visible(),
+                 f"{name}: no step after {walked[-1]} (at {before!r})", WAIT_S * 3)
         kind = moment_kind(progress(page))
-        time.sleep(0.3)  # the outline and the scroll arrive in the same update as the text, the ring just after
-        check_the_moment(page, backend_url, run_id, kind, errors)
+        check_the_moment(page, backend_url, run_id, kind, errors)  # waits for the outline, the scroll and the ring
         if questions and revealed(page):
             questions -= 1
         walked.append(kind)

@@ -5,21 +5,21 @@ servers on one folder stand for a restart, and a reopened run's record (state an
 is compared with the one the original run's events build.
 """
 
+import itertools
 import json
 import logging
-import time
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
-from litestar.testing import TestClient
 
 from kvscope.backend.events.record import RunRecord
 from kvscope.backend.events.trace import parse_trace
-from kvscope.backend.server.app import create_app
+from kvscope.backend.server import library as library_module
 from kvscope.backend.server.library import Entry, LibraryError, RunLibrary, run_facts
 from kvscope.backend.server.manager import RunManager
 from kvscope.frontend.client import resynced_record
-from tests.test_server import JSON, LOCAL, scenario, wait_for
+from tests.server_helpers import in_process, scenario, wait_for
 
 MB = 1024**2
 
@@ -38,6 +38,14 @@ def facts(run_id: str, **extra) -> dict:
 # ---- the module ---------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def ticking(monkeypatch):
+    """The library's clock reads 1 s, 2 s, 3 s ...: runs saved one after another are newer one by one,
+    with no sleep between them to make the wall clock move."""
+    ticks = itertools.count(1)
+    monkeypatch.setattr(library_module, "time", SimpleNamespace(time=lambda: float(next(ticks))))
+
+
 def test_a_saved_run_is_a_trace_and_a_sidecar_and_lists_with_its_facts(tmp_path):
     library = RunLibrary(tmp_path)
     entry = library.save(fake_trace("a1"), **facts("a1"))
@@ -50,11 +58,10 @@ def test_a_saved_run_is_a_trace_and_a_sidecar_and_lists_with_its_facts(tmp_path)
     assert library.trace_text("a1") == fake_trace("a1")
 
 
-def test_entries_list_newest_first_and_rename_and_delete_change_only_theirs(tmp_path):
+def test_entries_list_newest_first_and_rename_and_delete_change_only_theirs(tmp_path, ticking):
     library = RunLibrary(tmp_path)
     for rid in ("a1", "b2", "c3"):
         library.save(fake_trace(rid), **facts(rid))
-        time.sleep(0.01)
     assert [e.id for e in library.entries()] == ["c3", "b2", "a1"]
     assert library.rename("b2", "  Week 3: prefix caching  ").name == "Week 3: prefix caching"
     library.delete("a1")
@@ -71,12 +78,11 @@ def test_saving_a_run_again_replaces_its_entry(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a1.json", "a1.jsonl"]
 
 
-def test_the_oldest_entries_are_evicted_to_stay_within_the_size_limit(tmp_path):
+def test_the_oldest_entries_are_evicted_to_stay_within_the_size_limit(tmp_path, ticking):
     size = len(fake_trace("a1", lines=200))
     library = RunLibrary(tmp_path, max_mb=2.5 * size / MB)
     for rid in ("a1", "b2", "c3", "d4"):
         library.save(fake_trace(rid, lines=200), **facts(rid))
-        time.sleep(0.01)
     assert [e.id for e in library.entries()] == ["d4", "c3"]
     assert not (tmp_path / "a1.jsonl").exists() and not (tmp_path / "b2.json").exists()
     assert library.save(fake_trace("e5", lines=2000), **facts("e5")) is None  # larger than the whole library
@@ -143,7 +149,7 @@ def finished_run(client, tiny_dir, overrides=None) -> str:
 
 def test_a_finished_run_is_listed_renamed_and_deleted_over_http(tiny_dir, folder):
     manager = served(tiny_dir, folder)
-    with TestClient(create_app(manager), base_url=LOCAL) as client:
+    with in_process(manager) as client:
         run_id = finished_run(client, tiny_dir, {"engine.block_size": 8})
         listed = client.get("/api/library").json()
         [entry] = listed["entries"]
@@ -156,12 +162,11 @@ def test_a_finished_run_is_listed_renamed_and_deleted_over_http(tiny_dir, folder
         assert client.delete(f"/api/library/{run_id}").status_code == 204
         assert client.get("/api/library").json()["entries"] == []
         assert client.get(f"/api/library/{run_id}").status_code == 404
-    manager.stop_all()
 
 
 def test_bad_library_requests_are_4xx_naming_the_field(tiny_dir, folder):
     manager = served(tiny_dir, folder)
-    with TestClient(create_app(manager), base_url=LOCAL) as client:
+    with in_process(manager) as client:
         run_id = finished_run(client, tiny_dir)
         r = client.patch(f"/api/library/{run_id}", json={"name": ""})
         assert r.status_code == 400 and r.json()["field"] == "name"
@@ -176,8 +181,7 @@ def test_bad_library_requests_are_4xx_naming_the_field(tiny_dir, folder):
         assert client.delete("/api/library/feedfeedfeed").status_code == 404
         sneaky = client.request("DELETE", f"/api/library/{run_id}", content="x", headers={"content-type": "text/plain"})
         assert sneaky.status_code == 415  # only a DELETE without a body skips the JSON check
-    manager.stop_all()
-    with TestClient(create_app(RunManager(default_model=tiny_dir)), base_url=LOCAL) as client:  # no library
+    with in_process(RunManager(default_model=tiny_dir)) as client:  # no library
         assert client.get("/api/library").json() == {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
         assert client.post(f"/api/library/{run_id}/open", json={}).status_code == 404
 
@@ -186,12 +190,11 @@ def test_a_run_saved_by_one_server_reopens_exactly_on_the_next(tiny_dir, folder)
     """A restart: every view's past (attention masks, token rows with their distributions, the timeline)
     and the state after the reopened replay are those the original run's events build."""
     first = served(tiny_dir, folder)
-    with TestClient(create_app(first), base_url=LOCAL) as client:
+    with in_process(first) as client:
         run_id = finished_run(client, tiny_dir)
         original = parse_trace(client.get(f"/api/runs/{run_id}/trace").text)
-    first.stop_all()
     second = served(tiny_dir, folder)
-    with TestClient(create_app(second), base_url=LOCAL) as client:
+    with in_process(second) as client:
         assert [e["id"] for e in client.get("/api/library").json()["entries"]] == [run_id]
         opened = client.post(f"/api/library/{run_id}/open", json={"speed": 0, "paused": False})
         assert opened.status_code == 201 and opened.json()["kind"] == "replay"
@@ -199,7 +202,6 @@ def test_a_run_saved_by_one_server_reopens_exactly_on_the_next(tiny_dir, folder)
         wait_for(lambda: client.get(f"/api/runs/{replay_id}").json()["finished"])
         with client.websocket_connect(f"/ws/runs/{replay_id}") as ws:
             reopened = resynced_record(ws.receive_json())
-    second.stop_all()
     expected = RunRecord.from_events(original)
     assert any(expected.history.masks.values()) and any(len(t) > 1 for t in expected.history.tokens.values())
     assert expected.history.masks == reopened.history.masks
@@ -216,13 +218,12 @@ def as_lists(rows: dict[str, deque]) -> dict[str, list]:
 
 def test_a_failed_run_is_saved_marked_failed(tiny_dir, folder):
     manager = served(tiny_dir, folder)
-    with TestClient(create_app(manager), base_url=LOCAL) as client:
+    with in_process(manager) as client:
         run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
         manager.get(run_id).fail("the lecturer pulled the plug")
         wait_for(lambda: client.get("/api/library").json()["entries"])
         [entry] = client.get("/api/library").json()["entries"]
         assert entry["id"] == run_id and entry["failed"] and "pulled the plug" in entry["failure"]
-    manager.stop_all()
 
 
 def test_the_entry_model_refuses_paths_as_trace_names():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -212,6 +211,7 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
 
     loop_thread = threading.current_thread()
     measured_in: list[threading.Thread] = []
+    released = threading.Event()  # the measurement lasts until the page has run on ten times without it
 
     datasheet = hardware.get_hardware
 
@@ -219,7 +219,7 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
         if name != "this-machine":
             return datasheet(name)
         measured_in.append(threading.current_thread())
-        time.sleep(0.3)
+        released.wait(timeout=60)  # on the loop's thread it would hold the page: no tick would come to release it
         return profile_from(FIGURES)
 
     monkeypatch.setattr(hardware, "read_cache", lambda: None)
@@ -229,8 +229,10 @@ async def test_this_machine_is_measured_in_a_thread_while_the_page_keeps_running
     choice.on_change(lambda: heard.append(choice.problem()))
     task = asyncio.create_task(choice.choose("this-machine", 1))
     ticks = 0
-    while not task.done():
+    while not task.done():  # bounded: the measurement returns within 60 s whatever happens
         ticks += 1
+        if ticks == 10:
+            released.set()
         await asyncio.sleep(0.01)
     assert ticks >= 10 and measured_in and measured_in[0] is not loop_thread
     assert heard[0].startswith("measuring this machine") and choice.label == "test CPU (measured)"

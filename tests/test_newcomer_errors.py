@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
 from kvscope.cli import build_parser, main
 from kvscope.backend.scenario import SCENARIOS_DIR, list_scenarios
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import free_port, serve_in_thread
+from kvscope.backend.server.serve import free_port
+from tests.server_helpers import in_process, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,9 +174,8 @@ def test_a_model_that_cannot_load_fails_at_start(capsys, never_serves, tmp_path)
 @pytest.fixture
 def client():
     manager = RunManager()
-    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as c:  # a loopback Host (guards.py)
+    with in_process(manager) as c:  # a loopback Host (guards.py)
         yield c
-    manager.stop_all()
 
 
 def test_run_start_failures_are_4xx_naming_the_cause_and_logged(client, monkeypatch, caplog):
@@ -208,10 +206,9 @@ def test_the_dashboard_client_gets_the_reason_to_show(monkeypatch):
     from kvscope.frontend.client import Backend, BackendError
 
     manager = RunManager()
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(manager) as url:
         with pytest.raises(BackendError, match="did you mean engine.block_size"):
             asyncio.run(Backend(url).start_run("shared-prefix", {"engine.block_sise": 8}))
-    manager.stop_all()
 
 
 def test_a_reader_that_leaves_early_is_no_error():

@@ -17,7 +17,7 @@ from kvscope.backend.model.chat import ChatTemplateError, render_speeches, rende
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
-from tests.live_server import client, manager, model_name, url  # noqa: F401 (fixtures)
+from tests.server_helpers import client, manager, model_name, url  # noqa: F401 (fixtures)
 
 PROMPT = "ROMEO:\n"
 CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]

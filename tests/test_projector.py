@@ -16,8 +16,9 @@ import pytest
 from kvscope.backend.events.moments import VIEWS
 from kvscope.frontend.lesson import MOMENT_TITLES
 from kvscope.frontend.palette import FOCUS_COLOR
+from tests.server_helpers import wait_for
 from tests.test_browser import (COMPONENT, MEASURE, PROJECTOR_PX, SHOTS, WAIT_S, api, backend_url, browser,  # noqa: F401
-                                dashboard_url, laid_out, measure_when, page, pytestmark, wait_until)
+                                dashboard_url, laid_out, measure_when, page, pytestmark, wait_at_rest)
 
 SIZES = ((1280, 720), (1920, 1080))
 # a view's card is the one holding its chart or canvas
@@ -141,7 +142,7 @@ def overlapping(texts: list[dict]) -> list[tuple[str, str]]:
 
 def finished_run(base: str, name: str, overrides: dict | None = None) -> str:
     run_id = api(base, "/api/runs", {"scenario": name, "speed": 0, "paused": False, "overrides": overrides or {}})["run_id"]
-    wait_until(lambda: api(base, f"/api/runs/{run_id}")["finished"], 300, f"{name} did not finish")
+    wait_for(lambda: api(base, f"/api/runs/{run_id}")["finished"], f"{name} did not finish", 300)
     return run_id
 
 
@@ -193,7 +194,7 @@ def test_projector_mode_text_is_16px_and_no_two_labels_overlap(page, backend_url
         page.set_viewport_size({"width": width, "height": height})
         m = measure_when(page, lambda m: laid_out(m, True, "single"))
         assert m["small"] == [], f"{width}x{height}: text under {PROJECTOR_PX} px: {m['small'][:8]}"
-        time.sleep(1.0)  # the charts lay out again a frame after the resize
+        wait_at_rest(page, f"{width}x{height}")  # the charts lay out again a frame after the resize
         shot(page, f"{scenario}-{width}x{height}")
         for kv, chart in page.evaluate(CHART_TEXTS).items():  # every chart, on screen or scrolled past
             small = [t for t in chart["texts"] if t["px"] < PROJECTOR_PX]
@@ -221,7 +222,7 @@ def test_a_lesson_ring_is_16px_across_when_2048_blocks_make_the_cells_tiny(page,
     page.locator("[data-kv=lesson-continue]").click()  # to the fork: its shared blocks are ringed
     canvas = page.locator("[data-kv=block-pool] canvas")
     page.wait_for_function("(el) => (el.dataset.ringed || '') !== ''", arg=canvas.element_handle())
-    time.sleep(0.5)
+    wait_at_rest(page, "the ring drawn")
     ring = page.evaluate(f"""() => {{
         const pool = ({COMPONENT})('block-pool'), g = pool.geom;
         const b = Number(pool.$refs.canvas.dataset.ringed.split(' ')[0]);

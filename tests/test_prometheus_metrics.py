@@ -16,7 +16,7 @@ from kvscope.backend.events.record import RunRecord
 from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.metrics import ServerMetrics
-from tests.live_server import manager, model_name, url  # noqa: F401 (fixtures)
+from tests.server_helpers import manager, model_name, url  # noqa: F401 (fixtures)
 
 # Every metric docs/api.md lists, with its type as the parser names it (counters without `_total`).
 DOCUMENTED = {

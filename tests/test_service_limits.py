@@ -17,34 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 from litestar.exceptions import WebSocketDisconnect
-from litestar.testing import TestClient
 
 from kvscope.backend.events.state import RunState
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import MB, ServiceLimits
 from kvscope.backend.server.manager import API_RUN_ID, RunManager
 from kvscope.backend.server.run_errors import RunBusy
-from kvscope.backend.server.serve import free_port, serve_in_thread
+from kvscope.backend.server.serve import free_port
+from tests.server_helpers import live_server, one_request, serving, wait_for
 
-LOCAL = "http://127.0.0.1:8000"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def scenario(model: str, **engine) -> dict:
-    return {"name": "t", "model": model, "engine": {"block_size": 4, "num_blocks": 64, **engine},
-            "requests": [{"id": "a", "prompt": "ab", "max_tokens": 2}]}
-
-
-def wait_for(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def serving(tiny_dir: str, **limits) -> tuple[TestClient, RunManager]:
-    manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(**limits))
-    return TestClient(create_app(manager), base_url=LOCAL), manager
 
 
 # ---- 1. bounded memory ----------------------------------------------------------------------------
@@ -68,8 +49,7 @@ def test_the_reducer_keeps_a_window_of_finished_requests():
 
 
 def test_the_api_run_keeps_a_bounded_window_and_streams_the_whole_trace_to_a_file(tiny_dir, tmp_path):
-    client, manager = serving(tiny_dir, history=3, trace_window=20, trace_dir=str(tmp_path))
-    with client:
+    with serving(tiny_dir, history=3, trace_window=20, trace_dir=str(tmp_path)) as (client, manager):
         for _ in range(8):
             assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1}).status_code == 200
         snap = client.get(f"/api/runs/{API_RUN_ID}").json()
@@ -79,13 +59,11 @@ def test_the_api_run_keeps_a_bounded_window_and_streams_the_whole_trace_to_a_fil
         whole = client.get(f"/api/runs/{API_RUN_ID}/trace").text.splitlines()
         assert sum(json.loads(line)["type"] == "request_finished" for line in whole) == 8
         assert manager.get(API_RUN_ID).engine.requests == {}  # the engine forgets what it finished
-    manager.stop_all()
 
 
 def test_a_scenario_run_keeps_its_own_requests_and_a_window_of_live_ones(tiny_dir):
-    client, manager = serving(tiny_dir, history=2)
-    with client:
-        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+    with serving(tiny_dir, history=2) as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": one_request(tiny_dir), "speed": 0}).json()["run_id"]
         for _ in range(4):
             live = client.post(f"/api/runs/{run_id}/requests", json={"prompt": "ab", "max_tokens": 1})
             assert live.status_code == 201
@@ -93,7 +71,6 @@ def test_a_scenario_run_keeps_its_own_requests_and_a_window_of_live_ones(tiny_di
         wait_for(lambda: sum(r.status == "finished" for r in run.state.requests.values()) == 3 and not run.state.waiting
                  and not run.state.running)
         assert len(client.get(f"/api/runs/{run_id}").json()["requests"]) == 3  # 1 planned + 2 live
-    manager.stop_all()
 
 
 # ---- 2. resource limits ----------------------------------------------------------------------------
@@ -103,37 +80,33 @@ def test_kv_ceilings_and_run_count_are_400s_naming_the_field_before_any_allocati
     def no_allocation(*_, **__):
         raise AssertionError("a KV cache was allocated")
 
-    client, manager = serving(tiny_dir, max_kv_memory_mb=1, max_run_kv_memory_mb=0.75, max_runs=2)
-    with client:
+    with serving(tiny_dir, max_kv_memory_mb=1, max_run_kv_memory_mb=0.75, max_runs=2) as (client, manager):
         per_token = 2 * 2 * 2 * 16 * 4  # 2 layers, K and V, 2 KV heads of 16, fp32
         with monkeypatch.context() as m:
             m.setattr("kvscope.backend.engine.engine.KVCache", no_allocation)
-            huge = client.post("/api/runs", json={"scenario": scenario(tiny_dir, num_blocks=1_000_000)})
+            huge = client.post("/api/runs", json={"scenario": one_request(tiny_dir, num_blocks=1_000_000)})
             assert huge.status_code == 400 and huge.json()["field"] == "engine.num_blocks"
             assert "the server allows 0.75 MB per run (--max-run-kv-memory-mb)" in huge.json()["error"]
-            budget = client.post("/api/runs", json={"scenario": {**scenario(tiny_dir, num_blocks=None,
+            budget = client.post("/api/runs", json={"scenario": {**one_request(tiny_dir, num_blocks=None,
                                                                              kv_cache_memory_mb=1e12)}})
             assert budget.status_code == 400 and budget.json()["field"] == "engine.kv_cache_memory_mb"
         blocks = int(0.6 * MB // (per_token * 4))  # 0.6 MB: one fits, two pass the 1 MB total
-        body = {"scenario": scenario(tiny_dir, num_blocks=blocks), "paused": True}
+        body = {"scenario": one_request(tiny_dir, num_blocks=blocks), "paused": True}
         assert client.post("/api/runs", json=body).status_code == 201
         second = client.post("/api/runs", json=body)
         assert second.status_code == 400 and "--max-kv-memory-mb" in second.json()["error"]
-        small = {"scenario": scenario(tiny_dir, num_blocks=4), "paused": True}
+        small = {"scenario": one_request(tiny_dir, num_blocks=4), "paused": True}
         assert client.post("/api/runs", json=small).status_code == 201
         third = client.post("/api/runs", json=small)
         assert third.status_code == 400 and "--max-runs" in third.json()["error"]
-    manager.stop_all()
 
 
 def test_a_paused_run_expires_and_frees_its_place(tiny_dir):
-    client, manager = serving(tiny_dir, paused_ttl_s=0.3, max_runs=1)
-    with client:
-        body = {"scenario": scenario(tiny_dir), "paused": True}
+    with serving(tiny_dir, paused_ttl_s=0.3, max_runs=1) as (client, manager):
+        body = {"scenario": one_request(tiny_dir), "paused": True}
         assert client.post("/api/runs", json=body).status_code == 201
         wait_for(lambda: not client.get("/api/runs").json())  # expired, forgotten
         assert client.post("/api/runs", json=body).status_code == 201  # it no longer holds the only place
-    manager.stop_all()
 
 
 def test_a_paused_api_run_resumes_after_the_idle_time(tiny_dir):
@@ -152,8 +125,7 @@ def test_a_paused_api_run_resumes_after_the_idle_time(tiny_dir):
 def test_scenarios_and_models_by_name_or_inline_never_by_path(tiny_dir, tmp_path):
     planted = tmp_path / "planted.yaml"
     planted.write_text("name: secret-line\nrequests: [\n")
-    client, manager = serving(tiny_dir)
-    with client:
+    with serving(tiny_dir) as (client, manager):
         answers = [client.post("/api/runs", json={"scenario": name}).json()
                    for name in (str(planted), str(tmp_path / "absent.yaml"), "../scenarios/shared-prefix")]
         assert all(a["field"] == "scenario" for a in answers)
@@ -167,20 +139,16 @@ def test_scenarios_and_models_by_name_or_inline_never_by_path(tiny_dir, tmp_path
         assert client.post("/api/runs", json={"yaml": inline, "paused": True}).status_code == 201
         bad = client.post("/api/runs", json={"yaml": "name: x\nsecret: [\n"}).json()
         assert bad["field"] == "yaml" and "secret" not in bad["error"] and "line" in bad["error"]
-    manager.stop_all()
-    client, manager = serving(tiny_dir, allow_paths=True)
-    with client:
-        planted.write_text(json.dumps(scenario(tiny_dir)))
+    with serving(tiny_dir, allow_paths=True) as (client, manager):
+        planted.write_text(json.dumps(one_request(tiny_dir)))
         assert client.post("/api/runs", json={"scenario": str(planted), "paused": True}).status_code == 201
-    manager.stop_all()
 
 
 # ---- 5. backpressure and cancellation ------------------------------------------------------------------
 
 
 def test_a_full_waiting_queue_is_a_429_with_retry_after(tiny_dir):
-    client, manager = serving(tiny_dir, max_waiting=1)
-    with client:
+    with serving(tiny_dir, max_waiting=1) as (client, manager):
         api = manager.api_run()
         api.control("pause")
         api.add_request("ab", 1, None)
@@ -191,24 +159,21 @@ def test_a_full_waiting_queue_is_a_429_with_retry_after(tiny_dir):
         assert r.json()["error"]["code"] == "rate_limit_exceeded" and "--max-waiting" in r.json()["error"]["message"]
         live = client.post(f"/api/runs/{API_RUN_ID}/requests", json={"prompt": "ab", "max_tokens": 1})
         assert live.status_code == 429 and "retry-after" in live.headers
-    manager.stop_all()
 
 
 def test_a_request_past_the_time_limit_is_aborted(tiny_dir):
-    client, manager = serving(tiny_dir, request_timeout_s=0.3)
-    with client:
+    with serving(tiny_dir, request_timeout_s=0.3) as (client, manager):
         manager.api_run().control("pause")
         r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
         with client.stream("POST", "/v1/completions", json={"prompt": "ab", "max_tokens": 4, "stream": True}) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
-    manager.stop_all()
 
 
 def test_a_non_streaming_request_whose_client_leaves_is_aborted_and_frees_its_blocks(tiny_dir):
     manager = RunManager(default_model=tiny_dir)
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(manager) as url:
         api = manager.api_run()
         api.control("step", 2)  # paused after admitting and prefilling: it holds blocks, generates no more
         with pytest.raises(httpx.TimeoutException):
@@ -216,13 +181,11 @@ def test_a_non_streaming_request_whose_client_leaves_is_aborted_and_frees_its_bl
                        timeout=1.0)
         wait_for(lambda: any(r.finish_reason == "abort" for r in api.state.requests.values()))
         assert not api.state.block_tables and not api.state.running
-    manager.stop_all()
 
 
 def test_viewers_are_capped(tiny_dir):
-    client, manager = serving(tiny_dir, max_viewers=1)
-    with client:
-        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    with serving(tiny_dir, max_viewers=1) as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": one_request(tiny_dir), "paused": True}).json()["run_id"]
         with client.websocket_connect(f"/ws/runs/{run_id}") as first:
             assert first.receive_json()["type"] == "snapshot"
             with pytest.raises(WebSocketDisconnect) as refused:
@@ -230,7 +193,6 @@ def test_viewers_are_capped(tiny_dir):
                     second.receive_json()
                     second.receive_json()
             assert refused.value.code == 4429
-    manager.stop_all()
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_while_paused(tiny_dir):
@@ -271,14 +233,13 @@ def test_the_official_client_sees_a_full_queue_as_a_rate_limit(tiny_dir):
     import openai
 
     manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(max_waiting=1))
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(manager) as url:
         api = manager.api_run()
         api.control("pause")
         api.add_request("ab", 1, None)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=tiny_dir, prompt="ab", max_tokens=1)
-    manager.stop_all()
 
 
 def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):

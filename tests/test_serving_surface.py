@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kvscope.backend.server.manager import API_RUN_ID
-from tests.live_server import client, manager, model_name, served_model, url  # noqa: F401 (fixtures)
+from tests.server_helpers import client, manager, model_name, served_model, url, wait_for  # noqa: F401 (fixtures)
 
 MODEL = served_model()
 CHAT = [{"role": "user", "content": "Good morrow, fair lady."}]
@@ -53,9 +53,7 @@ def test_health_is_503_after_the_run_failed_and_200_once_a_fresh_one_serves(mana
     monkeypatch.setattr(manager, "_start_api_run", refused)
     answer = httpx.get(url + "/health")
     assert answer.status_code == 503 and answer.json()["status"] == "failed"
-    deadline = time.monotonic() + WAIT_S
-    while "no room" not in (httpx.get(url + "/health").json().get("error") or "") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "no room" in (httpx.get(url + "/health").json().get("error") or ""), "/health says why")
     assert "no room for the model" in httpx.get(url + "/health").json()["error"]  # why, for the operator
     monkeypatch.setattr(manager, "_start_api_run", start)
     assert healthy(url) == 200
@@ -169,15 +167,19 @@ def test_top_logprobs_list_the_sampled_token_with_its_own_logprob(client) -> Non
 
 def test_a_request_arrives_when_the_server_receives_it_not_when_the_step_under_way_ends(manager, url, client,
                                                                                         monkeypatch) -> None:
-    """TTFT counts the wait for the iteration already running, as the client sees it (and vLLM counts it)."""
+    """TTFT counts the wait for the iteration already running, as the client sees it (and vLLM counts it).
+    The slow step holds the worker for a second after the second request has arrived (the server stamps
+    its arrival before it waits for the worker): its TTFT is at least that second, however loaded the machine."""
     assert healthy(url) == 200
-    engine = manager.get(API_RUN_ID).engine
+    api = manager.get(API_RUN_ID)
+    engine = api.engine
     step, in_step = engine.step, threading.Event()
 
     def slow_step():
         if not in_step.is_set():
             in_step.set()
-            time.sleep(1.0)
+            wait_for(lambda: api.requests.adds_pending > 0, "the second request arrived")
+            time.sleep(1.0)  # the step's own work, slow: what the second request waits for
         return step()
 
     monkeypatch.setattr(engine, "step", slow_step)

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 
 import pytest
 from litestar.testing import TestClient
@@ -21,34 +20,19 @@ from litestar.testing import TestClient
 from kvscope.backend.engine.engine import Engine
 from kvscope.backend.events.schema import parse_event
 from kvscope.backend.events.state import RunState
-from kvscope.backend.server.app import create_app
-from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import API_RUN_ID, RunManager
 from kvscope.backend.server.replay import ReplayRun
 from kvscope.backend.server.run_errors import describe_fault
 from kvscope.frontend.app import run_state
 from kvscope.frontend.client import RunFeed
+from tests.server_helpers import in_process, scenario, serving, settled_snapshot, wait_for
 
-LOCAL = "http://127.0.0.1:8000"
 INJECTED = "injected fault reading /srv/secret/weights.bin"
 
 
-def scenario(model: str, requests: int = 1) -> dict:
-    return {"name": "t", "model": model, "seed": 1, "engine": {"block_size": 4, "num_blocks": 64},
-            "requests": [{"id": f"r{i}", "prompt_tokens": 6, "max_tokens": 4, "arrival_step": i,
-                          "sampling": {"temperature": 0}} for i in range(requests)]}
-
-
-def serving(tiny_dir: str, **limits) -> tuple[TestClient, RunManager]:
-    manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(**limits))
-    return TestClient(create_app(manager), base_url=LOCAL), manager
-
-
-def wait_for(predicate, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+def short_requests(model: str, requests: int = 1) -> dict:
+    """scenario() of `requests` requests of 6 prompt tokens and 4 to generate, one arriving a step, in 64 blocks."""
+    return scenario(model, requests, longer_by=0, max_tokens=4, num_blocks=64)
 
 
 @pytest.fixture
@@ -82,7 +66,7 @@ def events_of(client: TestClient, run_id: str) -> list[dict]:
 
 
 def finished_trace(client: TestClient, tiny_dir: str) -> list[dict]:
-    run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir, 3), "speed": 0}).json()["run_id"]
+    run_id = client.post("/api/runs", json={"scenario": short_requests(tiny_dir, 3), "speed": 0}).json()["run_id"]
     wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
     return events_of(client, run_id)
 
@@ -96,10 +80,9 @@ def jsonl(events: list[dict]) -> str:
 
 def test_a_fault_in_a_scenario_step_fails_the_run_with_one_error_event_and_its_place_goes_to_the_next_run(
         tiny_dir, monkeypatch, run_log):
-    client, manager = serving(tiny_dir, max_runs=2)
     fault_once(monkeypatch)
-    with client:
-        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0}).json()["run_id"]
+    with serving(tiny_dir, max_runs=2) as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": short_requests(tiny_dir), "speed": 0}).json()["run_id"]
         wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["failed"])
         snap = client.get(f"/api/runs/{run_id}").json()
         assert (snap["finished"], snap["finish_reason"], snap["step"]) == (True, "failed", -1)
@@ -116,18 +99,16 @@ def test_a_fault_in_a_scenario_step_fails_the_run_with_one_error_event_and_its_p
 
         # Two places: the failed run counts as finished, so the second new run takes its place.
         for _ in range(2):
-            started = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0, "paused": True})
+            started = client.post("/api/runs", json={"scenario": short_requests(tiny_dir), "speed": 0, "paused": True})
             assert started.status_code == 201
         assert client.get(f"/api/runs/{run_id}").status_code == 404
         assert manager.kv_bytes.keys() == {r["run_id"] for r in client.get("/api/runs").json()}
-    manager.stop_all()
 
 
 def test_a_fault_in_the_api_run_answers_its_waiting_request_at_once_and_the_next_request_is_served(
         tiny_dir, monkeypatch):
-    client, manager = serving(tiny_dir)
     fault_once(monkeypatch)
-    with client:
+    with serving(tiny_dir) as (client, manager):
         failed = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
         assert failed.status_code == 409 and failed.headers["retry-after"] == "1"
         error = failed.json()["error"]
@@ -142,13 +123,11 @@ def test_a_fault_in_the_api_run_answers_its_waiting_request_at_once_and_the_next
         fresh = manager.get(API_RUN_ID)
         assert fresh is not dead and fresh.failure is None
         assert list(manager.kv_bytes) == [API_RUN_ID]  # the dead run's KV cache is no longer counted
-    manager.stop_all()
 
 
 def test_a_stream_cut_by_a_run_fault_ends_with_an_openai_error_chunk_then_done(tiny_dir, monkeypatch):
-    client, manager = serving(tiny_dir)
     fault_once(monkeypatch, skip=1)  # the prompt's step runs, the next one fails
-    with client:
+    with serving(tiny_dir) as (client, manager):
         body = {"prompt": "ab", "max_tokens": 8, "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -157,12 +136,10 @@ def test_a_stream_cut_by_a_run_fault_ends_with_an_openai_error_chunk_then_done(t
         error = json.loads(data[-2])["error"]
         assert (error["type"], error["code"]) == ("server_error", "run_failed")
         assert all("choices" in json.loads(chunk) for chunk in data[:-2])
-    manager.stop_all()
 
 
 def test_a_fault_in_a_replay_step_fails_the_replay(tiny_dir, monkeypatch):
-    client, manager = serving(tiny_dir)
-    with client:
+    with serving(tiny_dir) as (client, manager):
         trace = jsonl(finished_trace(client, tiny_dir))
         fault_once(monkeypatch, ReplayRun, "_advance", skip=2)  # the header, iteration 0, then the fault
         run_id = client.post("/api/runs", json={"trace": trace, "speed": 0}).json()["run_id"]
@@ -170,14 +147,12 @@ def test_a_fault_in_a_replay_step_fails_the_replay(tiny_dir, monkeypatch):
         snap = client.get(f"/api/runs/{run_id}").json()
         assert (snap["step"], snap["error"]) == (0, "the run failed (RuntimeError: injected fault reading <path>)")
         assert client.post(f"/api/runs/{run_id}/control", json={"action": "seek", "value": 0}).status_code == 400
-    manager.stop_all()
 
 
 def test_replays_whose_lesson_step_is_malformed_never_hold_the_servers_places(tiny_dir):
     """The known trigger: a second header whose lesson has a step that is not an object. Whether the upload
     is refused (400) or its run fails, none of 17 such uploads stays alive holding one of the 16 places."""
-    client, manager = serving(tiny_dir, max_runs=16)
-    with client:
+    with serving(tiny_dir, max_runs=16) as (client, manager):
         events = finished_trace(client, tiny_dir)
         second = {**events[0], "step": 1, "scenario": {**events[0]["scenario"], "lesson": ["not a step"]}}
         trace = jsonl([e for e in events if e["step"] <= 1] + [second] + [e for e in events if e["step"] > 1])
@@ -188,9 +163,8 @@ def test_replays_whose_lesson_step_is_malformed_never_hold_the_servers_places(ti
                 run_id = answer.json()["run_id"]
                 wait_for(lambda: manager.get(run_id) is None or manager.get(run_id).failure is not None)
         assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
-        started = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 0})
+        started = client.post("/api/runs", json={"scenario": short_requests(tiny_dir), "speed": 0})
         assert started.status_code == 201
-    manager.stop_all()
 
 
 # ---- 2. the watchdog --------------------------------------------------------------------------------
@@ -206,8 +180,7 @@ def test_a_stalled_step_fails_the_api_run_and_answers_its_waiting_request(tiny_d
         return original(self)
 
     monkeypatch.setattr(Engine, "step", stalled)
-    client, manager = serving(tiny_dir, stall_timeout_s=0.5)
-    with client:
+    with serving(tiny_dir, stall_timeout_s=0.5) as (client, manager):
         answer = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
         assert entered.is_set() and answer.status_code == 409
         assert "no progress for 0.5 s (--stall-timeout-s)" in answer.json()["error"]["message"]
@@ -220,20 +193,17 @@ def test_a_stalled_step_fails_the_api_run_and_answers_its_waiting_request(tiny_d
         release.set()  # the stuck step returns: what it emits after the run failed is dropped
         dead.worker.thread.join(timeout=60)
         assert not dead.worker.thread.is_alive() and dead.state.last_seq == seq
-    manager.stop_all()
 
 
 def test_a_paced_or_paused_run_is_never_taken_for_a_stalled_one(tiny_dir):
-    client, manager = serving(tiny_dir, stall_timeout_s=0.5)
-    with client:
-        paced = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "speed": 1}).json()["run_id"]
-        paused = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+    with serving(tiny_dir, stall_timeout_s=0.5) as (client, manager):
+        paced = client.post("/api/runs", json={"scenario": short_requests(tiny_dir), "speed": 1}).json()["run_id"]
+        paused = client.post("/api/runs", json={"scenario": short_requests(tiny_dir), "paused": True}).json()["run_id"]
         wait_for(lambda: client.get(f"/api/runs/{paced}").json()["step"] >= 2)  # 1 s a step, 0.5 s allowed
         assert [r["failed"] for r in client.get("/api/runs").json()] == [False, False]
         client.post(f"/api/runs/{paused}/control", json={"action": "step"})
         wait_for(lambda: client.get(f"/api/runs/{paused}").json()["step"] == 0)
         assert not client.get(f"/api/runs/{paused}").json()["failed"]
-    manager.stop_all()
 
 
 # ---- 3. trace files: full or vanished disks, restarts --------------------------------------------
@@ -261,9 +231,8 @@ def test_a_full_disk_stops_the_trace_file_not_the_run(tiny_dir, tmp_path, monkey
         return path, FullDisk(path, lines=3)
 
     monkeypatch.setattr("kvscope.backend.server.trace_file._create", full_disk)
-    client, manager = serving(tiny_dir, trace_dir=str(tmp_path))
-    with client:
-        run_id = client.post("/api/runs", json={"scenario": scenario(tiny_dir, 2), "speed": 0}).json()["run_id"]
+    with serving(tiny_dir, trace_dir=str(tmp_path)) as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": short_requests(tiny_dir, 2), "speed": 0}).json()["run_id"]
         wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["finished"])
         snap = client.get(f"/api/runs/{run_id}").json()
         assert not snap["failed"] and all(r["status"] == "finished" for r in snap["requests"].values())
@@ -274,14 +243,12 @@ def test_a_full_disk_stops_the_trace_file_not_the_run(tiny_dir, tmp_path, monkey
         kept = [json.loads(line) for line in manager.get(run_id).trace_jsonl().splitlines()]
         errors = [e for e in kept if e["type"] == "error"]
         assert [e["fatal"] for e in errors] == [False] and errors[0]["seq"] == 4  # right after the 4th line
-    manager.stop_all()
 
 
 def test_a_trace_folder_removed_mid_run_stops_the_file_and_the_api_run_goes_on(tiny_dir, tmp_path):
     folder = tmp_path / "traces"
     folder.mkdir()
-    client, manager = serving(tiny_dir, trace_dir=str(folder))
-    with client:
+    with serving(tiny_dir, trace_dir=str(folder)) as (client, manager):
         assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
         assert client.get(f"/api/runs/{API_RUN_ID}/trace").status_code == 200
         shutil.rmtree(folder)
@@ -293,30 +260,21 @@ def test_a_trace_folder_removed_mid_run_stops_the_file_and_the_api_run_goes_on(t
         snap = client.get(f"/api/runs/{API_RUN_ID}").json()
         assert not snap["failed"]
         assert snap["error"] == "the trace file stopped (the trace folder was removed); the run goes on without it"
-    manager.stop_all()
 
 
 def settled_trace(client) -> str:
     """The API run's trace once its step is over: the answer comes at request_finished, and the step's
-    metrics event may still be on its way to the file."""
-    text = client.get(f"/api/runs/{API_RUN_ID}/trace").text
-    for _ in range(200):
-        time.sleep(0.01)
-        again = client.get(f"/api/runs/{API_RUN_ID}/trace").text
-        if again == text:
-            return text
-        text = again
-    raise AssertionError("the API run's trace never settled")
+    metrics event may still be on its way to the file; the worker answers a call only after the step."""
+    settled_snapshot(client, API_RUN_ID)
+    return client.get(f"/api/runs/{API_RUN_ID}/trace").text
 
 
 def test_a_restart_never_overwrites_an_earlier_trace(tiny_dir, tmp_path):
     written = []
     for _ in range(2):  # the same --trace-dir, two servers one after the other
-        client, manager = serving(tiny_dir, trace_dir=str(tmp_path))
-        with client:
+        with serving(tiny_dir, trace_dir=str(tmp_path)) as (client, manager):
             assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
             written.append(settled_trace(client))
-        manager.stop_all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["api-1.jsonl", "api.jsonl"]
     assert [(tmp_path / name).read_text() for name in ("api.jsonl", "api-1.jsonl")] == written
     assert [text.count('"type":"request_finished"') for text in written] == [1, 1]
@@ -327,9 +285,8 @@ def test_a_restart_never_overwrites_an_earlier_trace(tiny_dir, tmp_path):
 
 def test_pause_and_seek_are_honoured_after_a_step_of_a_million(tiny_dir):
     manager = RunManager(default_model=tiny_dir)
-    with TestClient(create_app(manager), base_url=LOCAL) as client:
+    with in_process(manager) as client:
         events = finished_trace(client, tiny_dir)
-    manager.stop_all()
     run = ReplayRun(events, speed=0, paused=True)
     gate, entered, advance = threading.Semaphore(0), [], run._advance
 

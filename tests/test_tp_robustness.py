@@ -12,18 +12,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.engine import Engine
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.tp_group import RankFailed
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.manager import RunManager
+from tests.server_helpers import app_client, in_process, wait_for
 
 WAIT_S = 30.0
 
@@ -64,13 +62,6 @@ def rank_pids(parent: int) -> list[int]:
     return found
 
 
-def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("sig, world, victim, says", [
     (signal.SIGKILL, 2, 1, "tensor-parallel rank 1 was killed by signal 9 during step 3"),
     (signal.SIGSTOP, 2, 1, "tensor-parallel rank 1 stopped answering during step 3"),
@@ -93,7 +84,7 @@ def test_a_rank_that_dies_or_hangs_fails_the_step_naming_it_and_frees_the_rest(d
     with pytest.raises(RankFailed, match=says):
         engine.step()  # the engine stays failed: no step runs on half a model
     engine.close()
-    eventually(lambda: listening_ports() <= before, "the group's ports closed")
+    wait_for(lambda: listening_ports() <= before, "the group's ports closed")
 
 
 def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
@@ -104,7 +95,7 @@ def test_closing_an_engine_stops_its_ranks_and_closes_its_ports(demo):
     engine.close()
     engine.close()  # twice is fine
     assert [p.poll() for p in workers] == [0], "told to stop, the ranks exit cleanly"
-    eventually(lambda: listening_ports() <= before, "the group's ports closed")
+    wait_for(lambda: listening_ports() <= before, "the group's ports closed")
 
 
 def test_ranks_outlive_the_thread_that_started_them(demo):
@@ -114,32 +105,35 @@ def test_ranks_outlive_the_thread_that_started_them(demo):
     starter.start()
     starter.join()
     [engine] = built
-    time.sleep(0.5)  # long enough for a rank tied to its starting thread to have been killed
+    # Gone from the kernel too: a death signal tied to the thread (PR_SET_PDEATHSIG) has been sent by now.
+    wait_for(lambda: not Path(f"/proc/self/task/{starter.native_id}").exists(), "the starting thread ended")
+    workers = engine.executor.runner.ranks.processes
     engine.add_request("a", "ROMEO:\n", 4, SamplingParams(temperature=0))
     while engine.has_unfinished():
         engine.step()
     engine.close()
+    assert [p.poll() for p in workers] == [0], "no rank was killed: each exited when told to stop"
 
 
 def test_a_served_run_whose_rank_dies_fails_and_the_server_serves_the_next_run():
     manager = RunManager(default_model="demo")
-    client = TestClient(create_app(manager), base_url="http://127.0.0.1:8000")
+    client = app_client(manager)
     scenario = {"name": "tp", "model": "demo", "seed": 0,
                 "engine": {"tensor_parallel": 2, "tensor_parallel_timeout_s": 3, "num_blocks": 64},
                 "requests": [{"id": "r", "prompt": "ROMEO:\n", "max_tokens": 40,
                               "sampling": {"temperature": 0, "ignore_eos": True}}]}
     with client:
         run_id = client.post("/api/runs", json={"scenario": scenario, "paused": True}).json()["run_id"]
-        eventually(lambda: rank_pids(os.getpid()), "the run's rank started")
+        wait_for(lambda: rank_pids(os.getpid()), "the run's rank started")
         [pid] = rank_pids(os.getpid())
         os.kill(pid, signal.SIGKILL)
         client.post(f"/api/runs/{run_id}/control", json={"action": "resume"})
-        eventually(lambda: client.get(f"/api/runs/{run_id}").json()["failed"], "the run failed")
+        wait_for(lambda: client.get(f"/api/runs/{run_id}").json()["failed"], "the run failed")
         error = client.get(f"/api/runs/{run_id}").json()["error"]
         assert "RankFailed: tensor-parallel rank 1 was killed by signal 9" in error
         again = {**scenario, "engine": {"num_blocks": 64}}
         next_id = client.post("/api/runs", json={"scenario": again, "speed": 0}).json()["run_id"]
-        eventually(lambda: client.get(f"/api/runs/{next_id}").json()["finished"], "the next run finished")
+        wait_for(lambda: client.get(f"/api/runs/{next_id}").json()["finished"], "the next run finished")
         assert not client.get(f"/api/runs/{next_id}").json()["failed"]
         assert client.get("/api/runs").status_code == 200
     manager.stop_all()
@@ -154,11 +148,11 @@ def test_sigterm_stops_every_rank_of_a_command(tmp_path):
     cmd = subprocess.Popen([sys.executable, "-m", "kvscope", "run", str(scenario)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
     try:
-        eventually(lambda: rank_pids(cmd.pid), "the rank started")
+        wait_for(lambda: rank_pids(cmd.pid), "the rank started")
         [rank] = rank_pids(cmd.pid)
         cmd.send_signal(signal.SIGTERM)
         cmd.wait(WAIT_S)
-        eventually(lambda: not Path(f"/proc/{rank}").exists() or
+        wait_for(lambda: not Path(f"/proc/{rank}").exists() or
                    Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", "the rank is gone")
     finally:
         cmd.kill()
@@ -209,7 +203,7 @@ def test_a_served_run_past_the_rank_limit_or_the_model_is_a_400_before_any_proce
     from kvscope.backend.server.limits import ServiceLimits
 
     manager = RunManager(default_model="demo", limits=ServiceLimits(max_tensor_parallel=4, max_kv_memory_mb=512))
-    client = TestClient(create_app(manager), base_url="http://127.0.0.1:8000")
+    client = app_client(manager)
     scenario = {"name": "tp", "model": "demo", "engine": engine, "requests": [{"id": "r", "prompt": "hi"}]}
     with client:
         refused = client.post("/api/runs", json={"scenario": scenario})
@@ -237,15 +231,14 @@ def test_the_other_ranks_weight_shards_count_against_the_servers_weight_memory()
     assert weight_needs(tp.model, tp.engine)[1].key != shards.key  # no two runs share them
     mb = 1024**2
     tight = RunManager(default_model="demo", limits=ServiceLimits(max_weight_memory_mb=1.2 * model.bytes / mb))
-    with TestClient(create_app(tight), base_url="http://127.0.0.1:8000") as client:
+    with in_process(tight) as client:
         refused = client.post("/api/runs", json={"scenario": scenario(2)})
         assert refused.status_code == 400 and refused.json()["field"] == "engine.tensor_parallel", refused.text
         assert "the other tensor-parallel ranks' shards" in refused.json()["error"]
         assert not rank_pids(os.getpid())
         assert client.post("/api/runs", json={"scenario": scenario(1)}).status_code == 201
-    tight.stop_all()
     roomy = RunManager(default_model="demo", limits=ServiceLimits(max_weight_memory_mb=2 * model.bytes / mb))
-    with TestClient(create_app(roomy), base_url="http://127.0.0.1:8000") as client:
+    with in_process(roomy) as client:
         started = client.post("/api/runs", json={"scenario": scenario(2), "paused": True})
         assert started.status_code == 201, started.text
         run_id = started.json()["run_id"]
@@ -253,4 +246,3 @@ def test_the_other_ranks_weight_shards_count_against_the_servers_weight_memory()
         assert [c["rank_shards"] for c in copies] == [False, True] and copies[1]["runs"] == 1
         assert copies[1]["bytes"] == shards.bytes
         assert client.post(f"/api/runs/{run_id}/control", json={"action": "resume"}).status_code in (200, 201)
-    roomy.stop_all()

@@ -12,45 +12,41 @@ import pytest
 from websockets.sync.client import connect
 
 from kvscope.backend.events.state import RunState
-from kvscope.backend.server.app import create_app
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.serve import serve_in_thread
+from tests.server_helpers import live_server, scenario, wait_for
 
 STATE_KEYS = ("block_tables", "free_blocks", "ref_counts", "step", "waiting", "running")
 
 
 def busy_scenario(model: str, count: int = 4, max_tokens: int = 8) -> dict:
-    return {"name": "ws", "model": model, "engine": {"block_size": 4, "num_blocks": 512, "max_num_seqs": 16,
-                                                     "max_model_len": 1000},
-            "requests": [{"id": f"r{i}", "prompt_tokens": 5 + i, "max_tokens": max_tokens, "arrival_step": i,
-                          "sampling": {"temperature": 0, "ignore_eos": True}} for i in range(count)]}
+    return scenario(model, count, prompt_tokens=5, longer_by=1, max_tokens=max_tokens, ignore_eos=True,
+                    num_blocks=512, max_num_seqs=16, max_model_len=1000)
 
 
-def serving(tiny_dir: str, **limits):
+def live_serving(tiny_dir: str, **limits):
     manager = RunManager(default_model=tiny_dir, watcher_queue_limit=256,  # small: a stall surely overflows it
                          limits=ServiceLimits(**limits))
-    with serve_in_thread(create_app(manager)) as url:
+    with live_server(manager) as url:
         yield url, manager
-    manager.stop_all()
 
 
 @pytest.fixture
 def server(tiny_dir):
-    yield from serving(tiny_dir)
+    yield from live_serving(tiny_dir)
 
 
 @pytest.fixture
 def slow_server(tiny_dir):
     """Viewers get 500 events a second: a run of the tiny model surely leaves one behind."""
-    yield from serving(tiny_dir, viewer_events_per_s=500)
+    yield from live_serving(tiny_dir, viewer_events_per_s=500)
 
 
 @pytest.fixture
 def unbudgeted_server(tiny_dir):
     """No viewer send budget to speak of: a client that stops reading fills its socket's buffers within
     seconds, and only the queue and the resync stand between it and the engine."""
-    yield from serving(tiny_dir, viewer_events_per_s=1e9)
+    yield from live_serving(tiny_dir, viewer_events_per_s=1e9)
 
 
 def ws_url(url: str, run_id: str) -> str:
@@ -145,10 +141,8 @@ class RawWebSocket:
 
 
 def wait_for_step(url: str, run_id: str, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/api/runs/{run_id}").json()["step"] < step:
-        assert time.monotonic() < deadline, f"the run never reached step {step}"
-        time.sleep(0.1)
+    wait_for(lambda: httpx.get(f"{url}/api/runs/{run_id}").json()["step"] >= step, f"the run reached step {step}",
+             timeout)
 
 
 def test_a_stalled_client_does_not_hold_the_engine_back(unbudgeted_server):
@@ -162,10 +156,7 @@ def test_a_stalled_client_does_not_hold_the_engine_back(unbudgeted_server):
     try:
         ws.recv(timeout=60)  # the snapshot; then this client reads nothing more
         watcher = manager.get(run_id).viewers.watchers[0]
-        deadline = time.monotonic() + 300
-        while not watcher.dropped:
-            assert time.monotonic() < deadline, "the stalled client's queue never overflowed"
-            time.sleep(0.1)
+        wait_for(lambda: watcher.dropped, "the stalled client's queue overflowed", 300)
         full_at = httpx.get(f"{url}/api/runs/{run_id}").json()["step"]
         wait_for_step(url, run_id, full_at + 50)  # the client still reads nothing: the engine went on
         assert watcher.needs_snapshot and len(watcher.queue) == 0, "it fell behind and waits for a fresh snapshot"
@@ -182,7 +173,8 @@ def test_a_client_that_falls_behind_resyncs_to_the_engines_state(slow_server, ti
                                                  "speed": 0}).json()["run_id"]
     with connect(ws_url(url, run_id), max_queue=4) as ws:
         ws.recv(timeout=10)
-        time.sleep(3)  # fall far behind (the queue limit is 256 events)
+        watcher = manager.get(run_id).viewers.watchers[0]  # this client, which reads nothing for now
+        wait_for(lambda: watcher.dropped, "the server dropped events for this client (its queue holds 256)")
         seen: list[str] = []
         # The end: run_finished, or a resync snapshot taken after it.
         state = follow(ws, None, until=lambda m: seen.append(m["type"]) or m["type"] == "run_finished"
