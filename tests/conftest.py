@@ -18,7 +18,8 @@ from kvscope.backend.model.loader import LoadedModel, load_model
 
 # `python -m pytest -q -m quick`: a first check of the engine's core in a minute or two, where the whole
 # default run takes about 20 minutes (docs/testing.md). Files or test ids (a parametrized id's base
-# name takes every case). The engine's test files are not marked in place: the list is here, in one piece.
+# name takes every case). The list is here, in one piece, rather than marks spread over the files: the
+# subset is read, timed and changed as a whole.
 QUICK = (
     "tests/test_block_manager.py",  # exact block ids, ref counts, prefix sharing, its state machine
     "tests/test_engine_behaviour.py::test_same_scenario_and_seed_give_identical_events",  # the scheduler
@@ -29,6 +30,8 @@ QUICK = (
     "tests/test_engine_greedy.py::test_engine_greedy_equals_reference[chunked-budget-7]",
     "tests/test_engine_greedy.py::test_engine_greedy_equals_reference[forced-preemption]",
     "tests/test_sampler.py",
+    "tests/test_step_input.py",  # the step as data: ids and ints in, ids out, through pickled copies
+    "tests/test_detokenizer.py",  # text deltas and stop strings
     "tests/test_events.py",  # the schema and the reducer
     "tests/test_events_emitted.py::test_every_emitted_event_validates_strictly[plain]",
     "tests/test_events_emitted.py::test_every_emitted_event_validates_strictly[preemption]",

@@ -72,7 +72,7 @@ def own_fields(tree: ast.AST) -> set[str]:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 names.add(node.target.id)
             for target in _targets(node) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else []:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                if isinstance(target, ast.Attribute) and _is_self(target):
                     names.add(target.attr)
     return names
 
@@ -155,7 +155,8 @@ def test_only_the_scheduler_writes_request_and_sequence_state() -> None:
         source = path.read_text()
         leaks += [f"{path.relative_to(ROOT)}:{line} writes .{field}"
                   for line, field in writes(source, STATE, own_fields(ast.parse(source)) & STATE)]
-    assert not leaks, "only backend/engine/scheduler.py may write a request's or a sequence's state:\n" + "\n".join(leaks)
+    assert not leaks, ("only backend/engine/scheduler.py may write a request's or a sequence's state:\n"
+                       + "\n".join(leaks))
 
 
 def test_only_the_block_manager_writes_a_block_table() -> None:
@@ -163,7 +164,8 @@ def test_only_the_block_manager_writes_a_block_table() -> None:
     for path in product_modules():
         if path == BLOCK_MANAGER:
             continue
-        leaks += [f"{path.relative_to(ROOT)}:{line} writes .{field}" for line, field in writes(path.read_text(), TABLES)]
+        leaks += [f"{path.relative_to(ROOT)}:{line} writes .{field}"
+                  for line, field in writes(path.read_text(), TABLES)]
         leaks += [f"{path.relative_to(ROOT)}:{node.lineno} reaches into BlockManager._tables"
                   for node in ast.walk(ast.parse(path.read_text()))
                   if isinstance(node, ast.Attribute) and node.attr == "_tables"]
@@ -188,8 +190,8 @@ def test_the_trusted_names_are_the_ones_known() -> None:
 
 # The event reducer's view of a request (what the dashboard draws) and the API's view of one choice.
 KNOWN_TRUSTED = {
-    "backend/events/state.py": ["arrival_step", "finish_reason", "finished", "max_tokens", "output_text", "outputs",
-                                "prompt_text", "request_id", "seq_id", "status"],
+    "backend/events/state.py": ["arrival_step", "error", "finish_reason", "finished", "max_tokens",
+                                "output_text", "outputs", "prompt_text", "request_id", "seq_id", "status"],
     "backend/server/generation.py": ["finish_reason"],
 }
 
