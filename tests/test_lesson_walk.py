@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from kvscope.backend.events.moments import VIEWS, find_moments
 from kvscope.backend.model.loader import missing_package
@@ -66,16 +67,28 @@ def moment_kind(text: str) -> str:
     return TITLE_KINDS[match.group(1)]
 
 
+def choose(page, select: str, option: str, tries: int = 4) -> None:
+    """Open a select and click one of its options. A click that lands while the page is still wiring the
+    select up (a loaded machine) opens no menu: open it again, a bounded number of times."""
+    for attempt in range(tries):
+        page.locator(select).click()
+        try:
+            page.get_by_role("option", name=option, exact=True).click(timeout=15_000)
+            return
+        except PlaywrightTimeout:
+            if attempt == tries - 1:
+                raise
+            page.keyboard.press("Escape")  # a half-open menu closes before the next try
+
+
 def start_from_the_landing_page(page, dashboard_url: str, name: str) -> str:  # noqa: F811
     """Pick the scenario in the drawer, unpaced, and start it; its run id."""
     page.goto(dashboard_url + "/")
     page.locator("[data-kv=projector]").click()  # a lecture hall's type; the tab keeps it (sessionStorage)
     page.wait_for_function("() => document.documentElement.classList.contains('kv-projector')")
-    page.locator("[data-kv=scenario]").click()
-    page.get_by_role("option", name=name, exact=True).click()
+    choose(page, "[data-kv=scenario]", name)
     page.locator("[data-kv=scenario-about]").get_by_text("Lesson.").wait_for()
-    page.locator("[data-kv=start-speed]").click()
-    page.get_by_role("option", name="unpaced").click()
+    choose(page, "[data-kv=start-speed]", "unpaced")
     page.locator("[data-kv=start-run]").click()
     page.wait_for_url(re.compile(r"\?run="))
     return re.search(r"run=([0-9a-f]+)", page.url).group(1)
