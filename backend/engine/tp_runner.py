@@ -12,7 +12,8 @@ A rank that dies, hangs or refuses a message fails the step: the collective rais
 closed, or the group's timeout), and the runner names the rank (a spawned process that exited, with
 the reason it left on the store when it refused a message, or one whose heartbeat on the store
 stopped), stops the rest, and raises RankFailed. The engine's run fails; the process that hosts it (a
-server) goes on.
+server) goes on. `close` may come from another thread while a forward is under way (a server failing
+a stalled run): the workers are killed then, and the forward's own thread closes the rest.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvscope.backend.model.sharding import FIELD, ShardPlan, connect, shard_conf
 from kvscope.backend.model.transformer import CausalLM
 
 JOIN_S = 5.0  # how long a worker told to stop gets before it is killed
+CLOSED = "this tensor-parallel engine was closed: its ranks are stopped"
 
 
 @dataclass
@@ -60,6 +62,12 @@ class Ranks:
     def dead(self) -> list[tuple[int, int]]:
         """(rank, exit code) of every spawned rank that has exited; a negative code is the signal."""
         return [(r + 1, p.poll()) for r, p in enumerate(self.processes or []) if p.poll() is not None]
+
+    def kill(self) -> None:
+        """Kill the spawned ranks now, from any thread (a collective waiting on them fails at once)."""
+        for p in self.processes or []:
+            if p.poll() is None:
+                p.kill()
 
     def stop(self) -> None:
         for p in self.processes or []:
@@ -80,22 +88,24 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, cache, attention)
         self.group, self.ranks, self.layout = group, ranks, layout
         self.failure: str | None = None
+        self._busy = threading.Lock()  # held through a forward: a close from another thread must not pull the group
         self._finalizer = weakref.finalize(self, _close, group, ranks)  # an engine dropped unclosed frees its ranks
 
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:
-        if self.failure is not None:
-            raise RankFailed(self.failure)
-        step = self.group.step
-        try:
-            self.group.post(encode_step(inp))  # the forward's fields only: workers need the batch, not its sampling
-            return super().forward(inp)
-        except RuntimeError as e:  # a collective (or the store) failed: find the rank, stop the others
-            e.__traceback__ = None  # its frames hold the failed collective, which holds the group's sockets
-            self.failure = self._diagnose(step, e)
-            self.ranks.grace_s = 0.0  # a hung rank is not waited for
-            self.close()
-            raise RankFailed(self.failure) from None
+        with self._busy:
+            if self.failure is not None:
+                raise RankFailed(self.failure)
+            step = self.group.step
+            try:
+                self.group.post(encode_step(inp))  # the forward's fields only: workers need the batch, not its sampling
+                return super().forward(inp)
+            except RuntimeError as e:  # a collective (or the store) failed: find the rank, stop the others
+                e.__traceback__ = None  # its frames hold the failed collective, which holds the group's sockets
+                self.failure = self._diagnose(step, e)
+                self.ranks.grace_s = 0.0  # a hung rank is not waited for
+                self._finalizer()
+                raise RankFailed(self.failure) from None
 
     def _diagnose(self, step: int, error: RuntimeError) -> str:
         silent = self.group.silent()  # first: the beats it waits for also give a killed rank time to be reaped
@@ -121,8 +131,16 @@ class TensorParallelRunner(ModelRunner):
         return {"allreduce": self.group.stats.take()}
 
     def close(self) -> None:
-        """Tell the workers to stop, and wait for them (killed after JOIN_S)."""
-        self._finalizer()
+        """Tell the workers to stop, and wait for them (killed after JOIN_S); then no forward runs. From another
+        thread during a forward, kill the workers instead: the forward fails and its thread closes the rest."""
+        if not self._busy.acquire(blocking=False):
+            self.ranks.kill()
+            return
+        try:
+            self.failure = self.failure or CLOSED
+            self._finalizer()
+        finally:
+            self._busy.release()
 
 
 def _close(group: TPGroup, ranks: Ranks) -> None:
@@ -221,6 +239,7 @@ def _open_group(world: int, device: torch.device, timeout_s: float) -> tuple[TPG
         _wait_for(runs, f"{key}/joined", secret, ranks, world, JOIN_TIMEOUT_S, "join")
         return TPGroup(dist.PrefixStore(session.prefix(), runs), 0, world, device, timeout_s, secret, link), ranks
     except Exception:
+        ranks.kill()
         ranks.stop()
         raise
 
