@@ -15,7 +15,6 @@ import os
 import pickle
 import re
 import socket
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.fuzz_store import other_address
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.engine import Engine
 from kvscope.backend.engine.sampling_params import SamplingParams
@@ -130,8 +130,8 @@ def test_a_launch_without_a_long_enough_secret_is_refused_saying_how_to_set_one(
 
 def test_a_pickled_object_in_place_of_the_shards_tensors_runs_nothing(tmp_path):
     marker = tmp_path / "opened"
-    payloads = [pickle.dumps({"w": Opens(marker)}, protocol=2), _saved({"w": Opens(marker)}), _saved(torch.nn.Linear(2, 2))]
-    for payload in payloads:
+    planted = {"w": Opens(marker)}
+    for payload in (pickle.dumps(planted, protocol=2), _saved(planted), _saved(torch.nn.Linear(2, 2))):
         with pytest.raises(Refused, match="do not load as tensors only"):
             load_tensors(payload, torch.device("cpu"))
     assert not marker.exists()
@@ -209,16 +209,6 @@ def listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
-def non_loopback_address() -> str | None:
-    """An IPv4 address of this machine's own network namespace that is not loopback (eth0's), or None."""
-    try:
-        out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    addresses = [a for a in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", out) if not a.startswith("127.")]
-    return addresses[0] if addresses else None
-
-
 def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -233,7 +223,7 @@ def tp_engine(demo) -> Engine:
 
 
 def test_every_socket_of_a_group_listens_on_loopback_and_a_connection_from_another_address_is_refused(demo):
-    address = non_loopback_address()
+    address = other_address()
     if address is None:
         pytest.skip("this machine has no IPv4 address besides loopback to connect from")
     before = listening(os.getpid())
