@@ -20,7 +20,9 @@ raises Refused naming the field; the worker stops and says why (tp_worker.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -159,33 +161,37 @@ def decode_step(body: bytes, pool: Pool) -> StepInput | None:
     fields = message.get("step") if isinstance(message, dict) and message.keys() == {"step"} else None
     if not isinstance(fields, dict) or fields.keys() != set(WIRE_FIELDS):
         raise Refused(f"the step message is not {{step: {{{', '.join(WIRE_FIELDS)}}}}}")
-    for name, hint in HINTS.items():
-        if not conforms(fields[name], hint):
-            raise Refused(f"the step message's {name} is not a {_spell(hint)}")
+    for name, check in CHECKS.items():
+        if not check(fields[name]):
+            raise Refused(f"the step message's {name} is not a {_spell(HINTS[name])}")
     check_bounds(fields, pool)
     rows = len(fields["seq_ids"])
     return StepInput(request_ids=[""] * rows, **{**fields, "block_copies": [tuple(p) for p in fields["block_copies"]]})
 
 
-def conforms(value: Any, hint: Any) -> bool:
-    """Whether decoded JSON has the type `hint` names: int (not bool), str, a Literal's values, list[...] and
-    tuple[...] (a JSON list of that length)."""
+def type_check(hint: Any) -> Callable[[Any], bool]:
+    """A test of whether decoded JSON has the type `hint` names, built once per field: int (not bool), str, a
+    Literal's values, list[...] and tuple[...] (a JSON list of that length)."""
     if hint is int:
-        return type(value) is int
+        return lambda v: type(v) is int
     if hint is str:
-        return type(value) is str
+        return lambda v: type(v) is str
     origin, args = get_origin(hint), get_args(hint)
     if origin is Literal:
-        return any(type(value) is type(a) and value == a for a in args)
+        allowed, types = {(type(a), a) for a in args}, {type(a) for a in args}
+        return lambda v: type(v) in types and (type(v), v) in allowed  # a list never reaches the hash
+    if origin is list and args[0] is int:  # the long lists (a token each): the types gathered in C
+        return lambda v: type(v) is list and set(map(type, v)) <= {int}
     if origin is list:
-        if type(value) is not list:
-            return False
-        if args[0] is int:  # the long lists (a token each): one pass in C
-            return all(type(v) is int for v in value)
-        return all(conforms(v, args[0]) for v in value)
+        item = type_check(args[0])
+        return lambda v: type(v) is list and all(map(item, v))
     if origin is tuple:
-        return type(value) is list and len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
-    return False
+        items = [type_check(a) for a in args]
+        return lambda v: type(v) is list and len(v) == len(items) and all(c(x) for c, x in zip(items, v))
+    raise TypeError(f"no wire check for {hint}")
+
+
+CHECKS = {name: type_check(hint) for name, hint in HINTS.items()}
 
 
 def _spell(hint: Any) -> str:
@@ -193,30 +199,35 @@ def _spell(hint: Any) -> str:
 
 
 def check_bounds(f: dict[str, Any], pool: Pool) -> None:
-    """The lengths and ranges the forward indexes by (types already checked)."""
+    """The lengths and ranges the forward indexes by (types already checked). Each check runs over a whole
+    field in C (min, max, zip), since a worker does this every step."""
     rows, tokens, starts = len(f["seq_ids"]), len(f["input_ids"]), f["query_starts"]
     for name in ("phases", "context_lens", "block_tables"):
-        _require(len(f[name]) == rows, f"{name} has {len(f[name])} rows, seq_ids {rows}")
+        if len(f[name]) != rows:
+            _refuse(f"{name} has {len(f[name])} rows, seq_ids {rows}")
     for name in ("positions", "slot_mapping"):
-        _require(len(f[name]) == tokens, f"{name} has {len(f[name])} entries, input_ids {tokens}")
-    _require(len(starts) == rows + 1 and starts[0] == 0 and starts[-1] == tokens, "query_starts do not span the tokens")
-    _require(all(a <= b for a, b in zip(starts, starts[1:])), "query_starts go backwards")
+        if len(f[name]) != tokens:
+            _refuse(f"{name} has {len(f[name])} entries, input_ids {tokens}")
+    if len(starts) != rows + 1 or starts[0] != 0 or starts[-1] != tokens:
+        _refuse("query_starts do not span the tokens")
+    queries = [b - a for a, b in zip(starts, starts[1:])]
+    if queries and min(queries) < 0:
+        _refuse("query_starts go backwards")
     _within(f["input_ids"], pool.vocab_size, "input_ids", "the vocabulary")
     _within(f["positions"], MAX_POSITION, "positions", "2^31")
     _within(f["slot_mapping"], pool.num_blocks * pool.block_size, "slot_mapping", "the KV pool")
     _within(f["logit_rows"], tokens, "logit_rows", "the tokens")
-    _within([b for pair in f["block_copies"] for b in pair], pool.num_blocks, "block_copies", "the KV pool")
-    for row, (table, context) in enumerate(zip(f["block_tables"], f["context_lens"], strict=True)):
-        _within(table, pool.num_blocks, f"block_tables[{row}]", "the KV pool")
-        queries = starts[row + 1] - starts[row]
-        _require(queries <= context <= len(table) * pool.block_size,
-                 f"context_lens[{row}] ({context}) is outside its {queries} queries and {len(table)} blocks")
+    _within(list(chain.from_iterable(f["block_copies"])), pool.num_blocks, "block_copies", "the KV pool")
+    _within(list(chain.from_iterable(f["block_tables"])), pool.num_blocks, "block_tables", "the KV pool")
+    for row, (table, context, q) in enumerate(zip(f["block_tables"], f["context_lens"], queries, strict=True)):
+        if not q <= context <= len(table) * pool.block_size:
+            _refuse(f"context_lens[{row}] ({context}) is outside its {q} queries and {len(table)} blocks")
 
 
 def _within(values: list[int], end: int, name: str, what: str) -> None:
-    _require(not values or (min(values) >= 0 and max(values) < end), f"{name} reach outside {what} (0..{end - 1})")
+    if values and (min(values) < 0 or max(values) >= end):
+        _refuse(f"{name} reach outside {what} (0..{end - 1})")
 
 
-def _require(holds: bool, problem: str) -> None:
-    if not holds:
-        raise Refused(f"the step message's {problem}")
+def _refuse(problem: str) -> None:
+    raise Refused(f"the step message's {problem}")
