@@ -1,19 +1,24 @@
 """Fuzzing a live server: hostile values for every field of every route, and the invariants after each.
 
-    python -m bench.fuzz [--cases 3000] [--seconds 1800] [--seed 0] [--rss-growth-mb 1200]
+    python -m bench.fuzz [--cases 3000] [--store-cases 12] [--seconds 1800] [--seed 0] [--rss-growth-mb 1200]
 
 Starts `kvscope serve --no-ui` on the demo model on a free loopback port, with small limits
 (KV 512 MB, 256 MB a run, weights 512 MB, 8 runs), and sends hypothesis-drawn cases (bench/fuzz_cases.py):
 /v1 completions and chat, a run's requests and controls, runs started from scenario objects, inline
 YAML, overrides and broken replay traces, GET routes with odd ids and queries, and websockets fed
-junk frames. After every case it checks what must hold whatever a client sends:
+junk frames; and, as a class of its own (`--store-cases`, bench/fuzz_store.py), tensor-parallel runs
+with a hostile client of their rendezvous store. After every case it checks what must hold whatever a
+client sends:
 - the answer is not a 5xx (a websocket is not closed with 1011) and the server process lives;
 - the `api` run answers a normal completion with 200, and once idle holds no block (every KV block
   back in the free list, the prefix cache's among them);
 - no run has failed (a failure means a worker raised: an input got past its bounds);
 - the server's resident memory stays within --rss-growth-mb of where it started.
+A store case checks its class's own invariants besides (no code ran in a rank, the run failed cleanly
+or finished, its ranks gone within seconds, RSS back within 100 MB once it is forgotten: fuzz_store.py).
 Prints a table of cases per route, the answers seen and every finding (the case that broke which
-invariant); exits 1 on any. The test suite runs a short one (tests/test_fuzz_live.py).
+invariant); exits 1 on any. The test suite runs a short one (tests/test_fuzz_live.py: CI_CASES route
+cases and one store case).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from bench.fuzz_cases import COMPLETION, SCENARIO, Case, Targets, routes
+from bench.fuzz_cases import (COMPLETION, ISSUE_ATTACK, SCENARIO, Case, Targets, hostile_store_cases,
+                               routes)
+from bench.fuzz_store import hostile_store_case
 from bench.report import command_line, progress, table
 from bench.soak import launch, rss_mb
 from kvscope.backend.server.serve import free_port
@@ -62,6 +69,8 @@ class Tally:
 def route_of(case: Case) -> str:
     if case.method == "WS":
         return "WS /ws/runs/{run}"
+    if case.method == "STORE":
+        return "STORE of a TP run (hostile client)"
     if case.method == "GET":
         return "GET " + case.path.split("?")[0].split("/")[1]
     for known in ("/control", "/requests"):
@@ -138,6 +147,8 @@ class Harness:
 
     def send(self, case: Case) -> str:
         """The case's answer as a status ("200", "4xx: 422", ...) or "broke: ..." for a finding."""
+        if case.method == "STORE":
+            return hostile_store_case(self.client, self.proc.pid, case.body or "{}")
         path = self.resolve(case.path)
         try:
             if case.method == "WS":
@@ -208,16 +219,22 @@ class Harness:
         return len(snapshot["free_blocks"])  # the prefix cache's blocks are free blocks too (a subset)
 
 
-def fuzz(max_cases: int, seconds: float, seed: int, rss_growth_mb: float = 1200) -> Tally:
-    """Up to max_cases cases within seconds (the case under way finishes), every invariant after each."""
+def fuzz(max_cases: int, seconds: float, seed: int, rss_growth_mb: float = 1200,
+         store_cases: int = 0) -> Tally:
+    """Up to max_cases route cases and store_cases store cases within seconds (the case under way finishes),
+    every invariant after each."""
     started = time.monotonic()
     harness = Harness(rss_growth_mb)
     tally = Tally()
     try:
-        families = routes(harness.targets())
-        for i, family in enumerate(families):  # each route family its share of cases and of the time
+        route_families = routes(harness.targets())
+        families = [(family, max(1, max_cases // len(route_families))) for family in route_families]
+        if store_cases:  # each spawns ranks, so counted apart; the issue's own attack first, whatever is drawn
+            fuzz_case(harness, tally, ISSUE_ATTACK)
+            families += [(hostile_store_cases(), store_cases - 1)] if store_cases > 1 else []
+        for i, (family, count) in enumerate(families):  # each family its share of the time
             family_deadline = time.monotonic() + (seconds - (time.monotonic() - started)) / (len(families) - i)
-            fuzz_family(harness, tally, family, max(1, max_cases // len(families)), family_deadline, seed)
+            fuzz_family(harness, tally, family, count, family_deadline, seed)
     finally:
         harness.close()
     return tally
@@ -232,14 +249,19 @@ def fuzz_family(harness: Harness, tally: Tally, family: st.SearchStrategy[Case],
     def one(case: Case) -> None:
         if time.monotonic() > deadline or harness.proc.poll() is not None:
             return
-        answer = harness.send(case)
-        tally.count(case, answer.split(":")[0] if answer.startswith("broke") else answer)
-        broken = answer[len("broke: "):] if answer.startswith("broke") else harness.invariants()
-        if broken:
-            tally.findings.append(f"{case.describe()} -> {broken}")
-            progress(f"finding: {tally.findings[-1][:400]}")
+        fuzz_case(harness, tally, case)
 
     one()
+
+
+def fuzz_case(harness: Harness, tally: Tally, case: Case) -> None:
+    """Send one case, count its answer, and record what it broke: its own answer, or an invariant after it."""
+    answer = harness.send(case)
+    tally.count(case, answer.split(":")[0] if answer.startswith("broke") else answer)
+    broken = answer[len("broke: "):] if answer.startswith("broke") else harness.invariants()
+    if broken:
+        tally.findings.append(f"{case.describe()} -> {broken}")
+        progress(f"finding: {tally.findings[-1][:400]}")
 
 
 def report(tally: Tally) -> str:
@@ -253,11 +275,13 @@ def report(tally: Tally) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=int, default=3000, help="at most this many cases")
+    p.add_argument("--store-cases", type=int, default=12,
+                   help="cases of the class 'TP runs with a hostile store client' (each starts a TP=2 run)")
     p.add_argument("--seconds", type=float, default=1800, help="stop drawing cases after this long")
     p.add_argument("--seed", type=int, default=0, help="hypothesis's seed: another seed, other cases")
     p.add_argument("--rss-growth-mb", type=float, default=1200, help="the server's RSS may grow this much")
     args = p.parse_args(argv)
-    tally = fuzz(args.cases, args.seconds, args.seed, args.rss_growth_mb)
+    tally = fuzz(args.cases, args.seconds, args.seed, args.rss_growth_mb, args.store_cases)
     print(command_line("bench.fuzz", argv if argv is not None else sys.argv[1:]))
     print()
     print(report(tally))

@@ -99,7 +99,8 @@ def fill(body: Any, values: list[str]) -> str:
 
 @dataclass(frozen=True)
 class Case:
-    """One request: method POST, GET or WS (a websocket: body is the frames to send, one per line)."""
+    """One request: method POST, GET or WS (a websocket: body is the frames to send, one per line), or STORE
+    (the attacks on a tensor-parallel run's store, bench/fuzz_store.py)."""
     method: str
     path: str  # may hold {run}: the harness puts a run id there
     body: str | None = None
@@ -246,6 +247,27 @@ def websocket_cases() -> st.SearchStrategy[Case]:
     frames = st.lists(st.text(max_size=200) | st.sampled_from(['{"action":"step"}', "x" * 100_000, "{" * 5000]),
                       max_size=4)
     return st.tuples(run_path("/ws/runs/{run}"), frames).map(lambda pf: Case("WS", pf[0], "\n".join(pf[1]), "ws"))
+
+
+# What a process of the server's machine may do to a tensor-parallel run's rendezvous store (bench/fuzz_store.py).
+STORE_ATTACKS = ["pickle at the next step", "junk at the next step", "a forged frame at the next step",
+                 "the current step replayed at the next", "the current step deleted", "a flood of keys",
+                 "a large value", "garbage on the store's socket", "a connection from another address"]
+
+
+def store_case(attacks: list[str], junk: bytes = b"") -> Case:
+    return Case("STORE", "tp run", json.dumps({"attacks": attacks, "junk": junk.hex()}),
+                "hostile store: " + ", ".join(attacks))
+
+
+# Issue #35's attack: a stored pickle that opens a file, where rank 1 reads its next step.
+ISSUE_ATTACK = store_case(["pickle at the next step"])
+
+
+def hostile_store_cases() -> st.SearchStrategy[Case]:
+    """The class "TP runs with a hostile store client": one to three attacks on a TP run's store, and junk bytes."""
+    attacks = st.lists(st.sampled_from(STORE_ATTACKS), min_size=1, max_size=3, unique=True)
+    return st.tuples(attacks, st.binary(max_size=256)).map(lambda aj: store_case(*aj))
 
 
 def routes(targets: Targets) -> list[st.SearchStrategy[Case]]:

@@ -7,17 +7,20 @@ from kvscope.backend.server.guards import MAX_JSON_DEPTH
 from kvscope.backend.server.manager import RunManager
 from tests.server_helpers import in_process
 
-# 240 cases take about 80 s on a quiet 2-core machine; the time limit only guards a hang (a loaded
-# machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
-CI_CASES, CI_SECONDS = 240, 900
+# 240 cases take about 80 s on a quiet 2-core machine, the store case about 15 s more; the time limit only
+# guards a hang (a loaded machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
+CI_CASES, CI_STORE_CASES, CI_SECONDS = 240, 1, 900
 
 
 def test_a_live_server_keeps_every_invariant_under_fuzzing():
     """Hostile values on every route of a live server: no 5xx, the api run serving and idle with every
-    block free, no run failed, RSS bounded; every route family reached."""
-    tally = fuzz(CI_CASES, CI_SECONDS, seed=0)
+    block free, no run failed, RSS bounded; every route family reached. And one tensor-parallel run with a
+    hostile client of its store (the issue's planted pickle): no code ran in a rank, the run failed by
+    its rank's refusal, its ranks gone, no other run or request failed, RSS back once it is forgotten."""
+    tally = fuzz(CI_CASES, CI_SECONDS, seed=0, store_cases=CI_STORE_CASES)
     assert not tally.findings, report(tally)
-    assert len(tally.routes) >= 12 and sum(tally.routes.values()) == CI_CASES, report(tally)
+    assert len(tally.routes) >= 13 and sum(tally.routes.values()) == CI_CASES + CI_STORE_CASES, report(tally)
+    assert tally.answers["STORE of a TP run (hostile client)"] == {"refused": 1}, report(tally)
 
 
 @pytest.fixture(scope="module")

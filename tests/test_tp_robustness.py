@@ -8,6 +8,7 @@ are gone, and that no port stays bound. Every wait is bounded.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.engine import Engine
 from kvscope.backend.engine.sampling_params import SamplingParams
+from kvscope.backend.engine.tp_auth import SECRET_ENV
 from kvscope.backend.engine.tp_group import RankFailed
 from kvscope.backend.server.manager import RunManager
 from tests.server_helpers import app_client, in_process, wait_for
@@ -180,16 +182,33 @@ def test_bad_tensor_parallel_values_are_one_line_errors_naming_the_constraint(co
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def torchrun(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    launcher = Path(sys.executable).with_name("torchrun")
+    launcher = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "-m", "kvscope", *args,
+                           "--tensor-parallel", "2"], capture_output=True, text=True, timeout=180, env=env)
+
+
 def test_torchrun_launches_the_same_engine(tmp_path):
-    """Every rank runs the command under torchrun; rank 0 runs it, the others serve it: same tokens as TP=1."""
+    """Every rank runs the command under torchrun; rank 0 runs it, the others serve it: same tokens as TP=1.
+    The launch sets the run's secret for every rank (docs/engine.md, "Launching")."""
     args = ["generate", "--prompt", "ROMEO:", "--temperature", "0", "--max-tokens", "12"]
     alone = kvscope(*args)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    ranked = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "-m", "kvscope", *args,
-                             "--tensor-parallel", "2"], capture_output=True, text=True, timeout=180)
+    ranked = torchrun(args, {**os.environ, SECRET_ENV: secrets.token_hex(16)})
     assert ranked.returncode == 0, ranked.stderr[-2000:]
     assert ranked.stdout == alone.stdout and alone.stdout.strip()
+
+
+def test_torchrun_without_the_runs_secret_is_refused_saying_how_to_set_it():
+    """torchrun's store listens where torchrun puts it, for anyone who reaches it: without a secret to sign
+    with, no rank acts on what it reads there, and the launch stops before any step, saying why."""
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    ranked = torchrun(["generate", "--prompt", "ROMEO:", "--max-tokens", "2"], env)
+    assert ranked.returncode != 0
+    # whichever rank comes first says it (torchrun then stops the other): rank 0 as the flag's error, a worker
+    # as its one line
+    assert f"under torchrun {SECRET_ENV} is not set" in ranked.stderr, ranked.stderr[-3000:]
+    assert "secrets.token_hex(16)" in ranked.stderr
 
 
 @pytest.mark.parametrize("engine, field, says", [

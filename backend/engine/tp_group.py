@@ -9,16 +9,24 @@ Two channels, as vLLM keeps them apart:
 Each worker also beats on the store (a counter a thread of its own raises), so a failed step can name
 a rank that stopped or wedged apart from the ranks that only waited for it.
 
+Who can talk to them: a TCPStore and gloo's pairs take any connection and ask for nothing, so they
+listen only where the ranks are: `local_store` binds 127.0.0.1 (a socket bound here and handed to the
+store: TCPStore's own host name only tells clients where to connect, and it would listen on every
+interface), and gloo's pairs listen on the address the Link names (loopback for ranks on one machine).
+What a rank reads from the store it trusts only once signed with the run's secret (tp_auth.py), and
+what it acts on is plain data checked field by field (tp_wire.py): a client of the store that is not
+the run's own can fail a run at most, never run code in a rank.
+
 Rendezvous: `kvscope` spawning its own ranks hosts a TCPStore on 127.0.0.1 (port 0: the OS picks a
 free one, closed with the process); under `torchrun` the store is the one torchrun's environment
-names (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Everything after the store is the same code.
+names (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), and listens where torchrun puts it. Everything
+after the store is the same code.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,11 +34,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvscope.backend.engine.tp_auth import Refused, RunSecret
+
 HEARTBEAT_S = 0.2  # a worker's heartbeat period
 SILENCE_BEATS = 5  # a rank whose heartbeat is still for this many periods is named as the one that hangs
 WAIT_FOREVER = timedelta(days=365)  # a worker waits for its next step as long as rank 0 lives
 STORE_TIMEOUT = timedelta(seconds=60)  # connecting to the store
 STARTUP = timedelta(minutes=30)  # a rank waiting for its shard while rank 0 builds the others
+LOOPBACK = "127.0.0.1"
+REASON_CHARS = 300  # what rank 0 repeats of a worker's reason for stopping
 
 
 class RankFailed(RuntimeError):
@@ -52,6 +64,20 @@ class AllReduceStats:
         return out
 
 
+@dataclass(frozen=True)
+class Link:
+    """Where this rank's gloo pairs listen: one address (loopback for ranks on one machine), or the
+    interfaces a multi-host launch names (GLOO_SOCKET_IFNAME)."""
+
+    host: str | None = LOOPBACK
+    interfaces: tuple[str, ...] = ()
+
+    def devices(self) -> list:
+        if self.interfaces:
+            return [dist.ProcessGroupGloo.create_device(interface=name) for name in self.interfaces]
+        return [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+
+
 def torchrun_env() -> tuple[int, int] | None:
     """(rank, world size) when this process was launched by torchrun (or any env:// launcher), else None."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
@@ -65,23 +91,55 @@ def torchrun_store() -> dist.Store:
     return store
 
 
-def local_store(world: int) -> dist.TCPStore:
-    """A store for ranks spawned on this machine, on a port the OS picks; closed when this process ends."""
-    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+def torchrun_link() -> Link:
+    """Where gloo listens under torchrun: the interfaces GLOO_SOCKET_IFNAME names; else loopback when every
+    rank is on this machine; else the address this machine reaches MASTER_ADDR from (the interface the
+    launch already uses between the machines), never every interface."""
+    names = tuple(n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n)
+    if names:
+        return Link(None, names)
+    if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):
+        return Link(LOOPBACK)
+    return Link(route_to(os.environ["MASTER_ADDR"]))
+
+
+def route_to(host: str) -> str:
+    """The local address this machine sends from to reach `host` (a UDP connect sends nothing)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(address)
+        return s.getsockname()[0]
+
+
+def local_store(world: int, host: str = LOOPBACK) -> dist.TCPStore:
+    """A store for ranks spawned on this machine, listening on `host` only, on a port the OS picks; closed
+    when the store is dropped. TCPStore(host, is_master=True) alone would listen on every interface: the
+    socket is bound here and handed over (the store owns it from then on)."""
+    listener = socket.create_server((host, 0))
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, world, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
+                         master_listen_fd=listener.detach())
 
 
 class TPGroup:
-    """One rank's view of its group: rank, world size, the all-reduce, and the store's step channel."""
+    """One rank's view of its group: rank, world size, the all-reduce, and the store's signed step channel.
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
-        self.store, self.rank, self.world, self.device = store, rank, world, device
+    `store`: the session's own keys (a PrefixStore under the run's namespace); `secret` signs and checks
+    every value this channel carries."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float,
+                 secret: RunSecret, link: Link = Link()) -> None:
+        self.store, self.rank, self.world, self.device, self.secret = store, rank, world, device, secret
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = link.devices()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world, opts)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.stats = AllReduceStats()
         self.step = 0  # the next step's number on the store channel
@@ -97,41 +155,65 @@ class TPGroup:
         self.stats.seconds += time.perf_counter() - started
         return x
 
-    # ---- whole objects, once (a rank's shard at the start) -----------------------------------------
+    # ---- a worker's shard, once: its spec (signed JSON), then its tensors -------------------------------
 
-    def send_object(self, obj: object, dst: int) -> None:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(self.device)
+    def send_shard(self, spec: bytes, state: bytes, dst: int) -> None:
+        """Rank 0: send rank `dst` its spec (which carries the state's digest) and its state dict's bytes."""
         self.store.set(f"sending/{dst}", "")
-        self.pg.send([torch.tensor([data.numel()], device=self.device)], dst, 0).wait()
-        self.pg.send([data], dst, 1).wait()
+        for data in (self.secret.sign(f"spec/{dst}", spec), state):
+            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            self.pg.send([torch.tensor([tensor.numel()], device=self.device)], dst, 0).wait()
+            self.pg.send([tensor], dst, 1).wait()
 
-    def recv_object(self, src: int = 0) -> object:
+    def recv_shard(self) -> tuple[bytes, bytes]:
+        """A worker: (its spec's body, checked as rank 0's, and the state dict's bytes, to check against it)."""
         # Rank 0 builds the shards one after another (minutes for a big model): the wait for its turn is on
         # the store, so that the transfer alone runs under the collective timeout.
         self.store.wait([f"sending/{self.rank}"], STARTUP)
+        frame, state = self._recv_bytes(), self._recv_bytes()
+        return self.secret.open(f"spec/{self.rank}", frame), state
+
+    def _recv_bytes(self) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.pg.recv([size], src, 0).wait()
+        self.pg.recv([size], 0, 0).wait()
         data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
-        self.pg.recv([data], src, 1).wait()
-        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False, map_location=self.device)
+        self.pg.recv([data], 0, 1).wait()
+        return data.cpu().numpy().tobytes()
 
     # ---- the step channel: rank 0 posts, the others read -------------------------------------------
 
-    def post(self, message: object) -> None:
-        """Rank 0: the next step's message for every other rank (None: stop)."""
-        self.store.set(f"step/{self.step}", pickle.dumps(message))
+    def post(self, body: bytes) -> None:
+        """Rank 0: the next step's body for every other rank (tp_wire.py), signed for this step alone."""
+        self.store.set(f"step/{self.step}", self.secret.sign(f"step/{self.step}", body))
         if self.step:
             self.store.delete_key(f"step/{self.step - 1}")  # every rank read it: they all-reduced with rank 0 since
         self.step += 1
 
-    def receive(self) -> object:
-        """A worker: wait for rank 0's next message and read it."""
+    def receive(self) -> bytes:
+        """A worker: wait for rank 0's next body and return it once its signature holds (Refused otherwise:
+        another process wrote the key, or copied another step's value there)."""
         key = f"step/{self.step}"
         self.store.wait([key], WAIT_FOREVER)
         self.step += 1
-        return pickle.loads(self.store.get(key))
+        return self.secret.open(key, self.store.get(key))
+
+    # ---- why a rank stopped ----------------------------------------------------------------------------
+
+    def say_refused(self, reason: str) -> None:
+        """A worker that refuses a message: its reason, signed, for rank 0 to report."""
+        self.store.set(f"refused/{self.rank}", self.secret.sign(f"refused/{self.rank}", reason.encode()))
+
+    def refusal(self, rank: int) -> str | None:
+        """Rank 0: why `rank` refused a message, if it said so (and it was `rank` that said it)."""
+        try:
+            if not self.store.check([f"refused/{rank}"]):
+                return None
+            body = self.secret.open(f"refused/{rank}", self.store.get(f"refused/{rank}"))
+        except (RuntimeError, Refused):  # the store is gone, or another process wrote there
+            return None
+        return body.decode(errors="replace")[:REASON_CHARS]
+
+    # ---- heartbeats ----------------------------------------------------------------------------------
 
     def beat(self) -> None:
         """A worker's heartbeat thread: one more beat."""

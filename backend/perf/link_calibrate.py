@@ -22,6 +22,7 @@ tensor-parallel engine started from one thread gives them.
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import subprocess
@@ -32,6 +33,7 @@ from datetime import datetime, timedelta, timezone
 import torch
 import torch.distributed as dist
 
+from kvscope.backend.engine.tp_auth import RunSecret
 from kvscope.backend.engine.tp_group import TPGroup, local_store
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.least_squares import nonnegative_least_squares
@@ -46,7 +48,7 @@ REPEATS = 40  # timed all-reduces per size, after WARMUP untimed ones
 GAP_S = 2e-4  # the work before each all-reduce: a few small matmuls' worth
 WARMUP = 5
 POSTS = 100
-POST_BYTES = 2048  # a pickled StepInput of a small batch
+POST_BYTES = 2048  # a step's JSON body (tp_wire.py) for a small batch
 TIMEOUT_S = 60.0
 LINK_FIGURES = ("backend", "world", "latency_s", "bandwidth", "step_post_s", "measured_at")
 MODULE = "kvscope.backend.perf.link_calibrate"
@@ -71,11 +73,13 @@ def measure_link(backend: str = "gloo", world: int = 2, repeats: int = REPEATS,
     """Ping `world` - 1 spawned processes from this one; the fitted link as a JSON-ready dict."""
     device = check_link(backend, world)
     sizes = sizes or SIZES[device]
-    store = local_store(world)
+    store, secret = local_store(world), RunSecret.new()
+    env = {**os.environ, **secret.environ()}  # as the engine hands its ranks the secret: never on a command line
     peers = [subprocess.Popen([sys.executable, "-m", MODULE, str(store.port), str(rank), str(world), backend,
-                               str(repeats), *map(str, sizes)]) for rank in range(1, world)]
+                               str(repeats), *map(str, sizes)], env=env) for rank in range(1, world)]
     try:
-        group = TPGroup(store, 0, world, rank_device(device, 0), TIMEOUT_S)
+        group = TPGroup(dist.PrefixStore(secret.namespace(), store), 0, world, rank_device(device, 0), TIMEOUT_S,
+                        secret)
         seconds = ping(group, sizes, repeats)
         post_s = time_posts(group)
     except BaseException as e:  # a peer that died, a timeout, Ctrl-C: the others would wait for the timeout
@@ -149,7 +153,7 @@ def time_posts(group: TPGroup) -> float:
         group.post(bytes(POST_BYTES))
         times.append(time.perf_counter() - started)
         group.all_reduce(token)
-    group.post(None)
+    group.post(b"")  # an empty body: the peers stop
     return statistics.median(times)
 
 
@@ -175,10 +179,12 @@ def peer(argv: list[str]) -> int:
     port, rank, world, backend, repeats, *sizes = argv
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", int(port), int(world), is_master=False, timeout=timedelta(seconds=TIMEOUT_S))
-    group = TPGroup(store, int(rank), int(world), rank_device(DEVICES[backend], int(rank)), TIMEOUT_S)
+    secret = RunSecret.from_env(forget=True)
+    group = TPGroup(dist.PrefixStore(secret.namespace(), store), int(rank), int(world),
+                    rank_device(DEVICES[backend], int(rank)), TIMEOUT_S, secret)
     ping(group, tuple(int(s) for s in sizes), int(repeats))
     token = torch.zeros(1, device=group.device)
-    while group.receive() is not None:
+    while group.receive():
         group.all_reduce(token)
     return 0
 

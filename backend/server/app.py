@@ -32,7 +32,7 @@ from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.library import MAX_NAME, LibraryError
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from kvscope.backend.server.run_errors import RunBusy, RunError
+from kvscope.backend.server.run_errors import RunBusy, RunClosed, RunError
 from kvscope.backend.server.runs import ServedRun
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,10 @@ def user_error(_: Request, exc: KvscopeError) -> Response:
 
 def library_error(_: Request, exc: LibraryError) -> Response:
     return _error(404 if exc.missing else 400, str(exc), exc.field)
+
+
+def closed_error(_: Request, exc: RunClosed) -> Response:
+    return Response({"error": str(exc), "field": None, "state": exc.state}, status_code=409, media_type=MediaType.JSON)
 
 
 def busy_error(_: Request, exc: RunBusy) -> Response:
@@ -242,6 +246,13 @@ def inline_yaml(text: str) -> dict[str, Any]:
 @get("/api/runs/{run_id:str}", sync_to_thread=True)
 def run_snapshot(request: Request, run_id: FromPath[str]) -> dict:
     return run_or_404(request, run_id).snapshot()
+
+
+@delete("/api/runs/{run_id:str}", guards=[require_token], sync_to_thread=True, status_code=204)
+def forget_run(request: Request, run_id: FromPath[str]) -> None:
+    """Forget a run now rather than when the server needs its place: its memory goes, and a tensor-parallel
+    engine's ranks with it."""
+    request.app.state.manager.forget(run_or_404(request, run_id).run_id)
 
 
 @post("/api/runs/{run_id:str}/control", guards=[require_token], sync_to_thread=True, status_code=200)
@@ -370,12 +381,12 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     if limits is not None:
         manager.limits = limits
     app = Litestar(
-        route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
-                        add_request, run_trace, token_dist, library_list, library_entry, library_rename,
-                        library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
+        route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot,
+                        forget_run, control, add_request, run_trace, token_dist, library_list, library_entry,
+                        library_rename, library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
                         *responses_routes, *probe_routes],
-        exception_handlers={KvscopeError: user_error, LibraryError: library_error, RunBusy: busy_error,
-                            HTTPException: openai_errors_under_v1(http_error)},
+        exception_handlers={KvscopeError: user_error, RunClosed: closed_error, LibraryError: library_error,
+                            RunBusy: busy_error, HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,

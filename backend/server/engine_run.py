@@ -6,6 +6,14 @@ through `loaded` and `max_model_len`, never through the engine, which only the w
 the server decides by (admission's waiting count, the shutdown's aborts, the /metrics gauges) is the
 engine's own count, `Engine.stats`, a snapshot it replaces whole and any thread may read: never the
 reducer's, whose events may be off (--api-events off has no iteration events to say what runs).
+
+What an engine holds outside this process (a tensor-parallel engine's other ranks: processes, the
+store's port, gloo's sockets and threads) is let go as soon as the run no longer needs it: when a
+scenario run finishes (a finished tensor-parallel run then refuses live requests with RunClosed, a
+409, instead of starting its ranks again for one request), when it fails (from whichever thread
+fails it: a stalled worker's ranks are killed, which ends the step it is stuck in), and when the
+server forgets it (its worker ends). A run on one process keeps its engine: finished, it wakes for a
+live request.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from kvscope.backend.model.weights import WeightCache
 from kvscope.backend.run import ScenarioRun
 from kvscope.backend.scenario import Scenario
 from kvscope.backend.server.live_requests import Listener, LiveRequests
-from kvscope.backend.server.run_errors import RunBusy, RunFailed
+from kvscope.backend.server.run_errors import RunBusy, RunClosed, RunFailed
 from kvscope.backend.server.run_pacing import DEFAULT_SPEED
 from kvscope.backend.server.runs import Retention, ServedRun
 
@@ -33,8 +41,9 @@ class EngineRun(ServedRun):
     run's first event) and hands it to `serve`."""
 
     records_controls = True
-    engine: Engine  # the real engine, touched on the worker thread only (its `stats` excepted)
+    engine: Engine  # the real engine, touched on the worker thread only (its `stats` and `close` excepted)
     model: str  # the model's name, as the run was asked for it
+    released: str | None = None  # why the engine was closed while the run is held (it takes no request then)
 
     def __init__(self, run_id: str, events: Level, speed: float, paused: bool, retention: Retention, lesson: bool,
                  forgets_finished: bool) -> None:
@@ -68,6 +77,21 @@ class EngineRun(ServedRun):
     def release(self) -> None:
         self.engine.close()  # a tensor-parallel engine's other ranks stop
 
+    def fail(self, cause: str, error: BaseException | None = None) -> None:
+        """Fail the run, then let its ranks go now, whatever the worker is doing: Engine.close from another
+        thread than the worker's, during a step, kills the ranks (the step stuck on them fails) and leaves the
+        rest to the worker's own release (tp_runner.TensorParallelRunner.close)."""
+        super().fail(cause, error)
+        self.engine.close()
+
+    def _release_when_finished(self) -> None:
+        """On the worker thread, as a scenario run finishes: a tensor-parallel engine's ranks go now, not when
+        the server forgets the run (minutes later, or never on an idle server)."""
+        if self.engine.config.tensor_parallel > 1:
+            self.engine.close()
+            self.released = ("it finished, and its tensor-parallel ranks were stopped as it did; start a new run "
+                             "for more requests")
+
     def abort_in_flight(self, reason: str) -> None:
         engine = self.engine
         self.worker.submit(lambda: engine.abort_all(reason))
@@ -82,6 +106,7 @@ class EngineRun(ServedRun):
         """Add a request live (validated on the worker thread; RequestError if refused, RunBusy if the
         waiting queue is full). It arrives now, on this thread: its TTFT and queue time include the wait
         for the worker to finish the step under way, as a client sees them (and vLLM counts them)."""
+        self._check_open()
         arrival = self.engine.clock()
         with self.lock:
             self.requests.check_room(self.engine.stats.num_waiting, 1)
@@ -93,17 +118,23 @@ class EngineRun(ServedRun):
 
     def _add_on_worker(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
                        listener: Listener | None, request_id: str | None, arrival: float) -> str:
-        rid = self.requests.listen(request_id, listener)
         try:
-            self.engine.add_request(rid, prompt, max_tokens, sampling, arrival)
-        except Exception:
-            self.requests.drop(rid)
-            raise
+            self._check_open()  # again on the worker, which alone closes the engine: the run may have finished since
+            rid = self.requests.listen(request_id, listener)
+            try:
+                self.engine.add_request(rid, prompt, max_tokens, sampling, arrival)
+            except Exception:
+                self.requests.drop(rid)
+                raise
         finally:  # after the add: a room check in between counts the request once at least, never not at all
             with self.lock:
                 self.requests.adds_pending -= 1
         self.finished = False  # a finished run wakes up for a live request
         return rid
+
+    def _check_open(self) -> None:
+        if self.released is not None:
+            raise RunClosed(self.run_id, "finished", self.released)
 
     def describe(self) -> dict:
         """The summary, plus the run's model and whether it has a chat template (the dashboard's chat switch)."""
@@ -138,3 +169,4 @@ class ServedScenario(EngineRun):
         if self.scenario_run.done and not self.finished:
             self.finished = True
             self.scenario_run.finish()
+            self._release_when_finished()

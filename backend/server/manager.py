@@ -371,6 +371,17 @@ class RunManager:
                                               f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
                                               "use a model and settings a run already uses, or let a run finish")
 
+    def forget(self, run_id: str) -> None:
+        """Forget a run at a client's word: its place, its memory, and what its engine holds outside this process
+        (its worker ends and releases it). An API run is the service the /v1 routes wait on: not forgotten so."""
+        with self._lock:
+            run = self.runs.get(run_id)
+            if isinstance(run, ApiRun):
+                raise RunError("run_id", f"{run_id!r} is the API's run, which the /v1 routes wait on; it is not "
+                                         "forgotten by request (it restarts itself when it fails)")
+            if run is not None:
+                self._forget_locked(run_id)
+
     def _sweep_locked(self) -> None:
         """Forget the runs that expired (paused and untouched too long)."""
         for rid in [rid for rid, r in self.runs.items() if r.expired]:

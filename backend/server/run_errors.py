@@ -1,4 +1,5 @@
-"""How a served run refuses a caller: RunError (a 400), RunFailed (its worker failed), RunBusy (a 429).
+"""How a served run refuses a caller: RunError (a 400), RunFailed (its worker failed), RunClosed (a 409: it
+finished and let its engine's ranks go), RunBusy (a 429).
 
 Every part of a run raises these, and the routes catch them once at the edge; `describe_fault` and
 `build_run` turn any other exception into words a client may read.
@@ -25,6 +26,16 @@ class RunFailed(RunError):
     def __init__(self, run_id: str, cause: str) -> None:
         super().__init__(None, f"run {run_id!r} failed: {cause}")
         self.run_id, self.cause = run_id, cause
+
+
+class RunClosed(RunError):
+    """A finished run whose engine let go of what it held outside this process (a tensor-parallel engine's
+    ranks, stopped as the run finished): it takes no new request. A 409 with the run's state: its state,
+    not the request, is what is wrong, and a new run takes the request."""
+
+    def __init__(self, run_id: str, state: str, why: str) -> None:
+        super().__init__(None, f"run {run_id!r} is {state}: {why}")
+        self.run_id, self.state = run_id, state
 
 
 class RunBusy(Exception):
