@@ -4,8 +4,8 @@ Why every value is signed: the ranks meet at a TCPStore, and a TCPStore asks no 
 that reaches its port can connect, list every key (`list_keys`) and set any value, so a key's name is
 no secret and a value's presence proves nothing. A rank therefore reads a value as data (a session, a
 worker's spec, a step, a rank's answer) only once it has checked its HMAC-SHA256 under the run's
-secret, bound to what the value is for (the session, the step, the rank): a value copied from one key to another, or from an earlier step, fails the check
-as a forged one does. The keys themselves live under a namespace derived from the secret (a hash of
+secret, bound to what the value is for (the session, the step, the rank): a value copied from one key
+to another, or from an earlier step, fails the check as a forged one does. The keys themselves live under a namespace derived from the secret (a hash of
 it, so that listing the keys tells nothing of the secret), so two runs on one store never meet.
 Signed is not hidden: a client of the store can read a step's token ids (docs/engine.md).
 
