@@ -5,8 +5,9 @@ that reaches its port can connect, list every key (`list_keys`) and set any valu
 no secret and a value's presence proves nothing. A rank therefore reads a value as data (a session, a
 worker's spec, a step, a rank's answer) only once it has checked its HMAC-SHA256 under the run's
 secret, bound to what the value is for (the session, the step, the rank): a value copied from one key
-to another, or from an earlier step, fails the check as a forged one does. The keys themselves live under a namespace derived from the secret (a hash of
-it, so that listing the keys tells nothing of the secret), so two runs on one store never meet.
+to another, or from an earlier step, fails the check as a forged one does. The keys themselves live
+under a namespace derived from the secret (a hash of it, so that listing the keys tells nothing of the
+secret), so two runs on one store never meet.
 Signed is not hidden: a client of the store can read a step's token ids (docs/engine.md).
 
 Where the secret comes from (docs/engine.md, "Launching"): rank 0 draws 128 random bits per engine
