@@ -137,8 +137,9 @@ def row_errors(raw_logprobs: torch.Tensor, final: torch.Tensor, masks: torch.Ten
     cannot be sampled, or None. The raw row is read, not only the final one: a greedy row's final
     distribution is one-hot on its argmax even when every logit is -inf. No finite log-probability, or a
     NaN in either, leaves no token to give; when the grammar's mask allows nothing, the grammar is why."""
-    ok = (torch.isfinite(raw_logprobs).any(-1) & ~torch.isnan(raw_logprobs).any(-1)
-          & ~torch.isnan(final).any(-1)).tolist()
+    # Two reductions over [B, V], both NaN-propagating: the largest raw log-probability is finite exactly when
+    # some token is allowed and none is NaN; the final row's sum is finite when none of it is NaN.
+    ok = (torch.isfinite(raw_logprobs.amax(-1)) & torch.isfinite(final.sum(-1))).tolist()
     empty = (masks == 0).all(-1).tolist() if masks is not None else [False] * len(ok)
     return [None if fine else GRAMMAR_STRANDED if stranded else NOT_A_NUMBER
             for fine, stranded in zip(ok, empty, strict=True)]
