@@ -97,8 +97,10 @@ def test_ids_that_are_not_file_stems_are_refused_naming_the_field(tmp_path, bad)
     assert e.value.field == "id" and not e.value.missing
 
 
-@pytest.mark.parametrize("name", ["", "   ", "x" * 121, "a\nb"])
-def test_names_are_one_line_of_bounded_length(tmp_path, name):
+@pytest.mark.parametrize("name", ["", "   ", "x" * 121, "a\nb",
+                                  "a\x7fb", "week \u202egnp.exe", "a\u200bb", "<script>alert(1)</script>"])
+def test_names_are_one_line_of_bounded_length_without_control_formatting_or_markup(tmp_path, name):
+    """DEL, U+202E (which shows what follows it reversed), a zero-width space and a tag were names (#35)."""
     library = RunLibrary(tmp_path)
     library.save(fake_trace("a1"), **facts("a1"))
     with pytest.raises(LibraryError, match="^name: "):
@@ -118,9 +120,12 @@ def test_hostile_and_cut_files_in_the_folder_are_skipped_with_a_logged_line(tmp_
     (tmp_path / "f6.json").write_text(json.dumps({**entry, "id": "f6", "steps": "many"}))
     (tmp_path / "g7.json").write_text(" " * 70_000)
     (tmp_path / "h8.jsonl").write_text(fake_trace("h8"))  # a save that never wrote its sidecar
+    library.save(fake_trace("i9"), **facts("i9"))
+    (tmp_path / "i9.json").write_text(json.dumps({**json.loads((tmp_path / "i9.json").read_text()),
+                                                  "name": "<img src=x onerror=alert(1)>"}))  # a name edited on disk
     with caplog.at_level(logging.WARNING, logger="kvscope.backend.server.library"):
         assert library.entries() == [good]
-    for name in ("b2.json", "c3.json", "d4.json", "e5.json", "f6.json", "g7.json"):
+    for name in ("b2.json", "c3.json", "d4.json", "e5.json", "f6.json", "g7.json", "i9.json"):
         assert f"library: skipped {name}: " in caplog.text, name
     assert "cut or edited" in caplog.text
     with pytest.raises(LibraryError) as e:
