@@ -95,7 +95,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
-    gen = Generation(run, data.n or 1, "chatcmpl")
+    gen = Generation(run, data.n or 1, "chatcmpl", grammar=grammar)
     with named_by_source(grammar):
         await gen.submit([(prompt, max_tokens)], sampling)
     return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)
