@@ -246,10 +246,13 @@ def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):
     from kvscope.cli import _limits, build_parser
 
     args = build_parser().parse_args(["serve", "--no-ui", "--max-kv-memory-mb", "512", "--max-waiting", "3",
-                                      "--request-timeout-s", "2.5", "--max-viewers", "4", "--allow-paths"])
+                                      "--request-timeout-s", "2.5", "--max-viewers", "4", "--allow-paths",
+                                      "--grammar-timeout-s", "7", "--max-grammar-compiles", "3",
+                                      "--grammar-cache-mb", "64"])
     limits = _limits(args)
     assert (limits.max_kv_memory_mb, limits.max_waiting, limits.request_timeout_s, limits.max_viewers) == \
         (512, 3, 2.5, 4)
+    assert (limits.grammar_timeout_s, limits.max_grammar_compiles, limits.grammar_cache_mb) == (7, 3, 64)
     assert limits.allow_paths and limits.served_models == ("demo",) and limits.max_runs == ServiceLimits().max_runs
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["serve", "--max-waiting", "0"])

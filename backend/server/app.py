@@ -8,10 +8,11 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import secrets
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from litestar import Litestar, MediaType, Request, Response, delete, get, patch, post
@@ -22,18 +23,24 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import File
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvscope.backend.engine.admission import parse_sampling
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.scenario import (ChatMessage, YAMLTooDeep, bundled_path, list_scenarios, load_scenario,
                                      safe_load)
 from kvscope.backend.server.engine_run import EngineRun
+from kvscope.backend.server.grammar_compiles import ClientGone
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.library import MAX_NAME, LibraryError
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.openai_serving import client_gone
 from kvscope.backend.server.run_errors import RunBusy, RunError
 from kvscope.backend.server.runs import ServedRun
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"  # the text format Prometheus scrapes
@@ -132,6 +139,10 @@ def user_error(_: Request, exc: KvscopeError) -> Response:
 
 def library_error(_: Request, exc: LibraryError) -> Response:
     return _error(404 if exc.missing else 400, str(exc), exc.field)
+
+
+def client_left(_: Request, exc: ClientGone) -> Response:
+    return _error(499, "the client went away")  # nobody reads it: nginx's "client closed request"
 
 
 def busy_error(_: Request, exc: RunBusy) -> Response:
@@ -251,12 +262,25 @@ def control(request: Request, run_id: FromPath[str], data: JSONBody[Control]) ->
     return run.describe()
 
 
-@post("/api/runs/{run_id:str}/requests", guards=[require_token], sync_to_thread=True, status_code=201)
-def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
+@post("/api/runs/{run_id:str}/requests", guards=[require_token], status_code=201)
+async def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
     run = run_or_404(request, run_id)
     if not isinstance(run, EngineRun):
         raise RunError("run_id", "a replay cannot take new requests")
-    return {"request_id": run.add_request(prompt_of(data, run), data.max_tokens, data.sampling)}
+    prompt = await asyncio.to_thread(prompt_of, data, run)  # a chat renders in a process of its own
+    compiled = await live_grammar(request, run, data.sampling)
+    rid = await asyncio.to_thread(run.add_request, prompt, data.max_tokens, data.sampling, None, None, compiled)
+    return {"request_id": rid}
+
+
+async def live_grammar(request: Request, run: EngineRun, sampling: dict[str, Any]) -> CompiledGrammar | None:
+    """A live request's grammar compiled off the run's worker, as the OpenAI routes compile theirs
+    (grammar_compiles.py); a refusal names `sampling.structured_outputs.<kind>`."""
+    spec = parse_sampling(sampling).structured_outputs
+    if spec is None:
+        return None
+    return await request.app.state.manager.compiles.compiled(run.grammars, spec, f"sampling.structured_outputs."
+                                                             f"{spec.kind}", lambda: client_gone(request))
 
 
 def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
@@ -375,6 +399,7 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
                         library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
                         *responses_routes, *probe_routes],
         exception_handlers={KvscopeError: user_error, LibraryError: library_error, RunBusy: busy_error,
+                            ClientGone: client_left,
                             HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.grammar_answers import answer_problem
 from kvscope.backend.server.run_errors import RequestFailed, RunFailed
 from kvscope.backend.server.structured import Grammar
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 
@@ -99,8 +102,10 @@ class Generation:
         k = self.prompt_of[request_id]
         return self.choices[k * self.n:(k + 1) * self.n]
 
-    async def submit(self, prompts: list[tuple[str | list[int], int]], sampling: dict[str, Any]) -> None:
-        """Add one request per (prompt, max_tokens) to the engine (RequestError if it refuses one)."""
+    async def submit(self, prompts: list[tuple[str | list[int], int]], sampling: dict[str, Any],
+                     compiled: CompiledGrammar | None = None) -> None:
+        """Add one request per (prompt, max_tokens) to the engine (RequestError if it refuses one); `compiled`:
+        the grammar, compiled off the run's worker (grammar_compiles.py)."""
         params = {**sampling, "n": self.n}  # each sibling draws from its own stream
         loop = asyncio.get_running_loop()
         try:
@@ -109,7 +114,7 @@ class Generation:
                     for choice in self.choices_of(rid):
                         choice.prompt_tokens = len(prompt)
                 await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
-                                        self._listener(loop, rid), rid)
+                                        self._listener(loop, rid), rid, compiled)
         except BaseException:
             self.close()
             raise

@@ -41,6 +41,12 @@ class ServiceLimits:
     max_weight_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * WEIGHT_SHARE_OF_MEMORY)
     max_runs: int = 16  # runs held at once (finished ones are forgotten first to make room)
     max_waiting: int = 64  # requests queued in one run before /v1 answers 429
+    # Clients' grammars (grammar_compiles.py): a compile waited for at most this long (xgrammar cannot be
+    # stopped: one ran ~160 s), at most this many at once server-wide (one more: a 429), and each engine run's
+    # cache of compiled grammars within this many MB, by xgrammar's own measure (one can hold ~170 MB).
+    grammar_timeout_s: float = 30.0
+    max_grammar_compiles: int = 2
+    grammar_cache_mb: float = 256.0
     request_timeout_s: float = 600.0  # a /v1 request is aborted after this long
     max_viewers: int = 32  # websocket viewers per run
     viewer_events_per_s: float = 4000.0  # sent to all viewers together: the engine and /v1 keep the CPU

@@ -34,7 +34,8 @@ from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
 from kvscope.backend.server.api_run import ApiRun, api_engine
-from kvscope.backend.server.engine_run import ServedScenario
+from kvscope.backend.server.engine_run import EngineRun, ServedScenario
+from kvscope.backend.server.grammar_compiles import GrammarCompiles
 from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
@@ -105,6 +106,8 @@ class RunManager:
         self.load_error: str | None = None  # why that start failed last
 
         self._api_run_watchers: list[Callable[[str, ApiRun], None]] = []  # GET /metrics (metrics.py)
+        # clients' grammars, compiled off the runs' workers: the places are the server's, not a run's
+        self.compiles = GrammarCompiles(lambda: self.limits.max_grammar_compiles, lambda: self.limits.grammar_timeout_s)
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -123,7 +126,7 @@ class RunManager:
         return Retention(history=lim.history if open_ended else lim.history + planned,
                          trace_window=lim.trace_window if open_ended else None, trace_dir=lim.trace_dir,
                          paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers,
-                         stall_timeout_s=lim.stall_timeout_s)
+                         stall_timeout_s=lim.stall_timeout_s, grammar_cache_bytes=int(lim.grammar_cache_mb * MB))
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
@@ -302,13 +305,19 @@ class RunManager:
         return build_run(lambda: weight_needs(model, engine))
 
     def usage(self) -> dict:
-        """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies."""
+        """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies, grammars."""
         with self._lock:
             runs, kv = len(self.kv_bytes), self._kv_held()
+            engines = [r for r in self.runs.values() if isinstance(r, EngineRun)]
         lim = self.limits
+        caches = [{"run_id": r.run_id, "bytes": r.grammars.cached_bytes, "max_bytes": r.grammars.max_bytes,
+                   "grammars": r.grammars.num_cached} for r in engines]
         return {"runs": runs, "max_runs": lim.max_runs, "kv_bytes": kv, "max_kv_bytes": int(lim.max_kv_memory_mb * MB),
                 "weight_bytes": self.weights.held_bytes(), "max_weight_bytes": int(lim.max_weight_memory_mb * MB),
-                "weight_copies": self.weights.describe()}
+                "weight_copies": self.weights.describe(),
+                "grammar_bytes": sum(c["bytes"] for c in caches), "max_grammar_bytes_per_run": int(lim.grammar_cache_mb * MB),
+                "grammar_caches": caches, "grammar_compiles": self.compiles.in_flight,
+                "max_grammar_compiles": lim.max_grammar_compiles, "grammar_timeout_s": lim.grammar_timeout_s}
 
     def _add(self, build: Callable[[str], ServedRun], kv: int, kv_field: str = "engine.num_blocks",
              run_id: str | None = None, needs: Sequence[WeightNeed] = ()) -> ServedRun:

@@ -16,6 +16,7 @@ from kvscope.backend.engine.request import RequestError
 from kvscope.backend.errors import pydantic_reason
 from kvscope.backend.model.chat import ChatTemplateError
 from kvscope.backend.model.loader import ModelLoadError, missing_package
+from kvscope.backend.server.grammar_compiles import ClientGone
 from kvscope.backend.server.limits import WeightMemoryError
 from kvscope.backend.server.run_errors import RequestFailed, RunBusy, RunError, RunFailed
 
@@ -54,6 +55,8 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return run_failed(exc)
     if isinstance(exc, RequestFailed):
         return request_failed(exc)
+    if isinstance(exc, ClientGone):  # nobody reads it: nginx's "client closed request"
+        return OpenAIError(499, "the client went away", type="client_closed_request")
     if isinstance(exc, RunError):  # the API's run could not start: the server's limits, not the request
         return OpenAIError(503, str(exc), type="server_error")
     if isinstance(exc, ChatTemplateError):
@@ -118,7 +121,7 @@ def openai_errors_under_v1(handler: Handler) -> Handler:
 # Keyed like app.py's handlers, so that these (the nearer layer) win for the routes they are given.
 OPENAI_ERROR_HANDLERS: dict = {exc: to_openai_error for exc in (
     OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError, RunFailed,
-    RequestFailed, Exception)}
+    RequestFailed, ClientGone, Exception)}
 
 
 def v1_router(handlers: list) -> Router:

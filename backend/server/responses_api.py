@@ -40,8 +40,8 @@ from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.server.generation import Generation
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.openai_errors import OpenAIError, request_failed, run_failed, v1_router
-from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, fit_in_context, respond,
-                                                   sampling_for, served_model)
+from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, compiled_grammar, fit_in_context,
+                                                   respond, sampling_for, served_model)
 from kvscope.backend.server.responses_protocol import ResponsesBody, TextFormat
 from kvscope.backend.server.run_errors import RequestFailed, RunFailed
 from kvscope.backend.server.structured import named_by_source
@@ -161,9 +161,10 @@ async def create_response(request: Request, data: JSONBody[ResponsesBody]) -> Re
         raise OpenAIError(400, str(e), "input") from None
     max_tokens = fit_in_context(run, len(prompt), data.max_output_tokens, DEFAULT_CHAT_MAX_TOKENS, "input",
                                 "max_output_tokens")
+    compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
     gen = Generation(run, 1, "resp", grammar=grammar)
     with named_by_source(grammar):
-        await gen.submit([(prompt, max_tokens)], sampling)
+        await gen.submit([(prompt, max_tokens)], sampling, compiled)
     events = stream_events(gen, data, model) if data.stream else None
     return await respond(request, gen, events, lambda: final_response(gen, data, model))
 
