@@ -146,10 +146,10 @@ def _limits(args: argparse.Namespace):
 
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
-    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
-             "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "stall_timeout_s", "history",
-             "trace_window", "trace_dir", "api_events", "max_tensor_parallel", "grammar_timeout_s",
-             "max_grammar_compiles", "grammar_cache_mb")
+    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_replay_memory_mb", "max_runs",
+             "max_waiting", "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s",
+             "stall_timeout_s", "history", "trace_window", "trace_dir", "api_events", "max_tensor_parallel",
+             "grammar_timeout_s", "max_grammar_compiles", "grammar_cache_mb")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -475,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument("--max-weight-memory-mb", type=positive(float),
                          help="weight copies of all runs together; runs of one model and settings share one "
                               "(default: a quarter of physical memory)")
+        lim.add_argument("--max-replay-memory-mb", type=positive(float),
+                         help="parsed traces of the replays held (replays of one trace share one); past it "
+                              "opening a replay gets 429 (default: an eighth of physical memory)")
         lim.add_argument("--max-runs", type=positive(int), help="runs held at once (default 16)")
         lim.add_argument("--max-tensor-parallel", type=positive(int),
                          help="ranks (processes) one run may start with engine.tensor_parallel (default: the cores)")

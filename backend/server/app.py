@@ -225,7 +225,7 @@ def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
 
 def _start(manager: RunManager, data: StartRun) -> ServedRun:
     if data.trace is not None:
-        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused, data.lesson)
+        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused, data.lesson, data.trace)
     if data.yaml is not None:
         return manager.start_scenario(inline_yaml(data.yaml), data.overrides, data.speed, data.paused, data.lesson)
     if data.scenario is not None:
@@ -253,6 +253,14 @@ def inline_yaml(text: str) -> dict[str, Any]:
 @get("/api/runs/{run_id:str}", sync_to_thread=True)
 def run_snapshot(request: Request, run_id: FromPath[str]) -> dict:
     return run_or_404(request, run_id).snapshot()
+
+
+@delete("/api/runs/{run_id:str}", guards=[require_token], sync_to_thread=True, status_code=204)
+def close_run(request: Request, run_id: FromPath[str]) -> None:
+    """Stop and forget a run now: its KV cache, weight copies and replayed trace are let go (the API's runs
+    are never closed)."""
+    if not request.app.state.manager.close(run_id):
+        raise NotFoundException(f"no run {run_id!r}")
 
 
 @post("/api/runs/{run_id:str}/control", guards=[require_token], sync_to_thread=True, status_code=200)
@@ -394,7 +402,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     if limits is not None:
         manager.limits = limits
     app = Litestar(
-        route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, control,
+        route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot, close_run,
+                        control,
                         add_request, run_trace, token_dist, library_list, library_entry, library_rename,
                         library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
                         *responses_routes, *probe_routes],
