@@ -264,8 +264,8 @@ USER = [{"role": "user", "content": "Say something."}]
 
 def _strand_bodies() -> list[tuple[str, str, dict]]:
     """(label, path, body): each way a grammar reaches the run, with each grammar that can never answer."""
-    engine = {"json pattern": {"json": STRANDS}, "regex": {"regex": NOTHING}, "left recursion": {"grammar": LEFT_RECURSION},
-              "empty only": {"json": EMPTY_ONLY}}
+    engine = {"json pattern": {"json": STRANDS}, "regex": {"regex": NOTHING},
+              "left recursion": {"grammar": LEFT_RECURSION}, "empty only": {"json": EMPTY_ONLY}}
     schemas = {"json pattern": STRANDS, "empty only": EMPTY_ONLY}
     tool = {"type": "object", "properties": {"a": STRANDS}, "required": ["a"]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": tool}}]
@@ -280,8 +280,9 @@ def _strand_bodies() -> list[tuple[str, str, dict]]:
         guided = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}[key]
         bodies.append((f"chat {guided} {name}", "/v1/chat/completions", {**chat, guided: value}))
     for name, schema in schemas.items():
-        bodies.append((f"responses text.format {name}", "/v1/responses", {"input": "Say something.", "max_output_tokens": 24,
-                       "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}))
+        fmt = {"type": "json_schema", "name": "s", "schema": schema}
+        bodies.append((f"responses text.format {name}", "/v1/responses",
+                       {"input": "Say something.", "max_output_tokens": 24, "text": {"format": fmt}}))
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         bodies.append((f"chat tool_choice {json.dumps(choice)}", "/v1/chat/completions",
                        {**chat, "max_tokens": 48, "tools": tools, "tool_choice": choice}))
@@ -361,10 +362,11 @@ def surrogate_cases() -> st.SearchStrategy[Case]:
             path = "/tokenize" if where.startswith("tokenize") else "/v1/chat/completions"
             text = json.dumps({"messages": _history(arguments), **({} if path == "/tokenize" else {"max_tokens": 2})})
         elif where == "schema text":
-            path, text = "/v1/chat/completions", json.dumps({"messages": USER, "max_tokens": 2,
-                                                             "guided_json": '{"type": "string", "description": "%s"}' % bad})
+            schema = '{"type": "string", "description": "%s"}' % bad
+            path, text = "/v1/chat/completions", json.dumps({"messages": USER, "max_tokens": 2, "guided_json": schema})
         else:  # in the body's own strings: raw escapes, which json.dumps would double
-            hole = {"content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": HOLE}], "max_tokens": 2}),
+            hole = {"content": ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": HOLE}], "max_tokens": 2}),
                     "content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
                         {"type": "text", "text": HOLE}]}], "max_tokens": 2}),
                     "tool result": ("/v1/chat/completions", {"messages": _history('{"a": 1}', HOLE), "max_tokens": 2}),
@@ -411,8 +413,8 @@ def repeated_trace(lines: list[str], min_bytes: int) -> str:
             size += len(out[-1]) + 1
             seq += 1
         k += 1
-    end = {**events[-1], "seq": seq, "step": k * steps, "t": round(k * span, 6)} if events[-1]["type"] == "run_finished" \
-        else None
+    last = events[-1]
+    end = {**last, "seq": seq, "step": k * steps, "t": round(k * span, 6)} if last["type"] == "run_finished" else None
     return "\n".join(out + ([json.dumps(end)] if end else [])) + "\n"
 
 

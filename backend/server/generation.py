@@ -52,9 +52,8 @@ def wrong_answer(finished: Finished, grammar: Grammar | None) -> RequestFailed |
     for out in finished.outputs:
         problem = answer_problem(grammar.outputs, out["output_text"]) if out["finish_reason"] == "eos" else None
         if problem is not None:
-            return RequestFailed(f"{problem}; the grammar the engine compiled from it let this answer end, so it "
-                                 "holds constraints the grammar could not express", grammar.source,
-                                 "grammar_answer_invalid")
+            return RequestFailed(f"{problem}: the grammar compiled from it let this answer end, but cannot express "
+                                 "all it asks for", grammar.source, "grammar_answer_invalid")
     return None
 
 

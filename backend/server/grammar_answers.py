@@ -22,7 +22,8 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-KEYWORD_BUDGET = 20_000  # keyword evaluations for one answer: ~0.25 s on a loaded 2-core machine, far past any real schema
+# keyword evaluations for one answer: ~0.25 s on a loaded 2-core machine, far past what any real schema needs
+KEYWORD_BUDGET = 20_000
 
 
 class TooMuchWork(Exception):

@@ -359,7 +359,8 @@ class RunManager:
                 "weight_copies": self.weights.describe(), "rank_processes": self._rank_processes(),
                 "replay_bytes": self.replays.held_bytes(), "max_replay_bytes": int(lim.max_replay_memory_mb * MB),
                 "replay_copies": self.replays.describe(),
-                "grammar_bytes": sum(c["bytes"] for c in caches), "max_grammar_bytes_per_run": int(lim.grammar_cache_mb * MB),
+                "grammar_bytes": sum(c["bytes"] for c in caches),
+                "max_grammar_bytes_per_run": int(lim.grammar_cache_mb * MB),
                 "grammar_caches": caches, "grammar_compiles": self.compiles.in_flight,
                 "max_grammar_compiles": lim.max_grammar_compiles, "grammar_timeout_s": lim.grammar_timeout_s}
 

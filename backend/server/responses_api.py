@@ -101,7 +101,8 @@ def final_response(gen: Generation, body: ResponsesBody, model: str) -> dict[str
                "output_tokens_details": {"reasoning_tokens": 0}})
 
 
-def failed(gen: Generation, body: ResponsesBody, model: str, message: str, code: str = "server_error") -> dict[str, Any]:
+def failed(gen: Generation, body: ResponsesBody, model: str, message: str,
+           code: str = "server_error") -> dict[str, Any]:
     return response_object(gen, body, model, "failed", error={"code": code, "message": message})
 
 
