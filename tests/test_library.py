@@ -5,8 +5,10 @@ servers on one folder stand for a restart, and a reopened run's record (state an
 is compared with the one the original run's events build.
 """
 
+import gc
 import itertools
 import json
+import weakref
 import logging
 from collections import deque
 from types import SimpleNamespace
@@ -239,6 +241,25 @@ def test_opens_of_a_saved_run_share_one_parsed_copy_counted_in_bytes(tiny_dir, f
         assert limits["replay_bytes"] == 0 and limits["replay_copies"] == []
         assert client.delete(f"/api/runs/{opened[0]}").status_code == 404
         assert client.delete("/api/runs/api").status_code in (400, 404)  # the API's run is never closed
+
+
+def test_a_closed_replay_lets_go_of_its_trace_and_its_reducer_without_a_garbage_collection(tiny_dir, folder):
+    """The run and its worker, and the reducer and its table of bound methods, were cycles: a closed replay's
+    parsed trace stayed in memory until a full collection, which a server left alone rarely makes."""
+    manager = served(tiny_dir, folder)
+    with in_process(manager) as client:
+        run_id = finished_run(client, tiny_dir)
+        replay = manager.get(client.post(f"/api/library/{run_id}/open", json={}).json()["run_id"])
+        copy, state, worker = weakref.ref(replay.trace_copy), weakref.ref(replay.state), replay.worker.thread
+        closing = f"/api/runs/{replay.run_id}"
+        gc.disable()  # only reference counts may free them
+        try:
+            del replay
+            assert client.delete(closing).status_code == 204
+            worker.join(timeout=60)
+            assert copy() is None and state() is None
+        finally:
+            gc.enable()
 
 
 def test_replays_past_their_memory_limit_are_refused_naming_it_before_the_trace_is_read(tiny_dir, folder):
