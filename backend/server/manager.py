@@ -40,7 +40,7 @@ from kvscope.backend.server.api_run import ApiRun, api_engine
 from kvscope.backend.server.engine_run import EngineRun, ServedScenario
 from kvscope.backend.server.grammar_compiles import GrammarCompiles
 from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
-from kvscope.backend.server.memory import give_back_memory
+from kvscope.backend.server.memory import give_back_memory_soon
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
@@ -479,7 +479,7 @@ class RunManager:
         run = self.runs.pop(run_id, None)
         if run is not None:
             run.stop()  # a worker still running gives its run's memory back as it ends (run_worker.py) ...
-        give_back_memory()  # ... one that had ended (an expired run) left it to this last reference
+            give_back_memory_soon()  # ... one that had ended (an expired run) left it to the manager's reference
 
     # ---- supervision ----------------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
+import threading
 
-log = logging.getLogger(__name__)
+SOON_S = 1.0  # the last references to a forgotten run go as its callers return: well within this
 
 
 def _malloc_trim():  # noqa: ANN202 - a ctypes function, or None
@@ -30,3 +30,11 @@ def give_back_memory() -> None:
     """Return the pages freed so far to the system (milliseconds: glibc walks its arenas)."""
     if MALLOC_TRIM is not None:
         MALLOC_TRIM(0)
+
+
+def give_back_memory_soon() -> None:
+    """give_back_memory on a timer thread, once the callers that forgot a run have let go of it too: never
+    under the manager's lock (glibc's walk takes milliseconds), never waited for."""
+    timer = threading.Timer(SOON_S, give_back_memory)
+    timer.daemon = True
+    timer.start()
