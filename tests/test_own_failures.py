@@ -184,3 +184,23 @@ def test_an_answer_the_schema_refuses_is_a_400_never_an_empty_stop(http, client)
         error = error_of(http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 8,
                                                                    "guided_json": schema}))
     assert error["param"] == "guided_json" and "empty" in error["message"]
+
+
+def test_an_engine_error_names_the_grammars_field_or_none_for_scores_that_are_not_numbers():
+    """Any per-row failure of sampling fails its request alone: a stranded grammar names the field it came
+    from; scores that are not numbers (no field of the client's to blame) are `sampling_failed`."""
+    from kvscope.backend.engine.request_output import Finished
+    from kvscope.backend.engine.sample_step import GRAMMAR_STRANDED, NOT_A_NUMBER
+    from kvscope.backend.server.generation import own_failure
+    from kvscope.backend.server.structured import Grammar
+
+    def finished(error: str | None) -> Finished:
+        return Finished("r", "abort", ({"seq_id": 0, "output_token_ids": [], "output_text": "",
+                                        "finish_reason": "abort"},), error=error)
+
+    grammar = Grammar("guided_json", {"json": STRANDS})
+    stranded = own_failure(finished(f"{GRAMMAR_STRANDED} (at output token 2)"), grammar)
+    assert (stranded.field, stranded.code) == ("guided_json", "grammar_allows_no_token")
+    nan = own_failure(finished(f"{NOT_A_NUMBER} (at output token 1)"), grammar)
+    assert (nan.field, nan.code, str(nan)) == (None, "sampling_failed", f"{NOT_A_NUMBER} (at output token 1)")
+    assert own_failure(finished(None), grammar) is None  # aborted because the client left: not its fault
