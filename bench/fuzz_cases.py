@@ -102,9 +102,13 @@ class Case:
     """One request: method POST, GET or WS (a websocket: body is the frames to send, one per line), or STORE
     (the attacks on a tensor-parallel run's store, bench/fuzz_store.py)."""
     method: str
-    path: str  # may hold {run}: the harness puts a run id there
+    path: str  # may hold {run} (or {scenario}, {replay}, {saved}): the harness puts an id there
     body: str | None = None
     label: str = ""
+    family: str = ""  # the hostile class it belongs to (its route in the report), or "" for the route's own
+    repeat: int = 1  # sent this many times (repeated opens of a saved run)
+    beside: bool = False  # a normal request streams while it is sent: it must finish as if alone
+    closes: bool = False  # the runs it started are closed after it: the server's RSS must come back
 
     def describe(self) -> str:
         body = (self.body or "")[:300]
@@ -148,7 +152,8 @@ def mutated(base: dict, fields: list[str]) -> st.SearchStrategy[tuple[str, str]]
 def body_cases(path: str, base: dict, fields: list[str]) -> st.SearchStrategy[Case]:
     whole = raw_json().map(lambda text: ("whole body", text)) | st.binary(max_size=64).map(
         lambda b: ("bytes", b.decode("latin-1")))
-    return (mutated(base, fields) | whole).map(lambda lt: Case("POST", path, lt[1], lt[0]))
+    beside = path.startswith("/v1/") or path.endswith("/requests")  # a request beside it must not fail
+    return (mutated(base, fields) | whole).map(lambda lt: Case("POST", path, lt[1], lt[0], beside=beside))
 
 
 def run_path(template: str) -> st.SearchStrategy[str]:
@@ -247,6 +252,188 @@ def websocket_cases() -> st.SearchStrategy[Case]:
     frames = st.lists(st.text(max_size=200) | st.sampled_from(['{"action":"step"}', "x" * 100_000, "{" * 5000]),
                       max_size=4)
     return st.tuples(run_path("/ws/runs/{run}"), frames).map(lambda pf: Case("WS", pf[0], "\n".join(pf[1]), "ws"))
+
+
+# ---- the hostile classes (#35): what one request did to the run every other request shares ----------------
+
+STRANDS = {"type": "string", "pattern": "[^\\s\\S]"}  # a JSON string's opening quote, then no token is allowed
+NOTHING = "[^\\s\\S]"  # a regex (or a pattern) that no character matches
+LEFT_RECURSION = 'root ::= root "a"'  # no base case: no string is ever in the language
+EMPTY_ONLY = {"type": "number", "minimum": 1e-300, "maximum": 2e-300}  # xgrammar: only the empty answer
+USER = [{"role": "user", "content": "Say something."}]
+
+
+def _strand_bodies() -> list[tuple[str, str, dict]]:
+    """(label, path, body): each way a grammar reaches the run, with each grammar that can never answer."""
+    engine = {"json pattern": {"json": STRANDS}, "regex": {"regex": NOTHING},
+              "left recursion": {"grammar": LEFT_RECURSION}, "empty only": {"json": EMPTY_ONLY}}
+    schemas = {"json pattern": STRANDS, "empty only": EMPTY_ONLY}
+    tool = {"type": "object", "properties": {"a": STRANDS}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": tool}}]
+    chat = {"messages": USER, "max_tokens": 24}
+    bodies = [("chat response_format", "/v1/chat/completions",
+               {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": STRANDS}}})]
+    for name, spec in engine.items():
+        bodies.append((f"chat structured_outputs {name}", "/v1/chat/completions", {**chat, "structured_outputs": spec}))
+        bodies.append((f"live request {name}", "/api/runs/api/requests",
+                       {"prompt": "ROMEO:", "max_tokens": 24, "sampling": {"structured_outputs": spec}}))
+        (key, value), = spec.items()
+        guided = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}[key]
+        bodies.append((f"chat {guided} {name}", "/v1/chat/completions", {**chat, guided: value}))
+    for name, schema in schemas.items():
+        fmt = {"type": "json_schema", "name": "s", "schema": schema}
+        bodies.append((f"responses text.format {name}", "/v1/responses",
+                       {"input": "Say something.", "max_output_tokens": 24, "text": {"format": fmt}}))
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        bodies.append((f"chat tool_choice {json.dumps(choice)}", "/v1/chat/completions",
+                       {**chat, "max_tokens": 48, "tools": tools, "tool_choice": choice}))
+    return bodies
+
+
+STRAND_BODIES = _strand_bodies()
+
+
+def stranding_cases() -> st.SearchStrategy[Case]:
+    """A grammar that can never produce an answer (nothing allowed at its start, or after its first token),
+    on every route that takes one, streamed or not: the request alone fails, the run goes on."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        label, path, body = draw(st.sampled_from(STRAND_BODIES))
+        stream = path.startswith("/v1/") and draw(st.booleans())
+        return Case("POST", path, json.dumps({**body, **({"stream": True} if stream else {})}),
+                    f"{label}{' stream' if stream else ''}", "hostile: stranding grammar", beside=True)
+    return build()
+
+
+def huge_grammar_cases() -> st.SearchStrategy[Case]:
+    """An EBNF of thousands of character classes (13,000 is 65 KB, inside every bound; on SmolLM2's vocabulary
+    it compiled ~160 s), each new (a nonce), so that no cache holds it: refused past the time limit or the
+    places for compiles, while the run serves the request beside it."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        classes = draw(st.sampled_from([13_000, 6_000, 3_000, 800]))
+        nonce = draw(st.integers(0, 2**62))
+        grammar = f'root ::= "n{nonce}" ' + " ".join(["[^x]"] * (classes - 1))
+        field = draw(st.sampled_from(["guided_grammar", "structured_outputs"]))
+        value = grammar if field == "guided_grammar" else {"grammar": grammar}
+        body = {"messages": USER, "max_tokens": 4, field: value}
+        return Case("POST", "/v1/chat/completions", json.dumps(body), f"{classes} classes via {field}",
+                    "hostile: huge grammar", beside=True)
+    return build()
+
+
+def _history(arguments: str, result: str = "sunny") -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result}]
+
+
+def nested_history_cases() -> st.SearchStrategy[Case]:
+    """Tool-call histories whose arguments (JSON text inside a string, which the body's depth check cannot
+    see into) nest past every limit: ~972 deep was re-encoded one level deeper (a RecursionError, a 500)."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        depth = draw(st.sampled_from([971, 972, 33, 200, 990, 5_000]))
+        shape = draw(st.sampled_from(["object", "list"]))
+        inner = '{"a":' * depth + "1" + "}" * depth if shape == "object" else \
+            '{"a":' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+        result = draw(st.sampled_from(["sunny", inner]))  # a tool result is text: never decoded, but sent along
+        path = draw(st.sampled_from(["/v1/chat/completions", "/tokenize"]))
+        body = {"messages": _history(inner, result), **({"max_tokens": 2} if path.startswith("/v1") else {})}
+        if draw(st.booleans()):
+            body["tools"] = [{"type": "function", "function": {"name": "f"}}]
+        return Case("POST", path, json.dumps(body), f"{path} arguments {depth} deep ({shape})",
+                    "hostile: nested tool history", beside=True)
+    return build()
+
+
+SURROGATES = ["\\ud800", "\\udfff", "\\udbff\\udbff", "a\\udc00b"]  # escapes, as JSON text writes them
+
+
+def surrogate_cases() -> st.SearchStrategy[Case]:
+    """Lone surrogates escaped inside nested strings: decoded by Python's json (a call's arguments, a schema
+    sent as text) they reached the tokenizer (a TypeError, a 500); in the body itself its decoder refuses them."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        bad = draw(st.sampled_from(SURROGATES))
+        where = draw(st.sampled_from(["arguments value", "arguments key", "tokenize arguments", "schema text",
+                                      "content", "content part", "tool result", "responses input", "live prompt"]))
+        if where.endswith("arguments") or where.startswith("arguments"):
+            arguments = '{"a": "%s"}' % bad if where != "arguments key" else '{"%s": 1}' % bad
+            path = "/tokenize" if where.startswith("tokenize") else "/v1/chat/completions"
+            text = json.dumps({"messages": _history(arguments), **({} if path == "/tokenize" else {"max_tokens": 2})})
+        elif where == "schema text":
+            schema = '{"type": "string", "description": "%s"}' % bad
+            path, text = "/v1/chat/completions", json.dumps({"messages": USER, "max_tokens": 2, "guided_json": schema})
+        else:  # in the body's own strings: raw escapes, which json.dumps would double
+            hole = {"content": ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": HOLE}], "max_tokens": 2}),
+                    "content part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                        {"type": "text", "text": HOLE}]}], "max_tokens": 2}),
+                    "tool result": ("/v1/chat/completions", {"messages": _history('{"a": 1}', HOLE), "max_tokens": 2}),
+                    "responses input": ("/v1/responses", {"input": HOLE, "max_output_tokens": 2}),
+                    "live prompt": ("/api/runs/api/requests", {"prompt": HOLE, "max_tokens": 2})}
+            path, body = hole[where]
+            text = fill(body, ['"%s"' % bad])
+        return Case("POST", path, text, f"{where} {bad}", "hostile: lone surrogate", beside=True)
+    return build()
+
+
+def saved_run_cases() -> st.SearchStrategy[Case]:
+    """Repeated opens of a large saved run: each parsed it again (+760 MB per open of a 115 MB trace); now the
+    opens share one copy, and once their replays are closed the server's memory comes back."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Case:
+        opens = draw(st.sampled_from([6, 2, 12]))
+        body = draw(st.sampled_from(['{"paused": true}', '{"paused": false, "speed": 0}', '{"lesson": true}']))
+        return Case("POST", "/api/library/{saved}/open", body, f"{opens} opens {body}", "hostile: large saved run",
+                    repeat=opens, closes=True)
+    return build()
+
+
+def hostile_classes() -> list[st.SearchStrategy[Case]]:
+    """What #35's attacker found, as classes the harness draws from (the tensor-parallel class is its own)."""
+    return [stranding_cases(), huge_grammar_cases(), nested_history_cases(), surrogate_cases(), saved_run_cases()]
+
+
+def repeated_trace(lines: list[str], min_bytes: int) -> str:
+    """A large valid trace: the recorded run's events after its header, again and again, each round's requests,
+    sequences, steps, times and event numbers moved past the last round's (the run ends with every block
+    free, so each round starts from the same pool), until the text has at least min_bytes."""
+    events = [json.loads(line) for line in lines]
+    header, body = events[0], [e for e in events[1:] if e["type"] != "run_finished"]
+    steps = max(e["step"] for e in body) + 1
+    seqs = 1 + max((e.get("seq_id", 0) for e in body), default=0)
+    span = max(e["t"] for e in body) + 0.001
+    out, size, k, seq = [json.dumps(header)], 0, 0, 1
+    while size < min_bytes:
+        for e in body:
+            moved = _moved(e, k, seqs)
+            moved.update(seq=seq, step=e["step"] + k * steps, t=round(e["t"] + k * span, 6))
+            out.append(json.dumps(moved))
+            size += len(out[-1]) + 1
+            seq += 1
+        k += 1
+    last = events[-1]
+    end = {**last, "seq": seq, "step": k * steps, "t": round(k * span, 6)} if last["type"] == "run_finished" else None
+    return "\n".join(out + ([json.dumps(end)] if end else [])) + "\n"
+
+
+def _moved(value: Any, k: int, seqs: int) -> Any:
+    """An event's fields with request ids suffixed by the round and sequence ids shifted past the last round's."""
+    if isinstance(value, list):
+        return [_moved(v, k, seqs) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, v in value.items():
+        if key == "request_id" and isinstance(v, str):
+            out[key] = f"{v}-{k}"
+        elif key in ("seq_id", "parent_seq_id") and isinstance(v, int) and v >= 0:
+            out[key] = v + k * seqs
+        else:
+            out[key] = _moved(v, k, seqs)
+    return out
 
 
 # What a process of the server's machine may do to a tensor-parallel run's rendezvous store (bench/fuzz_store.py).

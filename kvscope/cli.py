@@ -146,9 +146,10 @@ def _limits(args: argparse.Namespace):
 
     if args.trace_dir and not Path(args.trace_dir).is_dir():
         raise UserError(f"--trace-dir {args.trace_dir}: not a folder")
-    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_runs", "max_waiting",
-             "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s", "stall_timeout_s", "history",
-             "trace_window", "trace_dir", "api_events", "max_tensor_parallel")
+    names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_replay_memory_mb", "max_runs",
+             "max_waiting", "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s",
+             "stall_timeout_s", "history", "trace_window", "trace_dir", "api_events", "max_tensor_parallel",
+             "grammar_timeout_s", "max_grammar_compiles", "grammar_cache_mb")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -474,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
         lim.add_argument("--max-weight-memory-mb", type=positive(float),
                          help="weight copies of all runs together; runs of one model and settings share one "
                               "(default: a quarter of physical memory)")
+        lim.add_argument("--max-replay-memory-mb", type=positive(float),
+                         help="parsed traces of the replays held (replays of one trace share one); past it "
+                              "opening a replay gets 429 (default: an eighth of physical memory)")
         lim.add_argument("--max-runs", type=positive(int), help="runs held at once (default 16)")
         lim.add_argument("--max-tensor-parallel", type=positive(int),
                          help="ranks (processes) one run may start with engine.tensor_parallel (default: the cores)")
@@ -486,6 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a run left paused this long expires; the api run resumes (default 900)")
         lim.add_argument("--stall-timeout-s", type=positive(float),
                          help="a run whose step takes longer fails; the api run restarts (default 300)")
+        lim.add_argument("--grammar-timeout-s", type=positive(float),
+                         help="a client's grammar (response_format, guided_*, forced tools) compiles off the run's "
+                              "worker; past this a 400 names the field (default 30)")
+        lim.add_argument("--max-grammar-compiles", type=positive(int),
+                         help="grammars compiling at once, server-wide; one more gets 429 (default 2)")
+        lim.add_argument("--grammar-cache-mb", type=positive(float),
+                         help="compiled grammars one run keeps, by xgrammar's own measure (default 256)")
         lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")
         lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
         lim.add_argument("--api-events", choices=("full", "summary", "off"),

@@ -7,19 +7,27 @@ from kvscope.backend.server.guards import MAX_JSON_DEPTH
 from kvscope.backend.server.manager import RunManager
 from tests.server_helpers import in_process
 
-# 240 cases take about 80 s on a quiet 2-core machine, the store case about 15 s more; the time limit only
+# 240 cases take about 80 s on a quiet 2-core machine, the hostile classes' and the store case about 15 s
+# each more; the time limit only
 # guards a hang (a loaded machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
 CI_CASES, CI_STORE_CASES, CI_SECONDS = 240, 1, 900
 
 
+HOSTILE = ["hostile: stranding grammar", "hostile: huge grammar", "hostile: nested tool history",
+           "hostile: lone surrogate", "hostile: large saved run"]
+
+
 def test_a_live_server_keeps_every_invariant_under_fuzzing():
-    """Hostile values on every route of a live server: no 5xx, the api run serving and idle with every
-    block free, no run failed, RSS bounded; every route family reached. And one tensor-parallel run with a
-    hostile client of its store (the issue's planted pickle): no code ran in a rank, the run failed by
-    its rank's refusal, its ranks gone, no other run or request failed, RSS back once it is forgotten."""
-    tally = fuzz(CI_CASES, CI_SECONDS, seed=0, store_cases=CI_STORE_CASES)
+    """Hostile values on every route of a live server, one case of each hostile class #35 found, and one
+    tensor-parallel run with a hostile client of its store (the issue's planted pickle): no 5xx, no other
+    request failed by a case, the api run serving and idle with every block free, no run failed, RSS bounded
+    and back after a case's runs are closed; no code ran in a rank and its ranks are gone; every route
+    family reached."""
+    tally = fuzz(CI_CASES, CI_SECONDS, seed=0, class_cases=1, saved_mb=8, store_cases=CI_STORE_CASES)
     assert not tally.findings, report(tally)
-    assert len(tally.routes) >= 13 and sum(tally.routes.values()) == CI_CASES + CI_STORE_CASES, report(tally)
+    assert len(tally.routes) >= 12 + len(HOSTILE) + 1, report(tally)
+    assert sum(tally.routes.values()) == CI_CASES + len(HOSTILE) + CI_STORE_CASES, report(tally)
+    assert all(tally.routes[family] == 1 for family in HOSTILE), report(tally)
     assert tally.answers["STORE of a TP run (hostile client)"] == {"refused": 1}, report(tally)
 
 

@@ -5,8 +5,10 @@ servers on one folder stand for a restart, and a reopened run's record (state an
 is compared with the one the original run's events build.
 """
 
+import gc
 import itertools
 import json
+import weakref
 import logging
 from collections import deque
 from types import SimpleNamespace
@@ -17,7 +19,9 @@ from kvscope.backend.events.record import RunRecord
 from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.server import library as library_module
 from kvscope.backend.server.library import Entry, LibraryError, RunLibrary, run_facts
+from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.replay_copies import copy_bytes, state_bytes
 from kvscope.frontend.client import resynced_record
 from tests.server_helpers import in_process, scenario, wait_for
 
@@ -97,8 +101,10 @@ def test_ids_that_are_not_file_stems_are_refused_naming_the_field(tmp_path, bad)
     assert e.value.field == "id" and not e.value.missing
 
 
-@pytest.mark.parametrize("name", ["", "   ", "x" * 121, "a\nb"])
-def test_names_are_one_line_of_bounded_length(tmp_path, name):
+@pytest.mark.parametrize("name", ["", "   ", "x" * 121, "a\nb",
+                                  "a\x7fb", "week \u202egnp.exe", "a\u200bb", "<script>alert(1)</script>"])
+def test_names_are_one_line_of_bounded_length_without_control_formatting_or_markup(tmp_path, name):
+    """DEL, U+202E (which shows what follows it reversed), a zero-width space and a tag were names (#35)."""
     library = RunLibrary(tmp_path)
     library.save(fake_trace("a1"), **facts("a1"))
     with pytest.raises(LibraryError, match="^name: "):
@@ -118,9 +124,12 @@ def test_hostile_and_cut_files_in_the_folder_are_skipped_with_a_logged_line(tmp_
     (tmp_path / "f6.json").write_text(json.dumps({**entry, "id": "f6", "steps": "many"}))
     (tmp_path / "g7.json").write_text(" " * 70_000)
     (tmp_path / "h8.jsonl").write_text(fake_trace("h8"))  # a save that never wrote its sidecar
+    library.save(fake_trace("i9"), **facts("i9"))
+    (tmp_path / "i9.json").write_text(json.dumps({**json.loads((tmp_path / "i9.json").read_text()),
+                                                  "name": "<img src=x onerror=alert(1)>"}))  # a name edited on disk
     with caplog.at_level(logging.WARNING, logger="kvscope.backend.server.library"):
         assert library.entries() == [good]
-    for name in ("b2.json", "c3.json", "d4.json", "e5.json", "f6.json", "g7.json"):
+    for name in ("b2.json", "c3.json", "d4.json", "e5.json", "f6.json", "g7.json", "i9.json"):
         assert f"library: skipped {name}: " in caplog.text, name
     assert "cut or edited" in caplog.text
     with pytest.raises(LibraryError) as e:
@@ -210,6 +219,75 @@ def test_a_run_saved_by_one_server_reopens_exactly_on_the_next(tiny_dir, folder)
     assert expected.history.columns == reopened.history.columns
     assert expected.state.snapshot()["requests"] == reopened.state.snapshot()["requests"]
     assert expected.state.snapshot()["block_tables"] == reopened.state.snapshot()["block_tables"]
+
+
+def test_opens_of_a_saved_run_share_one_parsed_copy_counted_in_bytes(tiny_dir, folder):
+    """Each open parsed the trace again: +760 MB per open of a 115 MB trace, six opens 1.2 -> 5.8 GB (#35)."""
+    manager = served(tiny_dir, folder)
+    with in_process(manager) as client:
+        run_id = finished_run(client, tiny_dir)
+        size = client.get(f"/api/library/{run_id}").json()["trace_bytes"]
+        opened = [client.post(f"/api/library/{run_id}/open", json={}).json()["run_id"] for _ in range(3)]
+        copies = {id(manager.get(r).trace_copy) for r in opened}
+        assert len(copies) == 1  # one parsed copy, read from disk by the first open
+        limits = client.get("/api/limits").json()
+        (copy,) = limits["replay_copies"]
+        assert copy == {"source": f"library {run_id}", "trace_bytes": size, "runs": 3, "parsed": True,
+                        "bytes": copy_bytes(size) + 3 * state_bytes(size)}
+        assert limits["replay_bytes"] == copy["bytes"] and limits["max_replay_bytes"] > 0
+        for r in opened:
+            assert client.delete(f"/api/runs/{r}").status_code == 204  # closed: forgotten at once
+        limits = client.get("/api/limits").json()
+        assert limits["replay_bytes"] == 0 and limits["replay_copies"] == []
+        assert client.delete(f"/api/runs/{opened[0]}").status_code == 404
+        assert client.delete("/api/runs/api").status_code in (400, 404)  # the API's run is never closed
+
+
+def test_a_closed_replay_lets_go_of_its_trace_and_its_reducer_without_a_garbage_collection(tiny_dir, folder):
+    """The run and its worker, and the reducer and its table of bound methods, were cycles: a closed replay's
+    parsed trace stayed in memory until a full collection, which a server left alone rarely makes."""
+    manager = served(tiny_dir, folder)
+    with in_process(manager) as client:
+        run_id = finished_run(client, tiny_dir)
+        replay = manager.get(client.post(f"/api/library/{run_id}/open", json={}).json()["run_id"])
+        copy, state, worker = weakref.ref(replay.trace_copy), weakref.ref(replay.state), replay.worker.thread
+        closing = f"/api/runs/{replay.run_id}"
+        gc.disable()  # only reference counts may free them
+        try:
+            del replay
+            assert client.delete(closing).status_code == 204
+            worker.join(timeout=60)
+            assert copy() is None and state() is None
+        finally:
+            gc.enable()
+
+
+def test_replays_past_their_memory_limit_are_refused_naming_it_before_the_trace_is_read(tiny_dir, folder):
+    first = served(tiny_dir, folder)
+    with in_process(first) as client:
+        a, b = finished_run(client, tiny_dir), finished_run(client, tiny_dir, {"engine.block_size": 8})
+        size = max(client.get(f"/api/library/{i}").json()["trace_bytes"] for i in (a, b))
+    room = (copy_bytes(size) + 3 * state_bytes(size)) / MB  # one copy and its replays, not two copies
+    manager = RunManager(default_model=tiny_dir, library=RunLibrary(folder),
+                         limits=ServiceLimits(max_replay_memory_mb=room))
+    with in_process(manager) as client:
+        held = client.post(f"/api/library/{a}/open", json={})
+        assert held.status_code == 201
+        assert client.post(f"/api/library/{a}/open", json={}).status_code == 201  # shares the copy: room enough
+        busy = client.post(f"/api/library/{b}/open", json={})
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert "--max-replay-memory-mb" in busy.json()["error"]
+        done = client.post(f"/api/library/{a}/open", json={"speed": 0, "paused": False}).json()["run_id"]
+        wait_for(lambda: client.get(f"/api/runs/{done}").json()["finished"])
+        for run in client.get("/api/runs").json():
+            if run["kind"] == "replay" and run["run_id"] != done:
+                client.delete(f"/api/runs/{run['run_id']}")
+        assert client.post(f"/api/library/{b}/open", json={}).status_code == 201  # the finished replay made room
+    tiny = RunManager(default_model=tiny_dir, library=RunLibrary(folder),
+                      limits=ServiceLimits(max_replay_memory_mb=copy_bytes(size) / MB / 2))
+    with in_process(tiny) as client:
+        never = client.post(f"/api/library/{a}/open", json={})
+        assert never.status_code == 400 and never.json()["field"] == "trace"
 
 
 def as_lists(rows: dict[str, deque]) -> dict[str, list]:

@@ -246,10 +246,13 @@ def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):
     from kvscope.cli import _limits, build_parser
 
     args = build_parser().parse_args(["serve", "--no-ui", "--max-kv-memory-mb", "512", "--max-waiting", "3",
-                                      "--request-timeout-s", "2.5", "--max-viewers", "4", "--allow-paths"])
+                                      "--request-timeout-s", "2.5", "--max-viewers", "4", "--allow-paths",
+                                      "--grammar-timeout-s", "7", "--max-grammar-compiles", "3",
+                                      "--grammar-cache-mb", "64"])
     limits = _limits(args)
     assert (limits.max_kv_memory_mb, limits.max_waiting, limits.request_timeout_s, limits.max_viewers) == \
         (512, 3, 2.5, 4)
+    assert (limits.grammar_timeout_s, limits.max_grammar_compiles, limits.grammar_cache_mb) == (7, 3, 64)
     assert limits.allow_paths and limits.served_models == ("demo",) and limits.max_runs == ServiceLimits().max_runs
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["serve", "--max-waiting", "0"])
@@ -259,3 +262,19 @@ def test_serve_flags_set_the_limits_and_refuse_nonsense(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--api-events", "loud"])
     assert "--api-events: invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_limits_show_a_tensor_parallel_runs_other_ranks_with_their_bytes():
+    """Rank processes hold weight shards and KV pools outside this process: /api/limits names them per run."""
+    scenario = {"name": "tp", "model": "demo", "seed": 0, "engine": {"tensor_parallel": 2, "num_blocks": 64},
+                "requests": [{"id": "r", "prompt": "ROMEO:\n", "max_tokens": 2}]}
+    with serving("demo") as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": scenario, "paused": True}).json()["run_id"]
+        limits = client.get("/api/limits").json()
+        (ranks,) = limits["rank_processes"]
+        shards = [c for c in limits["weight_copies"] if c["rank_shards"]]
+        assert ranks["run_id"] == run_id and ranks["processes"] == 1
+        assert ranks["weight_bytes"] == sum(c["bytes"] for c in shards) > 0
+        assert 0 < ranks["kv_bytes"] == manager.kv_bytes[run_id] // 2 <= limits["kv_bytes"] <= limits["max_kv_bytes"]
+        assert client.delete(f"/api/runs/{run_id}").status_code == 204
+        assert client.get("/api/limits").json()["rank_processes"] == []

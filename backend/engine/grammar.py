@@ -117,14 +117,27 @@ class Grammars:
                                "allows no token at its start: no output can ever match it")
         return matcher
 
-    def compiled(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
-        """The grammar compiled, or RequestError naming the field (its reason cut short: never the whole input).
-        Any thread may call it; the compilation itself runs outside the lock."""
+    def cached(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar | None:
+        """The grammar if the cache holds it (then the most recently used), else None; compiles nothing.
+        A server asks first, so that a repeated grammar takes none of its places for compiles."""
         key = (spec.kind, source_text(spec))
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
+        return None
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)
+
+    def compiled(self, spec: StructuredOutputs) -> xgrammar.CompiledGrammar:
+        """The grammar compiled, or RequestError naming the field (its reason cut short: never the whole input).
+        Any thread may call it; the compilation itself runs outside the lock."""
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
+        key = (spec.kind, source_text(spec))
         try:
             compiled = self._compile(*key)
         except (RuntimeError, ValueError) as e:

@@ -7,7 +7,9 @@ there is exactly one definition of "the state after these events". Events are ne
 from __future__ import annotations
 
 import copy
+import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -116,6 +118,14 @@ PLAIN_FIELDS = tuple(f.name for f in fields(PlainState))
 SERVER_FIELDS = tuple(f.name for f in fields(PlainState) if f.metadata.get("servers_word"))
 
 
+@functools.cache
+def handlers_of(cls: type) -> dict[str, Callable[[Any, Event], None]]:
+    """Event type -> the reducer class's handler, unbound. Per class, not per instance: a table of bound
+    methods in the instance is a cycle only a full garbage collection frees, and a replay's reducer (with the
+    events it keeps) outlived its closed replay by minutes."""
+    return {name.removeprefix("_on_"): getattr(cls, name) for name in dir(cls) if name.startswith("_on_")}
+
+
 class RunState(PlainState):
     """Block tables, free list, queues, requests and metrics, as the events say they are.
 
@@ -125,9 +135,7 @@ class RunState(PlainState):
     def __init__(self, max_iterations: int = 256, max_finished: int | None = None):
         self.max_iterations = max_iterations
         self.max_finished = max_finished  # finished requests kept (oldest forgotten first); None: all
-        self._handlers = {
-            name.removeprefix("_on_"): getattr(self, name) for name in dir(self) if name.startswith("_on_")
-        }
+        self._handlers = handlers_of(type(self))
         self._reset()
 
     def _reset(self) -> None:
@@ -194,7 +202,7 @@ class RunState(PlainState):
     def apply(self, event: Event) -> None:
         handler = self._handlers.get(event["type"])
         if handler is not None:  # types this reducer does not track are fine
-            handler(event)
+            handler(self, event)
         self.step = event["step"]
         self.last_seq = event["seq"]
 

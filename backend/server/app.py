@@ -8,10 +8,11 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import secrets
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from litestar import Litestar, MediaType, Request, Response, delete, get, patch, post
@@ -22,18 +23,24 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import File
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from kvscope.backend.engine.admission import parse_sampling
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.model.chat import encode_chat
 from kvscope.backend.scenario import (ChatMessage, YAMLTooDeep, bundled_path, list_scenarios, load_scenario,
                                      safe_load)
 from kvscope.backend.server.engine_run import EngineRun
+from kvscope.backend.server.grammar_compiles import ClientGone
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.library import MAX_NAME, LibraryError
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
+from kvscope.backend.server.openai_serving import client_gone
 from kvscope.backend.server.run_errors import RunBusy, RunClosed, RunError
 from kvscope.backend.server.runs import ServedRun
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"  # the text format Prometheus scrapes
@@ -138,6 +145,10 @@ def closed_error(_: Request, exc: RunClosed) -> Response:
     return Response({"error": str(exc), "field": None, "state": exc.state}, status_code=409, media_type=MediaType.JSON)
 
 
+def client_left(_: Request, exc: ClientGone) -> Response:
+    return _error(499, "the client went away")  # nobody reads it: nginx's "client closed request"
+
+
 def busy_error(_: Request, exc: RunBusy) -> Response:
     response = _error(429, str(exc))
     response.headers["Retry-After"] = str(exc.retry_after_s)
@@ -218,7 +229,7 @@ def start_run(request: Request, data: JSONBody[StartRun]) -> dict:
 
 def _start(manager: RunManager, data: StartRun) -> ServedRun:
     if data.trace is not None:
-        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused, data.lesson)
+        return manager.start_replay(parse_trace(data.trace, "trace"), data.speed, data.paused, data.lesson, data.trace)
     if data.yaml is not None:
         return manager.start_scenario(inline_yaml(data.yaml), data.overrides, data.speed, data.paused, data.lesson)
     if data.scenario is not None:
@@ -249,10 +260,11 @@ def run_snapshot(request: Request, run_id: FromPath[str]) -> dict:
 
 
 @delete("/api/runs/{run_id:str}", guards=[require_token], sync_to_thread=True, status_code=204)
-def forget_run(request: Request, run_id: FromPath[str]) -> None:
-    """Forget a run now rather than when the server needs its place: its memory goes, and a tensor-parallel
-    engine's ranks with it."""
-    request.app.state.manager.forget(run_or_404(request, run_id).run_id)
+def close_run(request: Request, run_id: FromPath[str]) -> None:
+    """Stop and forget a run now: its KV cache, weight copies, replayed trace and a tensor-parallel engine's
+    ranks are let go (the API's runs are never closed)."""
+    if not request.app.state.manager.close(run_id):
+        raise NotFoundException(f"no run {run_id!r}")
 
 
 @post("/api/runs/{run_id:str}/control", guards=[require_token], sync_to_thread=True, status_code=200)
@@ -262,12 +274,25 @@ def control(request: Request, run_id: FromPath[str], data: JSONBody[Control]) ->
     return run.describe()
 
 
-@post("/api/runs/{run_id:str}/requests", guards=[require_token], sync_to_thread=True, status_code=201)
-def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
+@post("/api/runs/{run_id:str}/requests", guards=[require_token], status_code=201)
+async def add_request(request: Request, run_id: FromPath[str], data: JSONBody[AddRequest]) -> dict:
     run = run_or_404(request, run_id)
     if not isinstance(run, EngineRun):
         raise RunError("run_id", "a replay cannot take new requests")
-    return {"request_id": run.add_request(prompt_of(data, run), data.max_tokens, data.sampling)}
+    prompt = await asyncio.to_thread(prompt_of, data, run)  # a chat renders in a process of its own
+    compiled = await live_grammar(request, run, data.sampling)
+    rid = await asyncio.to_thread(run.add_request, prompt, data.max_tokens, data.sampling, None, None, compiled)
+    return {"request_id": rid}
+
+
+async def live_grammar(request: Request, run: EngineRun, sampling: dict[str, Any]) -> CompiledGrammar | None:
+    """A live request's grammar compiled off the run's worker, as the OpenAI routes compile theirs
+    (grammar_compiles.py); a refusal names `sampling.structured_outputs.<kind>`."""
+    spec = parse_sampling(sampling).structured_outputs
+    if spec is None:
+        return None
+    return await request.app.state.manager.compiles.compiled(run.grammars, spec, f"sampling.structured_outputs."
+                                                             f"{spec.kind}", lambda: client_gone(request))
 
 
 def prompt_of(data: AddRequest, run: EngineRun) -> str | list[int]:
@@ -382,11 +407,12 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
         manager.limits = limits
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot,
-                        forget_run, control, add_request, run_trace, token_dist, library_list, library_entry,
+                        close_run, control, add_request, run_trace, token_dist, library_list, library_entry,
                         library_rename, library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
                         *responses_routes, *probe_routes],
         exception_handlers={KvscopeError: user_error, RunClosed: closed_error, LibraryError: library_error,
-                            RunBusy: busy_error, HTTPException: openai_errors_under_v1(http_error)},
+                            RunBusy: busy_error, ClientGone: client_left,
+                            HTTPException: openai_errors_under_v1(http_error)},
         guards=CONNECTION_GUARDS,
         openapi_config=OpenAPIConfig(title="kvscope", version="0.1.0", path="/schema"),
         cors_config=CORSConfig(allow_origins=cors_origins) if cors_origins else None,

@@ -19,7 +19,7 @@ live request.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.engine.engine import Engine
@@ -32,6 +32,9 @@ from kvscope.backend.server.live_requests import Listener, LiveRequests
 from kvscope.backend.server.run_errors import RunBusy, RunClosed, RunFailed
 from kvscope.backend.server.run_pacing import DEFAULT_SPEED
 from kvscope.backend.server.runs import Retention, ServedRun
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 class EngineRun(ServedRun):
@@ -51,9 +54,15 @@ class EngineRun(ServedRun):
         self.bus = EventBus(level=events)
         self.bus.subscribe(self.publish)
         self.requests = LiveRequests(self.run_id, retention.max_waiting, forgets_finished)
+        self.grammar_cache_bytes = retention.grammar_cache_bytes
 
     def serve(self, engine: Engine, model: str) -> None:
         self.engine, self.model = engine, model
+        # Compiled grammars, bounded in bytes: any thread may compile into it (grammar_compiles.py), so the
+        # routes hand the worker a grammar ready to run.
+        self.grammars = engine.grammars
+        if self.grammar_cache_bytes is not None:
+            self.grammars.max_bytes = self.grammar_cache_bytes
         self.loaded = engine.loaded  # read-only for the routes: the tokenizer, the model's config and folder
         self.max_model_len = engine.config.max_model_len
         self.dist_rows = DistRows()  # whole raw rows of recent tokens, for the what-if (GET .../dist)
@@ -102,27 +111,31 @@ class EngineRun(ServedRun):
             self.requests.check_room(self.engine.stats.num_waiting, count)
 
     def add_request(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
-                    listener: Listener | None = None, request_id: str | None = None) -> str:
+                    listener: Listener | None = None, request_id: str | None = None,
+                    grammar: CompiledGrammar | None = None) -> str:
         """Add a request live (validated on the worker thread; RequestError if refused, RunBusy if the
         waiting queue is full). It arrives now, on this thread: its TTFT and queue time include the wait
-        for the worker to finish the step under way, as a client sees them (and vLLM counts them)."""
+        for the worker to finish the step under way, as a client sees them (and vLLM counts them).
+        `grammar`: its structured output, compiled off the worker (grammar_compiles.py)."""
         self._check_open()
         arrival = self.engine.clock()
         with self.lock:
             self.requests.check_room(self.engine.stats.num_waiting, 1)
             self.requests.adds_pending += 1
         try:
-            return self.call(lambda: self._add_on_worker(prompt, max_tokens, sampling, listener, request_id, arrival))
+            return self.call(lambda: self._add_on_worker(prompt, max_tokens, sampling, listener, request_id, arrival,
+                                                         grammar))
         except TimeoutError:
             raise RunBusy(f"run {self.run_id!r} did not take the request in time; try again shortly") from None
 
     def _add_on_worker(self, prompt: str | list[int], max_tokens: int, sampling: dict | None,
-                       listener: Listener | None, request_id: str | None, arrival: float) -> str:
+                       listener: Listener | None, request_id: str | None, arrival: float,
+                       grammar: CompiledGrammar | None) -> str:
         try:
             self._check_open()  # again on the worker, which alone closes the engine: the run may have finished since
             rid = self.requests.listen(request_id, listener)
             try:
-                self.engine.add_request(rid, prompt, max_tokens, sampling, arrival)
+                self.engine.add_request(rid, prompt, max_tokens, sampling, arrival, grammar)
             except Exception:
                 self.requests.drop(rid)
                 raise

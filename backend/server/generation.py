@@ -3,7 +3,12 @@ OpenAI call (one per prompt; its n choices are the request's n sequences, sharin
 blocks), their outputs as they arrive (the engine's own stream, request_output.py: never the
 trace, so every `events` level serves the same answers), and the logprobs of an echoed prompt.
 The text comes as the engine made it final (`Token.text`: stop strings cut, a character split
-across tokens whole), so the deltas a stream sends add up to the answer's text."""
+across tokens whole), so the deltas a stream sends add up to the answer's text.
+
+A request can fail only itself: when the engine ends one for a fault of its own (`Finished.error`: its
+grammar allowed no token, its scores were not numbers), or its grammar let through an answer that is not
+what the client asked for (grammar_answers.py), `updates` raises RequestFailed, which the routes answer
+with OpenAI's error shape (a 400 naming the field, or the stream's last chunk); never `stop`."""
 
 from __future__ import annotations
 
@@ -12,17 +17,44 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvscope.backend.engine.request_output import Arrived, Finished, Forked, RequestOutput, Token
+from kvscope.backend.engine.sample_step import GRAMMAR_STRANDED
 from kvscope.backend.model.attention import DenseCausalBackend
 from kvscope.backend.model.loader import LoadedModel
 from kvscope.backend.server.engine_run import EngineRun
-from kvscope.backend.server.run_errors import RunFailed
+from kvscope.backend.server.grammar_answers import answer_problem
+from kvscope.backend.server.run_errors import RequestFailed, RunFailed
+from kvscope.backend.server.structured import Grammar
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+
+
+def own_failure(finished: Finished, grammar: Grammar | None) -> RequestFailed | None:
+    """What the engine's error on a finished request means for the client (None: it did not fail)."""
+    if finished.error is None:
+        return None
+    if grammar is not None and finished.error.startswith(GRAMMAR_STRANDED):
+        return RequestFailed(finished.error, grammar.source, "grammar_allows_no_token")
+    return RequestFailed(finished.error, None, "sampling_failed")
+
+
+def wrong_answer(finished: Finished, grammar: Grammar | None) -> RequestFailed | None:
+    """The first output that ended at its grammar's end (EOS) yet is not what the grammar's source asked for."""
+    if grammar is None:
+        return None
+    for out in finished.outputs:
+        problem = answer_problem(grammar.outputs, out["output_text"]) if out["finish_reason"] == "eos" else None
+        if problem is not None:
+            return RequestFailed(f"{problem}: the grammar compiled from it let this answer end, but cannot express "
+                                 "all it asks for", grammar.source, "grammar_answer_invalid")
+    return None
 
 
 @dataclass
@@ -44,8 +76,10 @@ class GeneratedChoice:
 class Generation:
     """The engine requests behind one API call (one per prompt, each with n sequences), and their events."""
 
-    def __init__(self, run: EngineRun, n: int, prefix: str, num_prompts: int = 1) -> None:
+    def __init__(self, run: EngineRun, n: int, prefix: str, num_prompts: int = 1,
+                 grammar: Grammar | None = None) -> None:
         self.run = run
+        self.grammar = grammar  # the answer's grammar, and the field that asked for it
         self.tokenizer = run.loaded.tokenizer  # read-only: each token's own text, for logprobs
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
@@ -67,8 +101,10 @@ class Generation:
         k = self.prompt_of[request_id]
         return self.choices[k * self.n:(k + 1) * self.n]
 
-    async def submit(self, prompts: list[tuple[str | list[int], int]], sampling: dict[str, Any]) -> None:
-        """Add one request per (prompt, max_tokens) to the engine (RequestError if it refuses one)."""
+    async def submit(self, prompts: list[tuple[str | list[int], int]], sampling: dict[str, Any],
+                     compiled: CompiledGrammar | None = None) -> None:
+        """Add one request per (prompt, max_tokens) to the engine (RequestError if it refuses one); `compiled`:
+        the grammar, compiled off the run's worker (grammar_compiles.py)."""
         params = {**sampling, "n": self.n}  # each sibling draws from its own stream
         loop = asyncio.get_running_loop()
         try:
@@ -77,7 +113,7 @@ class Generation:
                     for choice in self.choices_of(rid):
                         choice.prompt_tokens = len(prompt)
                 await asyncio.to_thread(self.run.add_request, prompt, max_tokens, params,
-                                        self._listener(loop, rid), rid)
+                                        self._listener(loop, rid), rid, compiled)
         except BaseException:
             self.close()
             raise
@@ -96,7 +132,8 @@ class Generation:
     async def updates(self) -> AsyncIterator[tuple[GeneratedChoice, str, dict | None]]:
         """(choice, new text, its token entry) until every choice has finished; None: it finished.
 
-        RunFailed if the run fails first."""
+        RunFailed if the run fails first; RequestFailed if the request does (its choices then count as
+        finished: nothing is left to abort)."""
         while any(c.finish_reason is None for c in self.choices):
             output = await self.queue.get()
             if isinstance(output, RunFailed):
@@ -119,6 +156,13 @@ class Generation:
                 choice.text += output.text
                 yield choice, output.text, entry
             elif isinstance(output, Finished):
+                failed = own_failure(output, self.grammar)
+                if failed is None and self.grammar is not None:  # off the event loop: a schema check takes ms
+                    failed = await asyncio.to_thread(wrong_answer, output, self.grammar)
+                if failed is not None:
+                    for choice in mine:
+                        choice.finish_reason = choice.finish_reason or "abort"
+                    raise failed
                 for choice in mine:
                     choice.cached_tokens = output.num_cached_prompt_tokens
                 for out in output.outputs:

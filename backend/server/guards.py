@@ -28,6 +28,8 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from litestar.utils import ensure_async_callable
 
+from kvscope.backend.engine.request import RequestError
+
 
 MAX_JSON_DEPTH = 32  # an inline scenario nests 4 deep; the decoder's own limit is ~1000
 CHANGING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -126,6 +128,17 @@ def json_depth(value: object, limit: int) -> int:
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
     return deepest
+
+
+def check_utf8(text: str, field: str) -> None:
+    """RequestError naming the field when the text holds a lone surrogate: JSON's `\\ud800` escape decodes
+    to one, and no tokenizer (nor UTF-8) encodes it. The body's decoder refuses them; a JSON text inside a
+    field (a call's arguments) is decoded by Python's, which does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(field, f"not UTF-8: a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                                  f"{e.start}, from an escape such as \\ud800 without its pair") from None
 
 
 def closing_websockets(guard: Guard) -> Guard:

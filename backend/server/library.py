@@ -19,10 +19,11 @@ import os
 import re
 import threading
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvscope.backend.errors import KvscopeError
 from kvscope.backend.server.trace_file import TraceFile
@@ -63,6 +64,14 @@ class Entry(BaseModel):
     trace: str = Field(pattern=TRACE_PATTERN)  # the trace's file name, in the library folder
     trace_bytes: int = Field(ge=0)
 
+    @field_validator("name")
+    @classmethod
+    def _fit(cls, name: str) -> str:
+        """A sidecar edited on disk is held to the rename's rule: it is skipped, never listed."""
+        if not fit_name(name):
+            raise ValueError(NAME_RULE)
+        return name
+
 
 def default_folder() -> Path:
     """$XDG_DATA_HOME/kvscope/library, or ~/.local/share/kvscope/library (runs are data, not a cache)."""
@@ -76,10 +85,24 @@ def check_id(entry_id: str) -> str:
     return entry_id
 
 
+# Unicode's control (Cc: C0, DEL, C1), format (Cf: the bidi overrides such as U+202E that reorder what a
+# name shows, zero-width characters), surrogate, private-use and unassigned characters, and the line and
+# paragraph separators: none belongs in a one-line name a page shows.
+REFUSED_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
+MARKUP = set("<>")  # a name is text: a page that forgot to escape one must not find a tag in it
+NAME_RULE = (f"a name has 1 to {MAX_NAME} characters, no control or formatting characters (such as U+202E, "
+             "which reverses the text after it) and no < or >")
+
+
+def fit_name(name: str) -> bool:
+    return 1 <= len(name) <= MAX_NAME and not any(unicodedata.category(c) in REFUSED_CATEGORIES or c in MARKUP
+                                                  for c in name)
+
+
 def check_name(name: str) -> str:
     name = name.strip()
-    if not 1 <= len(name) <= MAX_NAME or any(ord(c) < 32 for c in name):
-        raise LibraryError("name", f"a name has 1 to {MAX_NAME} characters and no control characters")
+    if not fit_name(name):
+        raise LibraryError("name", NAME_RULE)
     return name
 
 

@@ -26,6 +26,7 @@ KV_SHARE_OF_MEMORY = 0.25  # of physical memory, for every run's KV cache togeth
 # and the other programs on the machine need the rest
 WEIGHT_SHARE_OF_MEMORY = 0.25  # of physical memory, for every weight copy the server holds (models and
 # their quantized copies): with the KV caches' quarter, half the machine is the server's at most
+REPLAY_SHARE_OF_MEMORY = 0.125  # of physical memory, for the parsed traces replays hold (replay_copies.py)
 
 
 def physical_memory_mb() -> int:
@@ -39,8 +40,16 @@ class ServiceLimits:
     max_kv_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * KV_SHARE_OF_MEMORY)
     max_run_kv_memory_mb: float | None = None  # one run's ceiling; None: the total
     max_weight_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * WEIGHT_SHARE_OF_MEMORY)
+    # the replays' parsed traces, shared by the replays of one trace, and their reducers
+    max_replay_memory_mb: float = field(default_factory=lambda: physical_memory_mb() * REPLAY_SHARE_OF_MEMORY)
     max_runs: int = 16  # runs held at once (finished ones are forgotten first to make room)
     max_waiting: int = 64  # requests queued in one run before /v1 answers 429
+    # Clients' grammars (grammar_compiles.py): a compile waited for at most this long (xgrammar cannot be
+    # stopped: one ran ~160 s), at most this many at once server-wide (one more: a 429), and each engine run's
+    # cache of compiled grammars within this many MB, by xgrammar's own measure (one can hold ~170 MB).
+    grammar_timeout_s: float = 30.0
+    max_grammar_compiles: int = 2
+    grammar_cache_mb: float = 256.0
     request_timeout_s: float = 600.0  # a /v1 request is aborted after this long
     max_viewers: int = 32  # websocket viewers per run
     viewer_events_per_s: float = 4000.0  # sent to all viewers together: the engine and /v1 keep the CPU

@@ -10,18 +10,21 @@ fresh one on the next request.
 
 With a run library (library.py), every scenario run that finishes (or fails) saves its whole trace
 there, on its own worker thread, as it ends; a saved run opens again as a replay whose every view
-is the live run's, after the run has left memory or the server has restarted.
+is the live run's, after the run has left memory or the server has restarted. Replays of one trace
+share one parsed copy (replay_copies.py), counted in bytes against --max-replay-memory-mb before the
+trace is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,12 +37,15 @@ from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
 from kvscope.backend.server.api_run import ApiRun, api_engine
-from kvscope.backend.server.engine_run import ServedScenario
+from kvscope.backend.server.engine_run import EngineRun, ServedScenario
+from kvscope.backend.server.grammar_compiles import GrammarCompiles
 from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
+from kvscope.backend.server.memory import give_back_memory_soon
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
-from kvscope.backend.server.run_errors import RunError, build_run
+from kvscope.backend.server.replay_copies import ReplayCopies
+from kvscope.backend.server.run_errors import RunBusy, RunError, build_run
 from kvscope.backend.server.run_pacing import DEFAULT_SPEED
 from kvscope.backend.server.runs import Retention, ServedRun
 
@@ -97,6 +103,8 @@ class RunManager:
         self.runs: dict[str, ServedRun] = {}
         self.kv_bytes: dict[str, int] = {}  # run id -> the KV cache bytes it holds (or is being built with)
         self.weights = weights or WEIGHTS  # the weight copies, held by run id
+        self.needs: dict[str, Sequence[WeightNeed]] = {}  # run id -> the weight copies it asked for
+        self.replays = ReplayCopies()  # the replays' parsed traces, held by run id
         self._lock = threading.Lock()
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
         self._watchdog: threading.Thread | None = None  # started with the first run
@@ -105,6 +113,8 @@ class RunManager:
         self.load_error: str | None = None  # why that start failed last
 
         self._api_run_watchers: list[Callable[[str, ApiRun], None]] = []  # GET /metrics (metrics.py)
+        # clients' grammars, compiled off the runs' workers: the places are the server's, not a run's
+        self.compiles = GrammarCompiles(lambda: self.limits.max_grammar_compiles, lambda: self.limits.grammar_timeout_s)
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -123,7 +133,7 @@ class RunManager:
         return Retention(history=lim.history if open_ended else lim.history + planned,
                          trace_window=lim.trace_window if open_ended else None, trace_dir=lim.trace_dir,
                          paused_ttl_s=lim.paused_ttl_s, max_waiting=lim.max_waiting, max_viewers=lim.max_viewers,
-                         stall_timeout_s=lim.stall_timeout_s)
+                         stall_timeout_s=lim.stall_timeout_s, grammar_cache_bytes=int(lim.grammar_cache_mb * MB))
 
     def start_scenario(self, scenario: str | dict[str, Any], overrides: dict[str, Any] | None = None,
                        speed: float = DEFAULT_SPEED, paused: bool = False, lesson: bool = False) -> ServedRun:
@@ -138,9 +148,26 @@ class RunManager:
             dict(overrides or {})), kv, kv_field, needs=needs)
 
     def start_replay(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
-                     lesson: bool = False) -> ServedRun:
+                     lesson: bool = False, text: str | None = None) -> ServedRun:
+        """A replay of parsed events; `text`, the trace they were parsed from, lets replays of the same text
+        share one copy (a client that posts one trace twice)."""
+        if text is None:
+            key: Hashable = ("trace", uuid.uuid4().hex)
+            size = sum(len(json.dumps(e)) + 1 for e in events)
+        else:
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+            key, size = (f"posted trace {digest[:12]}", digest), len(text)
+        return self._start_replay(key, size, lambda: events, speed, paused, lesson)
+
+    def _start_replay(self, key: Hashable, text_bytes: int, events: Callable[[], list[dict]], speed: float,
+                      paused: bool, lesson: bool) -> ServedRun:
+        """Room for the trace's copy first (or a refusal: nothing read yet), then the copy shared or parsed."""
         retention = replace(self.retention(), history=None)
-        return self._add(lambda run_id: ReplayRun(events, speed, paused, run_id, retention=retention, lesson=lesson), 0)
+
+        def build(run_id: str) -> ReplayRun:
+            return ReplayRun(self.replays.copy(key, events), speed, paused, run_id, retention=retention, lesson=lesson)
+
+        return self._add(build, 0, replay=(key, text_bytes))
 
     # ---- the run library ----------------------------------------------------------------------------
 
@@ -151,14 +178,20 @@ class RunManager:
 
     def open_saved(self, entry_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
                    lesson: bool = False) -> ServedRun:
-        """A saved run as a replay (a new run id): its trace holds every event, so every view is the live run's."""
-        text = self.saved().trace_text(entry_id)
-        try:
-            events = parse_trace(text, f"library entry {entry_id}")
-        except TraceError as e:  # a trace edited in place (its size unchanged): a 400 saying where, and a log line
-            log.warning("library: cannot open %s: %s", entry_id, e)
-            raise
-        return self.start_replay(events, speed, paused, lesson)
+        """A saved run as a replay (a new run id): its trace holds every event, so every view is the live run's.
+        Every replay of the entry shares one parsed copy, read from disk by the first."""
+        entry = self.saved().get(entry_id)
+
+        def events() -> list[dict]:
+            text = self.saved().trace_text(entry_id)
+            try:
+                return parse_trace(text, f"library entry {entry_id}")
+            except TraceError as e:  # a trace edited in place (its size unchanged): a 400 saying where, and a log line
+                log.warning("library: cannot open %s: %s", entry_id, e)
+                raise
+
+        key = (f"library {entry_id}", entry.created, entry.trace_bytes)  # saved again: another copy
+        return self._start_replay(key, entry.trace_bytes, events, speed, paused, lesson)
 
     def _saved_when_done(self, run: ServedScenario, overrides: dict[str, Any]) -> ServedScenario:
         """Subscribed before the run starts, so that even an unpaced run's end is seen."""
@@ -177,6 +210,19 @@ class RunManager:
             self.library.save(run.trace_jsonl(), **facts)
         except (OSError, ValueError) as e:  # a full disk or a bad fact: the run is over either way, never failed by it
             log.error("library: run %s not saved: %s", run.run_id, e)
+
+    def close(self, run_id: str) -> bool:
+        """Stop and forget a run now, letting go of what it holds (False: no such run). The API's runs serve
+        every /v1 request and restart on the next one, so they are not closed: RunError."""
+        with self._lock:
+            run = self.runs.get(run_id)
+            if run is None:
+                return False
+            if isinstance(run, ApiRun):
+                raise RunError("run_id", f"run {run_id!r} is the API's: it serves every /v1 request for its model "
+                                         "and is never closed")
+            self._forget_locked(run_id)
+        return True
 
     def api_models(self) -> list[str]:
         """Models the OpenAI API serves by name: the server's first, then the shipped ones and smollm2 when present."""
@@ -302,29 +348,58 @@ class RunManager:
         return build_run(lambda: weight_needs(model, engine))
 
     def usage(self) -> dict:
-        """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies."""
+        """What the limits count now and allow (GET /api/limits): runs, KV caches, weight copies, grammars."""
         with self._lock:
             runs, kv = len(self.kv_bytes), self._kv_held()
+            engines = [r for r in self.runs.values() if isinstance(r, EngineRun)]
         lim = self.limits
+        caches = [{"run_id": r.run_id, "bytes": r.grammars.cached_bytes, "max_bytes": r.grammars.max_bytes,
+                   "grammars": r.grammars.num_cached} for r in engines]
         return {"runs": runs, "max_runs": lim.max_runs, "kv_bytes": kv, "max_kv_bytes": int(lim.max_kv_memory_mb * MB),
                 "weight_bytes": self.weights.held_bytes(), "max_weight_bytes": int(lim.max_weight_memory_mb * MB),
-                "weight_copies": self.weights.describe()}
+                "weight_copies": self.weights.describe(), "rank_processes": self._rank_processes(),
+                "replay_bytes": self.replays.held_bytes(), "max_replay_bytes": int(lim.max_replay_memory_mb * MB),
+                "replay_copies": self.replays.describe(),
+                "grammar_bytes": sum(c["bytes"] for c in caches),
+                "max_grammar_bytes_per_run": int(lim.grammar_cache_mb * MB),
+                "grammar_caches": caches, "grammar_compiles": self.compiles.in_flight,
+                "max_grammar_compiles": lim.max_grammar_compiles, "grammar_timeout_s": lim.grammar_timeout_s}
+
+    def _rank_processes(self) -> list[dict]:
+        """Each tensor-parallel run's other ranks: processes of their own, their weight shards' bytes (counted
+        in weight_bytes) and their share of the run's KV pools (counted in kv_bytes)."""
+        with self._lock:
+            held = [(rid, r) for rid, r in self.runs.items() if isinstance(r, EngineRun)]
+            out = []
+            for rid, run in held:
+                ranks = run.engine.config.tensor_parallel
+                if ranks > 1:
+                    shards = sum(n.bytes for n in self.needs.get(rid, ()) if n.key.shards_of)
+                    out.append({"run_id": rid, "processes": ranks - 1, "weight_bytes": shards,
+                                "kv_bytes": self.kv_bytes.get(rid, 0) * (ranks - 1) // ranks})
+            return out
 
     def _add(self, build: Callable[[str], ServedRun], kv: int, kv_field: str = "engine.num_blocks",
-             run_id: str | None = None, needs: Sequence[WeightNeed] = ()) -> ServedRun:
-        """Reserve room (or refuse, naming kv_field or the weight copy's field), build the run outside the
-        lock, then start it."""
+             run_id: str | None = None, needs: Sequence[WeightNeed] = (),
+             replay: tuple[Hashable, int] | None = None) -> ServedRun:
+        """Reserve room (or refuse, naming kv_field, the weight copy's field or the replays' limit), build the run
+        outside the lock, then start it. `replay`: the key and text bytes of the trace a replay holds."""
         run_id = run_id or uuid.uuid4().hex[:12]
         with self._lock:
-            self._make_room_locked(kv, kv_field, needs)
+            self._make_room_locked(kv, kv_field, needs, replay)
             self.kv_bytes[run_id] = kv
+            self.needs[run_id] = needs
             self.weights.hold(run_id, estimates(needs))
+            if replay is not None:
+                self.replays.hold(run_id, *replay)
         try:
             run = build_run(lambda: build(run_id))
         except BaseException:
             with self._lock:
                 self.kv_bytes.pop(run_id, None)
+                self.needs.pop(run_id, None)
                 self.weights.release(run_id)
+                self.replays.release(run_id)
             raise
         if self.watcher_queue_limit:
             run.viewers.queue_limit = self.watcher_queue_limit
@@ -333,7 +408,8 @@ class RunManager:
             self._start_watchdog_locked()
         return run.start()
 
-    def _make_room_locked(self, kv: int, kv_field: str, needs: Sequence[WeightNeed] = ()) -> None:
+    def _make_room_locked(self, kv: int, kv_field: str, needs: Sequence[WeightNeed] = (),
+                          replay: tuple[Hashable, int] | None = None) -> None:
         lim = self.limits
         if kv > lim.run_kv_ceiling_mb * MB:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
@@ -342,8 +418,10 @@ class RunManager:
         # Failed runs are finished too (the API's runs finish no other way): dead runs never hold a place.
         finished = [rid for rid, r in self.runs.items() if r.finished]
         while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB
-                            or self._weights_over_locked(needs)):
+                            or self._weights_over_locked(needs) or self._replays_over(replay)):
             self._forget_locked(finished.pop(0))
+        if self._replays_over(replay):
+            self._refuse_replay(*replay)
         if len(self.kv_bytes) >= lim.max_runs:
             raise RunError(None, f"too many runs at once (at most {lim.max_runs}, --max-runs); let one finish first")
         if self._kv_held() + kv > lim.max_kv_memory_mb * MB:
@@ -352,6 +430,23 @@ class RunManager:
                                      "(--max-kv-memory-mb); let a run finish first")
         if self._weights_over_locked(needs):
             self._refuse_weights_locked(needs)
+
+    def _replays_over(self, replay: tuple[Hashable, int] | None) -> bool:
+        """Would one more replay of this trace pass --max-replay-memory-mb? (A copy held already adds only
+        the replay's own reducer.)"""
+        return replay is not None and \
+            self.replays.held_bytes() + self.replays.new_bytes(*replay) > self.limits.max_replay_memory_mb * MB
+
+    def _refuse_replay(self, key: Hashable, text_bytes: int) -> None:
+        """A 429 while replays hold the room (one may end or expire), a 400 for a trace that never fits."""
+        need, held = self.replays.new_bytes(key, text_bytes), self.replays.held_bytes()
+        limit = self.limits.max_replay_memory_mb
+        what = (f"replaying this trace ({text_bytes / MB:.1f} MB of JSON) needs {need / MB:.1f} MB parsed, "
+                f"and the server keeps its replays within {limit:g} MB (--max-replay-memory-mb)")
+        if need > limit * MB:
+            raise RunError("trace", what)
+        raise RunBusy(f"{what}; the replays held now take {held / MB:.1f} MB. Replays of one trace share one copy: "
+                      "let a replay end or expire, then try again")
 
     def _kv_held(self) -> int:
         return sum(self.kv_bytes.values())
@@ -371,17 +466,6 @@ class RunManager:
                                               f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
                                               "use a model and settings a run already uses, or let a run finish")
 
-    def forget(self, run_id: str) -> None:
-        """Forget a run at a client's word: its place, its memory, and what its engine holds outside this process
-        (its worker ends and releases it). An API run is the service the /v1 routes wait on: not forgotten so."""
-        with self._lock:
-            run = self.runs.get(run_id)
-            if isinstance(run, ApiRun):
-                raise RunError("run_id", f"{run_id!r} is the API's run, which the /v1 routes wait on; it is not "
-                                         "forgotten by request (it restarts itself when it fails)")
-            if run is not None:
-                self._forget_locked(run_id)
-
     def _sweep_locked(self) -> None:
         """Forget the runs that expired (paused and untouched too long)."""
         for rid in [rid for rid, r in self.runs.items() if r.expired]:
@@ -389,10 +473,13 @@ class RunManager:
 
     def _forget_locked(self, run_id: str) -> None:
         self.kv_bytes.pop(run_id, None)
+        self.needs.pop(run_id, None)
         self.weights.release(run_id)
+        self.replays.release(run_id)
         run = self.runs.pop(run_id, None)
         if run is not None:
-            run.stop()
+            run.stop()  # a worker still running gives its run's memory back as it ends (run_worker.py) ...
+            give_back_memory_soon()  # ... one that had ended (an expired run) left it to the manager's reference
 
     # ---- supervision ----------------------------------------------------------------------------
 
@@ -422,3 +509,4 @@ class RunManager:
         for run_id, run in list(self.runs.items()):
             run.stop()
             self.weights.release(run_id)  # the process's cache outlives this manager (tests make several)
+            self.replays.release(run_id)

@@ -33,8 +33,9 @@ from kvscope.backend.server.generation import Generation
 from kvscope.backend.server.guards import require_token  # off-loopback, the server token is the client's api_key
 from kvscope.backend.server.openai_errors import OpenAIError, model_not_found, v1_router
 from kvscope.backend.server.openai_protocol import MAX_CHOICES, ChatBody, CompletionBody, SamplingBody
-from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, fit_in_context, message_dicts,
-                                                   respond, sampling_for, served_model, set_echo, token_ids)
+from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, compiled_grammar, fit_in_context,
+                                                   message_dicts, respond, sampling_for, served_model, set_echo,
+                                                   token_ids)
 from kvscope.backend.server.openai_shapes import NewParser, chat_response, completion_response, stream_events
 from kvscope.backend.server.structured import grammar_of, named_by_source
 from kvscope.backend.server.tools import ToolCalling
@@ -95,9 +96,10 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     asked = data.max_completion_tokens or data.max_tokens
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
-    gen = Generation(run, data.n or 1, "chatcmpl")
+    compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
+    gen = Generation(run, data.n or 1, "chatcmpl", grammar=grammar)
     with named_by_source(grammar):
-        await gen.submit([(prompt, max_tokens)], sampling)
+        await gen.submit([(prompt, max_tokens)], sampling, compiled)
     return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)
 
 

@@ -16,8 +16,9 @@ from kvscope.backend.engine.request import RequestError
 from kvscope.backend.errors import pydantic_reason
 from kvscope.backend.model.chat import ChatTemplateError
 from kvscope.backend.model.loader import ModelLoadError, missing_package
+from kvscope.backend.server.grammar_compiles import ClientGone
 from kvscope.backend.server.limits import WeightMemoryError
-from kvscope.backend.server.run_errors import RunBusy, RunError, RunFailed
+from kvscope.backend.server.run_errors import RequestFailed, RunBusy, RunError, RunFailed
 
 
 class OpenAIError(Exception):
@@ -52,6 +53,10 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return OpenAIError(400, str(exc), "model")
     if isinstance(exc, RunFailed):
         return run_failed(exc)
+    if isinstance(exc, RequestFailed):
+        return request_failed(exc)
+    if isinstance(exc, ClientGone):  # nobody reads it: nginx's "client closed request"
+        return OpenAIError(499, "the client went away", type="client_closed_request")
     if isinstance(exc, RunError):  # the API's run could not start: the server's limits, not the request
         return OpenAIError(503, str(exc), type="server_error")
     if isinstance(exc, ChatTemplateError):
@@ -86,6 +91,12 @@ def run_failed(exc: RunFailed) -> OpenAIError:
                             "a fresh run: try again", None, "run_failed", "server_error", {"Retry-After": "1"})
 
 
+def request_failed(exc: RequestFailed) -> OpenAIError:
+    """The request's own input could not be satisfied (its grammar allowed no token, or an answer its schema
+    refuses): a 400 naming the field, as OpenAI refuses what a request asks; the run and the others go on."""
+    return OpenAIError(400, str(exc), exc.field, exc.code)
+
+
 def model_not_found(name: str, served: list[str]) -> OpenAIError:
     install = missing_package(name)
     reason = f"is not installed (run: {install})" if install else \
@@ -110,7 +121,7 @@ def openai_errors_under_v1(handler: Handler) -> Handler:
 # Keyed like app.py's handlers, so that these (the nearer layer) win for the routes they are given.
 OPENAI_ERROR_HANDLERS: dict = {exc: to_openai_error for exc in (
     OpenAIError, RequestError, ChatTemplateError, HTTPException, ModelLoadError, RunBusy, RunError, RunFailed,
-    Exception)}
+    RequestFailed, ClientGone, Exception)}
 
 
 def v1_router(handlers: list) -> Router:

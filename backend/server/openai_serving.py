@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from litestar import MediaType, Request, Response
 from litestar.response import ServerSentEvent
@@ -22,10 +22,14 @@ from kvscope.backend.engine.request import check_prompt_ids
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.errors import validation_error
 from kvscope.backend.server.api_run import ApiRun
+from kvscope.backend.server.engine_run import EngineRun
 from kvscope.backend.server.generation import Generation, prompt_logprobs
 from kvscope.backend.server.openai_errors import OpenAIError, model_not_found
 from kvscope.backend.server.openai_protocol import UNREADABLE_PARTS, ChatMessage, ContentPart
 from kvscope.backend.server.structured import Grammar
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 DEFAULT_CHAT_MAX_TOKENS = 256  # OpenAI's is "the rest of the context"; the demo models stop long before
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -64,6 +68,16 @@ def sampling_for(body: BaseModel, logprobs: int, grammar: Grammar | None = None)
         error = validation_error(e)
         raise OpenAIError(400, str(error), error.field) from None
     return sampling
+
+
+async def compiled_grammar(request: Request, run: EngineRun, grammar: Grammar | None) -> CompiledGrammar | None:
+    """The request's grammar compiled off the run's worker, within the server's time limit and places for
+    compiles (grammar_compiles.py): RequestError naming the client's field, RunBusy (429), ClientGone."""
+    if grammar is None:
+        return None
+    spec = SamplingParams.model_validate({"structured_outputs": grammar.outputs}).structured_outputs
+    return await request.app.state.manager.compiles.compiled(run.grammars, spec, grammar.source,
+                                                             lambda: client_gone(request))
 
 
 def fit_in_context(run: ApiRun, prompt_len: int, asked: int | None, default: int, prompt_param: str,

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from kvscope.backend.server.generation import GeneratedChoice, Generation
-from kvscope.backend.server.openai_errors import run_failed
+from kvscope.backend.server.openai_errors import request_failed, run_failed
 from kvscope.backend.server.openai_protocol import StreamOptions
-from kvscope.backend.server.run_errors import RunFailed
+from kvscope.backend.server.run_errors import RequestFailed, RunFailed
 from kvscope.backend.server.tool_parser import Parser, ToolCallStream, chat_message
 
 NewParser = Callable[[], Parser | None]  # a reader of one choice's tool calls; None: plain content
@@ -96,6 +96,8 @@ async def stream_events(gen: Generation, model: str, kind: Literal["text", "chat
                 yield json.dumps({**_envelope(gen, obj, model, []), "usage": gen.usage()})
         except RunFailed as e:  # the status line is sent: the error goes in the stream (as vLLM's), then [DONE]
             yield json.dumps(run_failed(e).body())
+        except RequestFailed as e:  # the same for the request's own failure: no finish_reason, the error last
+            yield json.dumps(request_failed(e).body())
         yield "[DONE]"
     finally:
         gen.close()  # a client that disconnected mid-stream lands here: its requests are aborted

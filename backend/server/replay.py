@@ -4,16 +4,18 @@ Seek is exact: a watcher's resync message carries the events replayed so far (`p
 the dashboard rebuilds its record as a fresh replay stopped there would have it (a snapshot alone
 tells the state, not who waited or sat preempted in the iterations before). The trace a replay
 hands out is the one it was given, however often it was seeked.
+
+The events are read, never changed: the replays of one trace share one parsed copy (replay_copies.py),
+and a replay's own memory is its reducer.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from itertools import accumulate
 
 from kvscope.backend.events.moments import MomentFinder
 from kvscope.backend.events.state import RunState
+from kvscope.backend.server.replay_copies import ParsedTrace
 from kvscope.backend.server.run_pacing import DEFAULT_SPEED
 from kvscope.backend.server.runs import Retention, ServedRun
 
@@ -22,13 +24,12 @@ class ReplayRun(ServedRun):
     kind = "replay"
     keeps_trace = False  # seeking publishes steps again: the trace is the one given
 
-    def __init__(self, events: list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
+    def __init__(self, trace: ParsedTrace | list[dict], speed: float = DEFAULT_SPEED, paused: bool = False,
                  run_id: str | None = None, retention: Retention = Retention(), lesson: bool = False) -> None:
         super().__init__(run_id or uuid.uuid4().hex[:12], speed, paused, retention, lesson)
-        self.events = sorted(events, key=lambda e: e["step"])  # stable: the trace's order within a step
-        self.steps = sorted({e["step"] for e in self.events})  # -1 (the header) first
-        self.ends = list(accumulate(_counts(self.events, self.steps)))  # events up to and including steps[i]
-        self.original = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
+        trace = trace if isinstance(trace, ParsedTrace) else ParsedTrace.of(trace)
+        self.trace_copy = trace  # shared with every replay of the same trace: read, never changed
+        self.events, self.steps, self.ends = trace.events, trace.steps, trace.ends
         self.cursor = 0  # index into self.steps of the next step to publish
         self.num_steps = len(self.steps)
         self._advance()  # the header and anything before the first iteration: a replay opens ready
@@ -64,16 +65,7 @@ class ReplayRun(ServedRun):
         return {**self._snapshot_locked(), "past": self.events[:self._published()]}
 
     def trace_jsonl(self) -> str:
-        return self.original
+        return self.trace_copy.text
 
     def describe(self) -> dict:
         return {**super().describe(), "num_steps": self.num_steps}
-
-
-def _counts(events: list[dict], steps: list[int]) -> list[int]:
-    """Events per step, in the order of `steps` (events sorted by step)."""
-    index = {s: i for i, s in enumerate(steps)}
-    counts = [0] * len(steps)
-    for e in events:
-        counts[index[e["step"]]] += 1
-    return counts

@@ -17,7 +17,8 @@ sampling: openai_serving.respond, structured.py), written out differently:
               response.content_part.added, response.output_text.delta (one per chunk of text),
               response.output_text.done, response.content_part.done, response.output_item.done, and
               last response.completed, or response.incomplete when max_output_tokens cut the answer
-              (or response.failed when the run failed or the time limit aborted it).
+              (or response.failed when the run failed, the time limit aborted it, or the request failed
+              by its own fault: its grammar allowed no token; the error's `code` says which).
 
 The body and its refusals are responses_protocol.py's; what a body becomes in the engine, and the
 answer's time limit and disconnect handling, are openai_serving.py's, as for chat.
@@ -38,11 +39,11 @@ from litestar.response.sse import ServerSentEventMessage
 from kvscope.backend.model.chat import ChatTemplateError, encode_chat
 from kvscope.backend.server.generation import Generation
 from kvscope.backend.server.guards import require_token
-from kvscope.backend.server.openai_errors import OpenAIError, run_failed, v1_router
-from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, fit_in_context, respond,
-                                                   sampling_for, served_model)
+from kvscope.backend.server.openai_errors import OpenAIError, request_failed, run_failed, v1_router
+from kvscope.backend.server.openai_serving import (DEFAULT_CHAT_MAX_TOKENS, api_run, compiled_grammar, fit_in_context,
+                                                   respond, sampling_for, served_model)
 from kvscope.backend.server.responses_protocol import ResponsesBody, TextFormat
-from kvscope.backend.server.run_errors import RunFailed
+from kvscope.backend.server.run_errors import RequestFailed, RunFailed
 from kvscope.backend.server.structured import named_by_source
 
 
@@ -100,8 +101,9 @@ def final_response(gen: Generation, body: ResponsesBody, model: str) -> dict[str
                "output_tokens_details": {"reasoning_tokens": 0}})
 
 
-def failed(gen: Generation, body: ResponsesBody, model: str, message: str) -> dict[str, Any]:
-    return response_object(gen, body, model, "failed", error={"code": "server_error", "message": message})
+def failed(gen: Generation, body: ResponsesBody, model: str, message: str,
+           code: str = "server_error") -> dict[str, Any]:
+    return response_object(gen, body, model, "failed", error={"code": code, "message": message})
 
 
 async def stream_events(gen: Generation, body: ResponsesBody, model: str) -> AsyncIterator[ServerSentEventMessage]:
@@ -124,6 +126,10 @@ async def stream_events(gen: Generation, body: ResponsesBody, model: str) -> Asy
                     yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
         except RunFailed as e:
             yield event("response.failed", response=failed(gen, body, model, run_failed(e).message))
+            return
+        except RequestFailed as e:  # its own fault: the error says which field, as the plain answer's 400 does
+            error = request_failed(e)
+            yield event("response.failed", response=failed(gen, body, model, error.message, error.code))
             return
         final = final_response(gen, body, model)
         if final["status"] == "failed":
@@ -156,9 +162,10 @@ async def create_response(request: Request, data: JSONBody[ResponsesBody]) -> Re
         raise OpenAIError(400, str(e), "input") from None
     max_tokens = fit_in_context(run, len(prompt), data.max_output_tokens, DEFAULT_CHAT_MAX_TOKENS, "input",
                                 "max_output_tokens")
-    gen = Generation(run, 1, "resp")
+    compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
+    gen = Generation(run, 1, "resp", grammar=grammar)
     with named_by_source(grammar):
-        await gen.submit([(prompt, max_tokens)], sampling)
+        await gen.submit([(prompt, max_tokens)], sampling, compiled)
     events = stream_events(gen, data, model) if data.stream else None
     return await respond(request, gen, events, lambda: final_response(gen, data, model))
 

@@ -1,5 +1,6 @@
 """How a served run refuses a caller: RunError (a 400), RunFailed (its worker failed), RunClosed (a 409: it
-finished and let its engine's ranks go), RunBusy (a 429).
+finished and let its engine's ranks go), RunBusy (a 429), and how one request fails alone: RequestFailed
+(a 400 naming the client's field).
 
 Every part of a run raises these, and the routes catch them once at the edge; `describe_fault` and
 `build_run` turn any other exception into words a client may read.
@@ -44,6 +45,15 @@ class RunBusy(Exception):
     def __init__(self, message: str, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestFailed(Exception):
+    """One request failed by its own fault, and only it (the run and every other request go on): `field` is
+    the client's field at fault (a grammar's source), `code` says how (OpenAI's error `code`)."""
+
+    def __init__(self, reason: str, field: str | None, code: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field, self.code = field, code
 
 
 def describe_fault(error: BaseException) -> str:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from kvscope.backend.server.memory import give_back_memory
 from kvscope.backend.server.run_errors import RunFailed, describe_fault
 from kvscope.backend.server.run_pacing import Pacer
 
@@ -52,7 +53,7 @@ class RunWorker:
     def __init__(self, run_id: str, run: DrivenRun, pacing: Pacer, stall_timeout_s: float | None = None,
                  paused_ttl_s: float | None = None) -> None:
         self.run_id = run_id
-        self.run = run
+        self.run: DrivenRun | None = run  # let go as the thread ends (_loop)
         self.pacing = pacing
         self.stall_timeout_s = stall_timeout_s
         self.paused_ttl_s = paused_ttl_s
@@ -139,6 +140,11 @@ class RunWorker:
             self.run.fail(describe_fault(e), e)
         finally:  # on this thread, which alone touches the engine: no step can be under way
             self.run.release()
+            # The run holds its worker and the worker its run: a cycle that only a full collection frees, so a
+            # forgotten run (a replay's parsed trace: hundreds of MB) stayed in memory until one. This thread
+            # is done with it; once the manager has let go too, it is freed, and its pages given back.
+            self.run = None
+            give_back_memory()
 
     def _work(self) -> None:
         next_due = time.monotonic()

@@ -54,6 +54,7 @@ class Retention:
     max_waiting: int | None = None  # requests queued before add_request answers RunBusy
     max_viewers: int | None = None  # websocket viewers at once
     stall_timeout_s: float | None = None  # the worker this late for a step or a command: the run fails
+    grammar_cache_bytes: int | None = None  # an engine run's compiled grammars (None: the engine's default)
 
 
 class ServedRun:

@@ -22,9 +22,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from kvscope.backend.engine.request import RequestError
+from kvscope.backend.server.guards import MAX_JSON_DEPTH, check_utf8, json_depth
 from kvscope.backend.server.structured import (MAX_GRAMMAR_CHARS, FunctionName, Grammar, StrictModel, check_size,
                                                one_reason)
-from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser, loads
+from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser
 
 MAX_TOOLS = 128
 ToolMode = Literal["none", "auto", "required"]
@@ -133,9 +134,44 @@ def forced_call_schema(tools: list[ToolDef], mode: ToolMode | FunctionRef, paral
         return _parameters(next(t for t in tools if t.function.name == mode.name))
     if mode != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": _defs_at_root(_parameters(t), f"t{k}_", defs)},
+              "required": ["name", "arguments"], "additionalProperties": False} for k, t in enumerate(tools)]
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+            **({"$defs": defs} if defs else {})}
+
+
+DEFS_KEYS = ("$defs", "definitions")  # JSON Schema's name, and draft 7's (pydantic v1 wrote it)
+
+
+def _defs_at_root(parameters: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters with their definitions moved into `defs` (the wrapper schema's root) under
+    `prefix` + name, and every local `$ref` to them rewritten to match: under the call list a ref such as
+    `#/$defs/Address` (what pydantic writes for a nested model) resolves against the wrapper's root, where
+    it found nothing. The prefix keeps two tools' same-named definitions apart."""
+    own = {name: body for key in DEFS_KEYS if isinstance(parameters.get(key), dict)
+           for name, body in parameters[key].items()}
+    if not own:
+        return parameters
+    moved = {k: v for k, v in parameters.items() if k not in DEFS_KEYS}
+    for name, body in own.items():
+        defs[prefix + name] = _refs_renamed(body, prefix)
+    return _refs_renamed(moved, prefix)
+
+
+def _refs_renamed(node: Any, prefix: str) -> Any:
+    """A copy of node whose `#/$defs/X...` and `#/definitions/X...` refs point at `#/$defs/<prefix>X...`."""
+    if isinstance(node, list):
+        return [_refs_renamed(item, prefix) for item in node]
+    if not isinstance(node, dict):
+        return node
+    renamed = {k: _refs_renamed(v, prefix) for k, v in node.items()}
+    ref = node.get("$ref")
+    for key in DEFS_KEYS:
+        if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
+            renamed["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3:]}"
+    return renamed
 
 
 def _parameters(tool: ToolDef) -> dict[str, Any]:
@@ -157,9 +193,22 @@ def check_history(messages: list[Any]) -> None:
 
 
 def arguments_object(text: str, field: str) -> dict[str, Any]:
-    arguments = loads(text)
+    """The arguments as the templates will re-encode and the tokenizer read them: a JSON object nested no
+    deeper than a body may be (json.dumps recurses, one level deeper than the text: ~1,000 levels raised
+    RecursionError), whose strings are all UTF-8 (a `\\ud800` escape decodes to a lone surrogate, which
+    no tokenizer encodes)."""
+    deep = RequestError(field, f"nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        arguments = json.loads(text)
+    except RecursionError:
+        raise deep from None
+    except json.JSONDecodeError:
+        arguments = None
     if not isinstance(arguments, dict):
         raise RequestError(field, "not a JSON object")
+    if json_depth(arguments, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise deep
+    check_utf8(json.dumps(arguments, ensure_ascii=False), field)
     return arguments
 
 
