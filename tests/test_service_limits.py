@@ -109,6 +109,18 @@ def test_a_paused_run_expires_and_frees_its_place(tiny_dir):
         assert client.post("/api/runs", json=body).status_code == 201  # it no longer holds the only place
 
 
+def test_an_expired_run_is_forgotten_as_its_worker_ends_and_reading_the_runs_changes_nothing(tiny_dir):
+    """Nobody lists the runs: the run's own worker tells the manager as it ends. And listing is a read:
+    it returns the runs held, an expiring one included, and forgets none."""
+    with serving(tiny_dir, paused_ttl_s=0.3) as (client, manager):
+        run_id = client.post("/api/runs", json={"scenario": one_request(tiny_dir), "paused": True}).json()["run_id"]
+        run = manager.get(run_id)
+        wait_for(lambda: manager.get(run_id) is None, "the expired run forgotten without a listing")
+        assert run.expired and run_id not in manager.kv_bytes
+        held = manager.list()
+        assert manager.list() == held == []
+
+
 def test_a_paused_api_run_resumes_after_the_idle_time(tiny_dir):
     manager = RunManager(default_model=tiny_dir, limits=ServiceLimits(paused_ttl_s=0.3))
     api = manager.api_run()

@@ -2,8 +2,10 @@
 
 Every start is checked against the server's limits (limits.py) before anything is built: the KV
 bytes its engine would allocate, per run and for all runs together, the bytes of the weight copies
-it would add (runs of one model and settings share one), and how many runs are held. Finished and
-expired runs are forgotten first to make room; a forgotten run lets go of its weight copies. A failed
+it would add (runs of one model and settings share one), and how many runs are held. Finished runs are
+forgotten first to make room; an expired run (paused and untouched too long) is forgotten as its worker
+ends (`ServedRun.on_expired`), so that reading the runs never changes them; a forgotten run lets go of
+its weight copies. A failed
 run counts as finished, so dead runs never hold the server's places. A watchdog thread fails the runs
 whose worker makes no progress for --stall-timeout-s, and the API's run, once failed, is replaced by a
 fresh one on the next request.
@@ -120,10 +122,7 @@ class RunManager:
         return self.runs.get(run_id)
 
     def list(self) -> list[ServedRun]:
-        """The runs held, once those that expired are forgotten (their memory let go: the listing routes and
-        the /metrics scrape are what a server left alone still gets, so expiry is collected here)."""
         with self._lock:
-            self._sweep_locked()
             return list(self.runs.values())
 
     def retention(self, open_ended: bool = False, planned: int = 0) -> Retention:
@@ -242,7 +241,6 @@ class RunManager:
         run_id = API_RUN_ID if model == self.default_model else f"{API_RUN_ID}-{model}"
         with self._api_lock:
             with self._lock:
-                self._sweep_locked()
                 run = self.runs.get(run_id)
                 if run is not None and run.failure is not None:  # the service restarts itself
                     self._forget_locked(run_id)
@@ -403,6 +401,7 @@ class RunManager:
             raise
         if self.watcher_queue_limit:
             run.viewers.queue_limit = self.watcher_queue_limit
+        run.on_expired = self._expired
         with self._lock:
             self.runs[run_id] = run
             self._start_watchdog_locked()
@@ -414,7 +413,6 @@ class RunManager:
         if kv > lim.run_kv_ceiling_mb * MB:
             raise RunError(kv_field, f"this run's KV cache would take {kv / MB:.1f} MB; the server allows "
                                      f"{lim.run_kv_ceiling_mb:g} MB per run (--max-run-kv-memory-mb)")
-        self._sweep_locked()
         # Failed runs are finished too (the API's runs finish no other way): dead runs never hold a place.
         finished = [rid for rid, r in self.runs.items() if r.finished]
         while finished and (len(self.kv_bytes) >= lim.max_runs or self._kv_held() + kv > lim.max_kv_memory_mb * MB
@@ -466,10 +464,11 @@ class RunManager:
                                               f"{self.limits.max_weight_memory_mb:g} MB (--max-weight-memory-mb); "
                                               "use a model and settings a run already uses, or let a run finish")
 
-    def _sweep_locked(self) -> None:
-        """Forget the runs that expired (paused and untouched too long)."""
-        for rid in [rid for rid, r in self.runs.items() if r.expired]:
-            self._forget_locked(rid)
+    def _expired(self, run_id: str) -> None:
+        """A run's worker ended after the run expired (on that thread, no lock held): forget it."""
+        with self._lock:
+            if self.runs.get(run_id) is not None and self.runs[run_id].expired:
+                self._forget_locked(run_id)
 
     def _forget_locked(self, run_id: str) -> None:
         self.kv_bytes.pop(run_id, None)

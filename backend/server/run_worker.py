@@ -46,6 +46,9 @@ class DrivenRun(Protocol):
     def release(self) -> None:
         """What the run holds outside memory (a tensor-parallel engine's ranks), freed as its worker ends."""
 
+    def ended(self) -> None:
+        """Its worker's last act, after release, holding no lock: whoever holds the run hears that it ended."""
+
 
 class RunWorker:
     """The thread, the commands waiting for it, and its deadline; `wakeup` guards them and the Pacer."""
@@ -140,6 +143,7 @@ class RunWorker:
             self.run.fail(describe_fault(e), e)
         finally:  # on this thread, which alone touches the engine: no step can be under way
             self.run.release()
+            self.run.ended()
             # The run holds its worker and the worker its run: a cycle that only a full collection frees, so a
             # forgotten run (a replay's parsed trace: hundreds of MB) stayed in memory until one. This thread
             # is done with it; once the manager has let go too, it is freed, and its pages given back.

@@ -77,6 +77,8 @@ class ServedRun:
         self.worker = RunWorker(run_id, self, self.pacing, retention.stall_timeout_s, retention.paused_ttl_s)
         self.finished = False
         self.expired = False
+        # Told the run's id once its worker has ended after an expiry (manager.py: the run's memory goes then).
+        self.on_expired: Callable[[str], None] | None = None
         self.last_t = 0.0  # the newest published event's time, for an event the run itself makes
 
     # ---- events (the worker thread) -------------------------------------------------------------------
@@ -192,6 +194,10 @@ class ServedRun:
 
     def release(self) -> None:
         """Free what the run holds outside memory, on its worker thread as it ends (a replay holds nothing)."""
+
+    def ended(self) -> None:
+        if self.expired and self.on_expired is not None:
+            self.on_expired(self.run_id)
 
     @property
     def failure(self) -> str | None:
