@@ -286,6 +286,10 @@ class EngineConfig(BaseModel):
                                  description="ranks (processes) the model is sharded over: it must divide the "
                                              "attention heads and the MLP's size (docs/engine.md#tensor-parallelism); "
                                              "kv_cache_memory_mb is then each rank's")
+    compile_decode: bool = Field(default=False,
+                                 description="run decode-only steps through one torch.compile'd graph of the whole "
+                                             "model (attention_backend torch, one rank): fewer, fused ops per step "
+                                             "for a compile paid once per process (docs/engine.md#compiled-decode)")
     tensor_parallel_timeout_s: float = Field(default=60.0, gt=0, le=3600,
                                              description="how long a collective waits for a rank before the run "
                                                          "fails naming it")

@@ -35,6 +35,8 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "min_p": "--min-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width",
                   "length_penalty": "--length-penalty"}
 WEIGHTS_CHOICES = ("native", "float32")
+COMPILE_HELP = ("decode steps through one torch.compile'd graph of the model: faster steps after a compile "
+                "of a minute or two on first use (docs/engine.md#compiled-decode)")
 WEIGHTS_HELP = ("a GGUF file's weights: native runs its Q4/Q8 blocks through torch's int4/int8 kernels (default); "
                 "float32 de-quantizes them at load, the reference (docs/quantization.md)")
 ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
@@ -42,6 +44,7 @@ ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
                 "engine.weights": "--weights",
                 "engine.kv_cache_dtype": "--kv-cache-dtype", "engine.tensor_parallel": "--tensor-parallel",
+                "engine.compile_decode": "--compile-decode",
                 "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
 TP_HELP = ("shard the model over N ranks, processes on torch.distributed (gloo on CPU, NCCL on CUDA); N must divide "
            "the attention heads; under torchrun give the same N as its ranks (docs/engine.md#tensor-parallelism)")
@@ -68,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     try:
         config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
                               weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
-                              tensor_parallel=args.tensor_parallel)
+                              tensor_parallel=args.tensor_parallel, compile_decode=args.compile_decode)
     except ValidationError as e:  # only flags reach the config: name the one that was wrong
         error = validation_error(e, "engine")
         raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
@@ -183,7 +186,8 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
             check_tensor_parallel(loaded.config, tp)
         except KvscopeError as e:
             raise UserError(f"--tensor-parallel {tp}", e.reason) from None
-    manager = RunManager(default_model=model, library=_library(args), api_weights=weights, api_tensor_parallel=tp)
+    manager = RunManager(default_model=model, library=_library(args), api_weights=weights, api_tensor_parallel=tp,
+                         api_compile_decode=getattr(args, "compile_decode", False))
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
@@ -448,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
+    g.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
     g.set_defaults(func=cmd_generate)
 
     for name, helptext in (("serve", "start the backend (and the dashboard)"),
@@ -464,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "serve":
             v.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
             v.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
+            v.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")

@@ -8,6 +8,7 @@ import pytest
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.reference import reference_generate
+from kvscope.backend.engine.runner import ModelRunner
 from tests.conftest import make_tiny_model
 from tests.engine_helpers import GREEDY, mixed_workload, outputs, run_engine
 
@@ -24,24 +25,38 @@ MODES = {
     "block-size-1": dict(block_size=1, num_blocks=2048),
     "block-size-3": dict(block_size=3, num_blocks=700),
     "block-size-16": dict(block_size=16, num_blocks=64),
+    # decode-only steps through torch.compile's graph (runner.py), the others eager, in one run
+    "compiled-decode": dict(compile_decode=True),
+    "compiled-decode-preemption": dict(compile_decode=True, block_size=4, num_blocks=30, max_num_batched_tokens=64),
 }
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_engine_greedy_equals_reference(mode, demo, workload, expected):
+def test_engine_greedy_equals_reference(mode, demo, workload, expected, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(ModelRunner, "forward_compiled", _spy(ModelRunner.forward_compiled, compiled))
     engine = run_engine(demo, EngineConfig(**MODES[mode]), workload)
     assert outputs(engine) == expected
+    assert bool(compiled) == MODES[mode].get("compile_decode", False), "compiled decode steps ran, and only there"
     if mode == "forced-preemption":
         assert engine.scheduler.num_preemptions > 0, "the mode must really preempt"
     if mode == "chunked-budget-7":
         assert any(r.seq.num_prompt_tokens > 7 for r in engine.requests.values())
 
 
-@pytest.mark.parametrize("variant", ["mqa", "mha", "mla"])
+def _spy(method, calls: list):
+    def counted(self, *args):
+        calls.append(1)
+        return method(self, *args)
+    return counted
+
+
+@pytest.mark.parametrize("variant", ["mqa", "mha", "mla", "mla-compiled"])
 def test_every_attention_variant_matches_its_reference(variant):
-    loaded = make_tiny_model(n_kv_heads={"mqa": 1, "mha": 4, "mla": 4}[variant], mla=variant == "mla")
+    loaded = make_tiny_model(n_kv_heads={"mqa": 1, "mha": 4}.get(variant, 4), mla=variant.startswith("mla"))
     work = mixed_workload(loaded, count=8, seed=3)
-    engine = run_engine(loaded, EngineConfig(block_size=4, num_blocks=200, max_num_batched_tokens=24), work)
+    config = EngineConfig(block_size=4, num_blocks=200, max_num_batched_tokens=24, compile_decode="compiled" in variant)
+    engine = run_engine(loaded, config, work)
     for rid, _, prompt, max_tokens in work:
         assert engine.requests[rid].seq.output_token_ids == reference_generate(loaded.model, prompt, max_tokens, GREEDY, [0])
 

@@ -75,6 +75,18 @@ def pick_attention_backend(config: EngineConfig, device: torch.device) -> str:
     return config.attention_backend
 
 
+def check_compile_decode(config: EngineConfig, attention_backend: str) -> None:
+    """The compiled decode step is the torch backend's, on one rank: anything else is refused, not ignored."""
+    if not config.compile_decode:
+        return
+    if attention_backend != "torch":
+        raise RequestError("engine.compile_decode", "compiles the torch attention backend's decode step; set "
+                                                    "attention_backend torch (the Triton kernels run as they are)")
+    if config.tensor_parallel > 1:
+        raise RequestError("engine.compile_decode", "runs on one rank: a tensor-parallel rank's step all-reduces "
+                                                    "inside the model, which the compiled graph does not hold")
+
+
 def check_kv_dtype(kv_dtype: str, config: ModelConfig, attention_backend: str) -> None:
     """Refuse KV cache dtypes no attention path implements for this model."""
     if kv_dtype == "int8" and config.mla is not None and attention_backend == "triton":
@@ -122,6 +134,7 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
     attention_backend = pick_attention_backend(config, device)
     check_kv_dtype(config.kv_cache_dtype, loaded.config, attention_backend)
     world = config.tensor_parallel
+    check_compile_decode(config, attention_backend)
     try:
         check_tensor_parallel(loaded.config, world)
     except KvscopeError as e:
@@ -144,7 +157,8 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
         return Runtime(cache, runner, str(device), attention_backend, weights, header={"tensor_parallel": runner.layout},
                        iteration_fields=runner.allreduce_fields, close=runner.close)
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
-    return Runtime(cache, ModelRunner(loaded.model.to(device), cache, attention_backend), str(device),
+    runner = ModelRunner(loaded.model.to(device), cache, attention_backend, compile=config.compile_decode)
+    return Runtime(cache, runner, str(device),
                    attention_backend, weights)
 
 

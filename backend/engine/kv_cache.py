@@ -58,6 +58,7 @@ class KVCache:
         self.scales = (torch.zeros(self.data.shape[:-1], dtype=torch.float32, device=device)
                        if self.quantized else None)
         self.bytes_per_token = config.kv_bytes_per_token(DTYPE_NAMES[self.storage_dtype])
+        self.index = torch.arange(max(config.num_hidden_layers, planes), device=device)  # layer and plane ids
         self.bytes_per_block = self.bytes_per_token * block_size
 
     # ---- raw storage (the Triton kernels read it as it is) ----------------------------------------
@@ -100,16 +101,20 @@ class KVCache:
     # ---- writes -------------------------------------------------------------------------------------
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [num_tokens, n_kv_heads, dim] at flat slot indices [num_tokens]."""
-        flat = self.data[layer].flatten(1, 2)  # [planes, num_blocks * block_size, heads, dim]
+        """Store k, v [num_tokens, n_kv_heads, dim] at flat slot indices [num_tokens].
+
+        Indexed on the pool itself rather than on a view of it: torch.compile (runner.py) turns a write
+        into a view of an input into a copy of the whole pool per layer, a write into the input in place."""
+        at = (slots // self.block_size, slots % self.block_size)  # [num_tokens] block, offset within it
         rows = [k] if self.latent_dim is not None else [k, v]
         for plane, x in enumerate(rows):
+            where = (self.index[layer], self.index[plane], *at)
             if self.scales is None:
-                flat[plane, slots] = x.to(self.dtype)
+                self.data.index_put_(where, x.to(self.dtype))
             else:
                 codes, scale = quantize_rows_int8(x)
-                flat[plane, slots] = codes
-                self.scales[layer].flatten(1, 2)[plane, slots] = scale
+                self.data.index_put_(where, codes)
+                self.scales.index_put_(where, scale)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (every layer, K and V, and their scales)."""

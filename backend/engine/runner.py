@@ -10,6 +10,7 @@ tensor-parallel worker runs the same forward on its shard).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from kvscope.backend.engine.kv_cache import KVCache
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.model.attention import causal_attention
+from kvscope.backend.model.joined import join_projections
 from kvscope.backend.model.transformer import CausalLM
 
 
@@ -101,6 +103,27 @@ class PagedTorchBackend:
         return causal_attention(q, keys, values, scale, q_offset=ctx - q.shape[0])
 
 
+class DecodeTorchBackend(PagedTorchBackend):
+    """PagedTorchBackend for a step whose every row decodes one token. Its attend reads tensors only, no
+    per-row Python list, so torch.compile traces the whole model into one graph for any batch size."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        return self._short(layer, q[:, None], scale)[:, 0]  # q [B, Hq, D] -> [B, Hq, Dv]
+
+
+def decode_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor,
+                   backend: DecodeTorchBackend) -> torch.Tensor:
+    """The whole decode forward, [B] ids -> [B, hidden]: what `compiled_decode` compiles."""
+    return model(ids, positions, backend)
+
+
+# One compiled function for every runner: torch.compile guards on the model's structure, not its weights
+# (which it takes as inputs), so runs of one model share the graph; dynamic=True makes the batch size
+# and the block-table width symbols instead of constants (0 and 1 stay special: `_padded` avoids them).
+compiled_decode = torch.compile(decode_forward, dynamic=True)
+
+
 class PagedTritonBackend:
     """The same contract as PagedTorchBackend, on the Triton kernels in kernels/ (docs/kernels.md).
 
@@ -175,8 +198,12 @@ BACKENDS = {"torch": PagedTorchBackend, "triton": PagedTritonBackend}
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, attention: Literal["torch", "triton"] = "torch") -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, attention: Literal["torch", "triton"] = "torch",
+                 compile: bool = False) -> None:
         self.model, self.cache = model, cache
+        # Decode-only steps through one compiled graph (EngineConfig.compile: torch backend only, checked there)
+        self.compile = compile
+        join_projections(model)  # Q, K, V and gate, up as one matmul each: fewer ops per step (joined.py)
         self.backend = BACKENDS[attention]
 
     def prepare(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -203,4 +230,31 @@ class ModelRunner:
         """Hidden states [num_tokens, hidden], the step's K/V written (all a tensor-parallel worker does)."""
         self.cache.copy_blocks(inp.block_copies)
         ids, positions, meta = self.prepare(inp)
+        if self.compile and not meta.prefill_seqs:
+            return self.forward_compiled(ids, positions, meta)
         return self.model(ids, positions, self.backend(self.cache, meta))
+
+    def forward_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step through the compiled graph: hidden [B, hidden]."""
+        b = len(ids)
+        ids, positions, meta = _padded(ids, positions, meta)
+        # No duck sizing: a batch as wide as its block tables would otherwise compile a graph of its own
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled_decode(self.model, ids, positions, DecodeTorchBackend(self.cache, meta))[:b]
+
+
+def _padded(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """At least two rows and two blocks a row, so that torch.compile's graph for sizes above 1 serves every
+    step (it would compile sizes 0 and 1 apart). A second row repeats the last one: the same token written
+    to the same slot, its output dropped. A second block is block 0, past the context and masked out."""
+    tables = [list(t) for t in meta.block_tables]
+    if max(len(t) for t in tables) < 2:
+        tables[0].append(0)
+    if len(ids) >= 2:
+        return ids, positions, dataclasses.replace(meta, block_tables=tables)
+    n = len(ids)
+    meta = AttentionMetadata(torch.cat((meta.slot_mapping, meta.slot_mapping[-1:])), [*meta.query_starts, n + 1],
+                             [*meta.context_lens, meta.context_lens[-1]], [*tables, tables[-1]],
+                             [*meta.decode_seqs, n], [])
+    return torch.cat((ids, ids[-1:])), torch.cat((positions, positions[-1:])), meta

@@ -183,7 +183,10 @@ class QuantLinear(nn.Module):
         if self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales())
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_and_zeros)
+            # .contiguous(): a joined part's scales are a column slice of its group's (joined.py), and the
+            # kernel reads a strided one as if it were dense, silently wrong
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size,
+                                                           self.scales_and_zeros.contiguous())
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # [..., N]
         return y if self.bias is None else y + self.bias.to(x.dtype)
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvscope.backend.config import ModelConfig
 from kvscope.backend.errors import ModelLoadError
 from kvscope.backend.model.attention import AttentionBackend
+from kvscope.backend.model.joined import Joined, project
 from kvscope.backend.model.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kvscope.backend.model.mla import MLAttention
 
@@ -36,12 +37,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=config.o_bias)
+        self.joined: Joined | None = None  # Q, K, V as one matmul, once joined.py laid them side by side
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         lead = x.shape[:-1]  # [..., T]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv_heads, self.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.joined)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv_heads, self.head_dim)
+        v = v.view(*lead, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn.attend(self.layer, q, k, v, self.head_dim**-0.5)  # [..., T, n_heads, head_dim]
         return self.o_proj(out.reshape(*lead, -1))
@@ -56,9 +59,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.joined: Joined | None = None  # gate and up as one matmul (joined.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj), self.joined)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

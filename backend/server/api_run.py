@@ -24,13 +24,14 @@ from kvscope.backend.server.runs import Retention
 API_KV_CACHE_MB = 256.0
 
 
-def api_engine(model: str, events: str = "full", weights: str = "native", tensor_parallel: int = 1) -> EngineConfig:
+def api_engine(model: str, events: str = "full", weights: str = "native", tensor_parallel: int = 1,
+               compile_decode: bool = False) -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
+    shared = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "events": events, "tensor_parallel": tensor_parallel,
+              "compile_decode": compile_decode}
     if model in SHIPPED_MODELS:
-        return EngineConfig(num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=512, events=events,
-                            tensor_parallel=tensor_parallel)
-    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, max_num_seqs=16,
-                        max_num_batched_tokens=512, events=events, weights=weights, tensor_parallel=tensor_parallel)
+        return EngineConfig(num_blocks=1024, **shared)
+    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, weights=weights, **shared)
 
 
 def api_header_scenario(model: str, seed: int) -> dict[str, Any]:

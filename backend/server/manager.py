@@ -95,10 +95,12 @@ def describe_copy(need: WeightNeed) -> str:
 class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
                  limits: ServiceLimits | None = None, weights: WeightCache | None = None,
-                 library: RunLibrary | None = None, api_weights: str = "native", api_tensor_parallel: int = 1) -> None:
+                 library: RunLibrary | None = None, api_weights: str = "native", api_tensor_parallel: int = 1,
+                 api_compile_decode: bool = False) -> None:
         self.default_model = default_model
         self.api_weights = api_weights  # `kvscope serve --weights`: how the API runs load a GGUF file
         self.api_tensor_parallel = api_tensor_parallel  # `kvscope serve --tensor-parallel`: the API runs' ranks
+        self.api_compile_decode = api_compile_decode  # `kvscope serve --compile-decode`
         self.library = library  # finished runs saved to disk; None: none kept (tests, --no-library)
         self.watcher_queue_limit = watcher_queue_limit
         self.limits = limits or ServiceLimits()
@@ -283,7 +285,8 @@ class RunManager:
             watcher(run.model, run)
 
     def _start_api_run(self, model: str, run_id: str) -> ApiRun:
-        config = api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel)
+        config = api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel,
+                            self.api_compile_decode)
         run = self._add(lambda _: ApiRun(model, config, run_id, self.retention(open_ended=True), self.weights),
                         self.kv_bytes_of(model, config), "engine.num_blocks", run_id=run_id,
                         needs=self.weight_needs_of(model, config))
