@@ -1,4 +1,4 @@
-"""bench/peers.py --quick runs end to end (kvscope natively, de-quantized and with an int8 KV cache, each
+"""bench/peers.py --quick runs end to end (kvscope natively, compiled, de-quantized and with an int8 KV cache, each
 in its own process): without llama-server its rows are skipped and the build command is printed; with
 one built (never in CI) both sides answer the same three greedy requests. Timings mean nothing here."""
 
@@ -26,8 +26,10 @@ def test_without_llama_server_the_kvscope_rows_run_and_the_build_command_is_prin
     assert "| Q4_1 |" in printed.out and "skipped" in printed.out
     figures = json.loads(out.read_text())
     (row,) = figures["rows"]
-    assert set(row) == {"type", "kvscope", "float32", "kv_int8"}  # no llama side
-    native, floats, kv8 = row["kvscope"], row["float32"], row["kv_int8"]
+    assert set(row) == {"type", "kvscope", "compiled", "float32", "kv_int8"}  # no llama side
+    native, floats, kv8, compiled = row["kvscope"], row["float32"], row["kv_int8"], row["compiled"]
+    assert compiled["outputs"] == native["outputs"], "the compiled decode's greedy tokens are the eager one's"
+    assert compiled["profile"]["ops"] and "compiled" in printed.out
     assert native["weight_bytes"] == 94_905_600 and floats["weight_bytes"] == 538_060_032
     assert kv8["kv_bytes_per_token"] == 12_240 < native["kv_bytes_per_token"] == 46_080
     assert len(native["outputs"]) == len(floats["outputs"]) == len(kv8["outputs"]) == 3  # three greedy requests

@@ -108,6 +108,9 @@ def check_engine(config: EngineConfig) -> None:
     if config.speculative is not None:
         raise PerfError("engine.speculative", "simulate mode runs no model: there is no draft to propose and "
                                               "no distribution to verify against")
+    if config.compile_decode:
+        raise PerfError("engine.compile_decode", "simulate mode runs no model: there is no forward to compile "
+                                                 "(the cost model prices each step as it is)")
 
 
 def simulated_sampling(params: SamplingParams) -> SamplingParams:
