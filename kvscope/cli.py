@@ -77,6 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
     try:
         engine = Engine(loaded, config)
+        if config.compile_decode:
+            print(f"decode step compiled in {engine.runtime.compile_s:.1f} s", file=sys.stderr)
         req = engine.add_request("cli", args.prompt, args.max_tokens, params)
     except RequestError as e:
         flag = {"prompt": "--prompt", "max_tokens": "--max-tokens", **ENGINE_FLAGS}.get(e.field, e.field)

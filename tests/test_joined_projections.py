@@ -59,6 +59,10 @@ def test_an_engine_joins_its_model_and_compile_decode_is_refused_where_it_cannot
     loaded = make_tiny_model(n_kv_heads=2)
     Engine(loaded, EngineConfig(num_blocks=16))
     assert all(j is not None and j.holds(_parts(m)) for m, j in groups(loaded.model))
+    for kv in ("auto", "int8"):  # compiled as the engine starts, on block 0, which it puts back
+        engine = Engine(loaded, EngineConfig(num_blocks=16, compile_decode=True, kv_cache_dtype=kv))
+        assert engine.runtime.compile_s > 0 and not engine.cache.data.any()
+        assert engine.cache.scales is None or not engine.cache.scales.any()
     for bad in (dict(attention_backend="triton"), dict(tensor_parallel=2)):
         with pytest.raises(RequestError) as e:
             Engine(loaded, EngineConfig(num_blocks=16, compile_decode=True, **bad))

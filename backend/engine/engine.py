@@ -113,6 +113,7 @@ class Runtime:
     header: dict = field(default_factory=dict)  # extra header fields (simulate mode: `simulated`)
     iteration_fields: Callable[[], dict] = dict  # extra fields of the next `iteration` event
     close: Callable[[], None] = lambda: None  # frees what outlives the engine object (tensor-parallel ranks)
+    compile_s: float = 0.0  # seconds compiling the decode graph took at start (engine.compile_decode)
 
 
 def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache | None = None) -> Runtime:
@@ -158,8 +159,7 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
                        iteration_fields=runner.allreduce_fields, close=runner.close)
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
     runner = ModelRunner(loaded.model.to(device), cache, attention_backend, compile=config.compile_decode)
-    return Runtime(cache, runner, str(device),
-                   attention_backend, weights)
+    return Runtime(cache, runner, str(device), attention_backend, weights, compile_s=runner.compile_s)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -201,10 +202,12 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, attention: Literal["torch", "triton"] = "torch",
                  compile: bool = False) -> None:
         self.model, self.cache = model, cache
-        # Decode-only steps through one compiled graph (EngineConfig.compile: torch backend only, checked there)
-        self.compile = compile
         join_projections(model)  # Q, K, V and gate, up as one matmul each: fewer ops per step (joined.py)
         self.backend = BACKENDS[attention]
+        # Decode-only steps through one compiled graph (EngineConfig.compile_decode: torch backend only,
+        # checked there), compiled now: the run's first decode step then costs a step, not a compile
+        self.compile = compile
+        self.compile_s = self.warm_up() if compile else 0.0
 
     def prepare(self, inp: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids and positions [num_tokens] on the device, and the attention metadata."""
@@ -233,6 +236,23 @@ class ModelRunner:
         if self.compile and not meta.prefill_seqs:
             return self.forward_compiled(ids, positions, meta)
         return self.model(ids, positions, self.backend(self.cache, meta))
+
+    def warm_up(self) -> float:
+        """Compile the decode graph on two rows of one token written into block 0, then put block 0 back
+        as it was (nothing reads it before a sequence writes it, but a run's pool is never left
+        changed). Returns the seconds it took: a minute or more on 2 CPU cores, a few where torch's
+        cache on disk already holds the graph."""
+        start = time.perf_counter()
+        block = self.cache.data[:, :, 0].clone()
+        scales = None if self.cache.scales is None else self.cache.scales[:, :, 0].clone()
+        dev = self.cache.data.device
+        meta = AttentionMetadata(torch.tensor([0, 1], device=dev), [0, 1, 2], [1, 2], [[0], [0]], [0, 1], [])
+        with torch.no_grad():
+            self.forward_compiled(torch.zeros(2, dtype=torch.long, device=dev), torch.tensor([0, 1], device=dev), meta)
+        self.cache.data[:, :, 0] = block
+        if scales is not None:
+            self.cache.scales[:, :, 0] = scales
+        return time.perf_counter() - start
 
     def forward_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode-only step through the compiled graph: hidden [B, hidden]."""
