@@ -2,6 +2,8 @@
 parts one by one, no byte stored twice, the checkpoint's names kept, and never a stale joined layer."""
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +77,16 @@ def test_int4_parts_that_are_not_whole_packing_blocks_stay_apart():
     layers = [QuantLinear.from_linear(torch.nn.Linear(64, n), "int4", 32) for n in (48, 16, 16)]
     assert all(layer.kernel == "int4pack" for layer in layers)
     assert join(tuple(layers)) is None
+
+
+def test_importing_the_engine_imports_no_compiler_and_no_triton():
+    """torch.compile imports triton, and triton read before TRITON_INTERPRET is set runs no interpreted
+    kernel ("Cannot call @triton.jit'd outside of the scope of a kernel"): the compiled decode is made on
+    first use, never at import."""
+    code = ("import sys, kvscope.backend.engine.engine, kvscope.backend.engine.runner, kvscope.cli; "
+            "print(sorted(m for m in ('triton', 'torch._inductor') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def _parts(module: torch.nn.Module) -> tuple:

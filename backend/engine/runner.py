@@ -11,8 +11,10 @@ tensor-parallel worker runs the same forward on its shard).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -119,10 +121,13 @@ def decode_forward(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor,
     return model(ids, positions, backend)
 
 
-# One compiled function for every runner: torch.compile guards on the model's structure, not its weights
-# (which it takes as inputs), so runs of one model share the graph; dynamic=True makes the batch size
-# and the block-table width symbols instead of constants (0 and 1 stay special: `_padded` avoids them).
-compiled_decode = torch.compile(decode_forward, dynamic=True)
+@functools.cache
+def compiled_decode() -> Callable[..., torch.Tensor]:
+    """One compiled function for every runner: torch.compile guards on the model's structure, not its
+    weights (which it takes as inputs), so runs of one model share the graph; dynamic=True makes the batch
+    size and the block-table width symbols instead of constants (0 and 1 stay special: `_padded` avoids
+    them). Made on first use: torch.compile imports triton, which must come after TRITON_INTERPRET is set."""
+    return torch.compile(decode_forward, dynamic=True)
 
 
 class PagedTritonBackend:
@@ -260,7 +265,7 @@ class ModelRunner:
         ids, positions, meta = _padded(ids, positions, meta)
         # No duck sizing: a batch as wide as its block tables would otherwise compile a graph of its own
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            return compiled_decode(self.model, ids, positions, DecodeTorchBackend(self.cache, meta))[:b]
+            return compiled_decode()(self.model, ids, positions, DecodeTorchBackend(self.cache, meta))[:b]
 
 
 def _padded(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
