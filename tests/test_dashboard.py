@@ -713,8 +713,9 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     await until(lambda: roofline.roof_sent and "iterations · model sizes" in roofline.caption.text)
     on_h100, roofs_h100 = dict(timeline.step_t), roofline.roof_sent
     assert "model sizes: the trace header" in roofline.caption.text  # the header carries the model's config
-    points = [p for chunks in roofline.chunks.values() for _, data in chunks.all() for p in data]
-    assert sorted(p[2] for p in points) == sorted(column.hardware.modelled().steps)  # a point per iteration
+    # a point per iteration, once the view has drawn the last one (its feed may be a delta behind the run's)
+    await until(lambda: sorted(p[2] for chunks in roofline.chunks.values() for _, data in chunks.all() for p in data)
+                == sorted(column.hardware.modelled().steps))
     assert metrics.modelled.text.startswith(f"modelled on {DATASHEET['h100'].label}: mean TTFT ")
     dash.user.find(marker="hardware-picker").elements.pop().set_value("l4")  # memory-bound steps: slower on an L4
     await until(lambda: timeline.step_t and timeline.step_t != on_h100)
