@@ -44,13 +44,14 @@ def test_health_is_503_until_the_model_serves_then_200_with_no_body(manager, url
 
 def test_health_is_503_after_the_run_failed_and_200_once_a_fresh_one_serves(manager, url, monkeypatch) -> None:
     assert healthy(url) == 200
-    manager.get(API_RUN_ID).fail("a test broke it")
     start = manager._start_api_run
 
     def refused(*args, **kwargs):
         raise RuntimeError("no room for the model")
 
+    # Refused before the run fails: a restart begun in between would answer 'loading', not 'failed'
     monkeypatch.setattr(manager, "_start_api_run", refused)
+    manager.get(API_RUN_ID).fail("a test broke it")
     answer = httpx.get(url + "/health")
     assert answer.status_code == 503 and answer.json()["status"] == "failed"
     wait_for(lambda: "no room" in (httpx.get(url + "/health").json().get("error") or ""), "/health says why")
