@@ -37,7 +37,9 @@ class Joined:
 
 
 def project(x: torch.Tensor, parts: tuple[nn.Module, ...], joined: Joined | None) -> tuple[torch.Tensor, ...]:
-    """Each part's output for x [..., in]: one matmul where the parts are joined, else one per part."""
+    """Each part's output for x [..., in]: one matmul where the parts are joined, else one per part.
+    Inside torch.compile the check is skipped (an address cannot be traced): the compiled decode
+    (runner.py) runs only models its runner joined as it started, and nothing moves them after."""
     if joined is not None and (torch.compiler.is_compiling() or joined.holds(parts)):
         return joined.layer(x).split(joined.sizes, dim=-1)  # views of [..., sum(sizes)]
     return tuple(p(x) for p in parts)
