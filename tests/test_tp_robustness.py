@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,22 +31,28 @@ WAIT_S = 30.0
 
 def listening_ports(pid: int | None = None) -> set[int]:
     """The TCP ports process `pid` (default: this one) listens on."""
-    pid = pid or os.getpid()
-    sockets = set()
+    return {port for _, port in listening(pid or os.getpid())}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (IPv4; IPv6 addresses as hex)."""
+    inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             target = os.readlink(fd)
         except OSError:
             continue
         if target.startswith("socket:["):
-            sockets.add(target[8:-1])
-    ports = set()
+            inodes.add(target[8:-1])
+    found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] == "0A" and fields[9] in sockets:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+            if fields[3] == "0A" and fields[9] in inodes:
+                address, port = fields[1].split(":")
+                ip = socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address
+                found.add((ip, int(port, 16)))
+    return found
 
 
 def rank_pids(parent: int) -> list[int]:

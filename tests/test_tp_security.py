@@ -37,6 +37,7 @@ from kvscope.backend.model.loader import load_model
 from kvscope.backend.model.quant import quantize_model
 from kvscope.backend.model.shard_spec import ShardError, build_shard, describe_storage, load_shard
 from kvscope.backend.model.sharding import connect, shard_model, shard_plan
+from tests.test_tp_robustness import listening
 
 WAIT_S = 30.0
 POOL = Pool(num_blocks=8, block_size=4, vocab_size=100)
@@ -186,27 +187,6 @@ def test_tensors_that_do_not_fit_the_shard_this_rank_builds_are_refused_naming_t
 
 
 # ---- real ranks ------------------------------------------------------------------------------------
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` listens on (IPv4; IPv6 addresses as hex)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                address, port = fields[1].split(":")
-                ip = socket.inet_ntoa(bytes.fromhex(address)[::-1]) if len(address) == 8 else address
-                found.add((ip, int(port, 16)))
-    return found
 
 
 def eventually(predicate, what: str, timeout: float = WAIT_S) -> None:
