@@ -49,6 +49,7 @@ AXES = {
     "num_blocks": Axis("blocks", "engine.num_blocks", {}, 24, 256),
     "spec_num_tokens": Axis("draft tokens k", "engine.speculative.num_tokens", {}, 1, 8),
     "arrival_rate": Axis("arrival rate", "generate.arrival.rate_per_step", {}, 0.05, 1.0),
+    "compile_decode": Axis("decode step", "engine.compile_decode", {False: "eager", True: "compiled"}, False, True),
 }  # fmt: skip
 SPEC_VALUES = {"off": None, "draft": SPEC_DRAFT, "ngram": SPEC_NGRAM}
 # A GGUF model's weights three ways (docs/quantization.md): de-quantized to float32; those floats quantized

@@ -20,19 +20,26 @@ from kvscope.backend.perf.cost_model import TP_DEGREES, Deployment
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, THIS_MACHINE, HardwareProfile, get_hardware, profile_from
 from kvscope.backend.perf.machine_cache import read_cache
-from kvscope.backend.perf.model_run import ModelledStep, RequestSteps, model_step, run_deployment
+from kvscope.backend.perf.model_run import ModelledStep, RequestSteps, as_measured, model_step, run_deployment
 from kvscope.frontend.client import RunFeed
 
 DEFAULT_HARDWARE = "h100"
 
 
 class ModelledRun:
-    """A run's iterations priced on one deployment, extended as the run's history grows."""
+    """A run's iterations priced on one deployment, extended as the run's history grows.
 
-    def __init__(self, dep: Deployment, source: str) -> None:
+    `measured`: the run ran on this machine's kind of device with this tp, and the deployment is
+    this machine's measured roofs: the roofline draws each step at the time the engine measured, and
+    what it took beyond its roofs is its fixed cost (model_run.as_measured). The timeline's modelled
+    axis and the modelled latencies stay modelled."""
+
+    def __init__(self, dep: Deployment, source: str, measured: bool = False) -> None:
         self.dep = dep
         self.source = source  # where the model's sizes came from
+        self.measured = measured
         self.steps: dict[int, ModelledStep] = {}  # iterations that ran something
+        self.as_ran: dict[int, ModelledStep] = {}  # measured: the same steps at the engine's own times
         self.ends: dict[int, float] = {}  # step -> modelled seconds up to its end
         self.total_s = 0.0
         self.last_step = -(10**9)
@@ -48,9 +55,16 @@ class ModelledRun:
             rows = [(c.kind, c.tokens, c.context_len) for c in col.scheduled]
             if rows:
                 priced = self.steps[col.step] = model_step(self.dep, col.step, rows)
+                if self.measured:
+                    self.as_ran[col.step] = as_measured(priced, col.duration_s)
                 self.total_s += priced.time_s
             self.ends[col.step] = self.total_s
             self.last_step = col.step
+
+    @property
+    def roofline_steps(self) -> dict[int, ModelledStep]:
+        """The steps the roofline draws: as they ran where measured, else as priced."""
+        return self.as_ran if self.measured else self.steps
 
     def clock(self, col: Column) -> tuple[float, float]:
         """(modelled seconds at the column's end, its modelled duration), as the timeline places it."""
@@ -123,7 +137,9 @@ class HardwareChoice:
         if key not in self._runs:
             try:
                 dep, shaped = run_deployment(run_header(state), self.profile, self.tp)
-                self._runs[key] = ModelledRun(dep, shaped.source)
+                ran_here = (self.profile.measures(state.device) and not state.simulated
+                            and self.tp == int(state.config.get("tensor_parallel") or 1))
+                self._runs[key] = ModelledRun(dep, shaped.source, ran_here)
             except PerfError as e:
                 self._runs[key] = f"cannot model this run: {e}"
         return self._runs[key]
@@ -154,7 +170,7 @@ class HardwarePicker:
     def __init__(self, choice: HardwareChoice) -> None:
         self.choice = choice
         self.hardware = ui.select(HARDWARE_NAMES, value=choice.name, label="hardware",
-                                  on_change=self._on_change).classes("w-28").style("flex-shrink: 0").props("dense").mark("hardware-picker")
+                                  on_change=self._on_change).classes("w-28").style("flex-shrink: 0").props("dense data-kv=hardware-picker").mark("hardware-picker")
         self.tp = ui.select(list(TP_DEGREES), value=choice.tp, label="tp",
                             on_change=self._on_change).classes("w-16").style("flex-shrink: 0").props("dense").mark("hardware-tp")
         self.hardware.tooltip("the hardware the roofline chart, the timeline's modelled axis and the "

@@ -47,9 +47,12 @@ def value_name(path: str, value: Any) -> str:
     if isinstance(value, dict) and "method" in value:  # engine.speculative
         drafter = f"draft model {value.get('draft_model')}" if value["method"] == "draft" else "n-gram"
         return f"{drafter}, k = {value.get('num_tokens')}"
+    names = VALUE_NAMES.get(path, {})  # the compare form's words ("model dtype", "compiled")
+    if isinstance(value, (str, int, float)) and value in names:
+        return names[value]
     if isinstance(value, bool) or value is None:
         return "on" if value else "off"
-    return VALUE_NAMES.get(path, {}).get(value, str(value))  # the compare form's words ("model dtype")
+    return str(value)
 
 
 def side_titles(a: RunRecord, b: RunRecord) -> tuple[str, str]:

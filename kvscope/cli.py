@@ -409,7 +409,8 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     try:
         result = whatif(args.model_shape, args.hardware, args.batch, args.context, prefill=args.prefill, tp=args.tp,
                         kv_cache_dtype=args.kv_cache_dtype, weight_quant=args.weight_quant,
-                        quant_group_size=args.quant_group_size, link=args.link)
+                        quant_group_size=args.quant_group_size, link=args.link,
+                        fixed_s=None if args.fixed_ms is None else args.fixed_ms / 1e3)
     except PerfError as e:
         raise UserError(f"--{e.field.replace('_', '-')}", str(e.reason)) from None
     print(json.dumps(result, indent=2) if args.json else format_table(result))
@@ -568,6 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
     w.add_argument("--link", default=None, help="override the GPU's link: nvlink4, nvlink3, pcie5 or pcie4; "
                                                 "this-machine takes gloo (or nccl between its GPUs), measured once")
+    w.add_argument("--fixed-ms", type=float, default=None,
+                   help="the step's fixed cost (dispatch, launches, Python) in ms, in place of the profile's: e.g. "
+                        "what the roofline view measured for a run on this machine, eager or compiled")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=cmd_whatif)
 

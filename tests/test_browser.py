@@ -597,3 +597,40 @@ def test_exporting_a_gif_shows_a_progress_bar_that_fills_and_the_slide_downloads
     seen = page.evaluate("kvProgress")
     assert seen[-1] == 1 and any(0 < v < 1 for v in seen), seen  # it moved while rendering, then filled
     assert page.locator("[data-kv=export-status-label]").inner_text().startswith(f"✓ kvscope-{run_id}-run.gif")
+
+
+ROOFLINE_STATE = f"""() => {{ const c = ({COMPONENT})('roofline').chart, o = c.getOption();
+    const i = o.series.findIndex((s) => !['roof', 'fixed-roof', 'other-run'].includes(s.id) && (s.data || []).length);
+    if (i < 0) return null;
+    c.dispatchAction({{type: 'showTip', seriesIndex: i, dataIndex: 0}});  // what hovering the first point shows
+    const tip = [...c.getDom().querySelectorAll('div')].map((d) => d.innerText).find((t) => t.includes('FLOP/byte'));
+    return {{tip: tip || '', fixed: (o.series.find((s) => s.id === 'fixed-roof') || {{data: []}}).data.length}}; }}"""
+
+
+@pytest.mark.parametrize("viewport", [(1280, 720), (1920, 1080)])
+def test_the_roofline_on_this_machine_draws_the_steps_as_measured_with_their_fixed_cost(
+        page, backend_url, dashboard_url, tiny_dir, viewport):
+    """#36: the third limit on screen. A run that ran here, priced on this-machine: the caption quotes the
+    decode steps' measured fixed cost, the dashed roofs-with-fixed-cost line is drawn, and hovering a point
+    splits its measured time into the roofs' (compute, memory) and the fixed cost."""
+    page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+    run_id = start(backend_url, scenario(tiny_dir, "fixed-cost", 64, 2, 3, (16, 24), (8, 12), {"process": "burst"}),
+                   speed=0, paused=False)
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["finished"], "the run did not finish")
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator("[data-kv=hardware-picker]").click()
+    page.get_by_role("option", name="this-machine", exact=True).click()  # measured once (~4 s) if not cached
+    caption = page.locator("[data-kv=roofline-caption]")
+    caption.get_by_text("per decode step (measured: the engine's clock").wait_for()
+    assert re.search(r"fixed cost [\d.,]+ ms per decode step \(measured: the engine's clock; the step took [\d.,]+ ms, "
+                     r"its roofs allow [\d.,]+ ms\)", caption.inner_text())
+    page.locator("[data-kv=roofline]").scroll_into_view_if_needed()
+    page.wait_for_function(f"() => {{ const s = ({ROOFLINE_STATE})(); return s && s.fixed > 0 && s.tip; }}")
+    shown = page.evaluate(ROOFLINE_STATE)
+    time = r"[\d.]+ (µs|ms|s)"
+    assert re.search(rf"{time} measured\n= roofs {time} \(compute {time}, memory {time}\) \+ fixed cost {time}",
+                     shown["tip"]), shown
+    box, screen = page.locator("[data-kv=roofline]").bounding_box(), page.viewport_size
+    assert box["width"] > 200 and box["x"] >= 0 and box["x"] + box["width"] <= screen["width"]
+    if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
+        page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/roofline-{viewport[0]}.png")

@@ -78,6 +78,17 @@ def test_the_only_setting_that_differs_names_both_titles(caching):
     assert side_titles(on, on) == ("same settings", "same settings")
 
 
+def test_eager_against_compiled_is_an_axis_named_in_words():
+    from kvscope.frontend.compare import AXES, override_of
+    from kvscope.frontend.side_by_side import value_name
+
+    axis = AXES["compile_decode"]
+    assert [override_of(axis, v) for v in (axis.a, axis.b)] == [{"engine.compile_decode": False},
+                                                                 {"engine.compile_decode": True}]
+    assert [value_name(axis.path, v) for v in (False, True)] == ["eager", "compiled"]
+    assert value_name("engine.prefix_caching", False) == "off" and value_name("engine.stop", ["a"]) == "['a']"
+
+
 def test_a_run_that_has_not_started_compares_as_empty():
     empty = RunRecord()
     rows = rows_of(empty, empty)

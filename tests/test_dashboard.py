@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
@@ -722,7 +723,7 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     assert all(timeline.step_t[s] > on_h100[s] for s in on_h100)
     assert "modelled on l4" in timeline.axis_toggle.options.values()
     await until(lambda: roofline.roof_sent != roofs_h100)
-    assert roofline.roof_sent[-1][1] == DATASHEET["l4"].fp32_flops  # the tiny model computes in fp32
+    assert roofline.roof_sent[0][-1][1] == DATASHEET["l4"].fp32_flops  # the tiny model computes in fp32
     assert roofline.caption.text.startswith(DATASHEET["l4"].label)
     assert metrics.modelled.text.startswith(f"modelled on {DATASHEET['l4'].label}")
     dash.user.find(marker="hardware-tp").elements.pop().set_value(8)  # 4 heads cannot be split 8 ways
@@ -736,8 +737,16 @@ async def test_the_hardware_picker_reprices_the_timeline_the_roofline_and_the_la
     dash.user.find(marker="hardware-tp").elements.pop().set_value(1)
     dash.user.find(marker="hardware-picker").elements.pop().set_value("this-machine")
     await until(lambda: timeline.axis_name() == "seconds modelled on test CPU (measured)")
-    await until(lambda: roofline.roof_sent and roofline.roof_sent[-1][1] == 5e10)
+    await until(lambda: roofline.roof_sent[0] and roofline.roof_sent[0][-1][1] == 5e10)
     await until(lambda: "weights stream at 10.0 GB/s over one token, 6.0 over several" in roofline.caption.text)
+    # It ran here: the points are the steps as measured, and what they took beyond the roofs is the fixed cost
+    assert re.search(r"fixed cost [\d.,]+ ms per decode step \(measured: the engine's clock; the step took",
+                     roofline.caption.text), roofline.caption.text
+    drawn = [p for chunks in roofline.chunks.values() for _, data in chunks.all() for p in data]
+    durations = {c.step: c.duration_s for c in column.feed.history.columns}
+    assert drawn and all(p[8] and p[3] == round(durations[p[2]] * 1e6, 2) for p in drawn)  # measured µs
+    line, fixed = roofline.roof_sent
+    assert fixed and all(y < min(2e10 * x, 5e10) for x, y in fixed)  # the dashed line: under both roofs
 
 
 # ---- explanations, calculator, export -------------------------------------------------------------------

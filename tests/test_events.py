@@ -83,6 +83,7 @@ EXAMPLES: dict[str, dict] = {
         "num_waiting": 0,
         "kv_blocks_used": 1,
         "duration_s": 0.01,
+        "execute_s": 0.008,
         "max_num_seqs": 4,
         "intensity": 12.5,
         "bound": "memory",

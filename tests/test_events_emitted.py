@@ -57,6 +57,9 @@ def test_every_emitted_event_validates_strictly(name):
     kinds = {e["type"] for e in events}
     assert {"header", "request_arrived", "iteration", "token", "request_finished", "run_finished"} <= kinds
     assert sum(e["type"] == "run_finished" for e in events) == 1
+    for it in (e for e in events if e["type"] == "iteration" and e["batch"]):
+        # The step's clock split in two, the executor's share measured (the fixed cost's source, roofline.py)
+        assert 0 < it["execute_s"] <= it["duration_s"], it
     expected = {"speculative": "spec_verify", "ngram": "spec_verify", "beams-and-n": "seq_fork",
                 "preemption": "preempt", "plain": "block_share"}.get(name)
     assert expected is None or expected in kinds, f"the {name} run did not exercise {expected}"

@@ -228,8 +228,14 @@ def test_log_axes_count_in_si_steps(page, value, text):
 
 
 def test_the_roofline_tooltip_names_the_iteration_and_its_rates(page):
-    tip = page.evaluate("(v) => kvscope.rooflineTip({seriesName: 'decode', value: v})", [2.5, 3e12, 7, 41])
-    assert tip == "iteration 7 · decode<br>2.5 FLOP/byte<br>3TFLOP/s · 41 µs modelled"
+    tip = page.evaluate("(v) => kvscope.rooflineTip({seriesName: 'decode', value: v})",
+                        [2.5, 3e12, 7, 41, 35, 2, 35, 6, False])
+    assert tip == ("iteration 7 · decode<br>2.5 FLOP/byte<br>3TFLOP/s · 41 µs modelled<br>"
+                   "= roofs 35 µs (compute 2 µs, memory 35 µs) + fixed cost 6 µs")
+    measured = page.evaluate("(v) => kvscope.rooflineTip({seriesName: 'decode', value: v})",
+                             [0.9, 8e9, 12, 21680, 7030, 1.5, 7030, 14650, True])
+    assert measured.endswith("21.7 ms measured<br>= roofs 7.03 ms (compute 1.5 µs, memory 7.03 ms) + fixed cost 14.7 ms")
+    assert "fixed cost" in page.evaluate("kvscope.rooflineTip({seriesId: 'fixed-roof', value: [1, 2]})")
 
 
 def test_projector_mode_enlarges_the_marks_and_is_remembered(page):

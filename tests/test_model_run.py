@@ -194,9 +194,12 @@ def test_a_roofline_point_is_intensity_against_attained_flops_under_the_roofs():
     from kvscope.frontend.views.roofline import roof_line, roofline_point
 
     step = modelled_times(HEADER, [iteration(3, *[("decode", 1, 1024)] * 4)], "h100")[0]
-    x, y, at, micros = roofline_point(step)
-    assert (x, at) == (step.flops / step.bytes, 3) and y == pytest.approx(step.flops / step.time_s)
+    x, y, at, micros, roofs, compute, memory, fixed, measured = roofline_point(step)
+    assert (x, at, measured) == (step.flops / step.bytes, 3, False) and y == pytest.approx(step.flops / step.time_s)
     assert micros == round(step.time_s * 1e6, 2)
+    # The split the tooltip shows: the roofs' time (memory-bound here) plus the profile's fixed cost
+    assert fixed == pytest.approx(50.0) and roofs + fixed == pytest.approx(micros, abs=0.02)
+    assert compute < memory == pytest.approx(roofs, rel=1e-3)
     peak, bw = 989.4e12, 3.35e12
     line = roof_line(peak, bw, x, x)
     (x0, y0), (ridge, top), (x1, y1) = line
@@ -257,3 +260,59 @@ def test_a_simulated_run_is_kept_by_the_reducer_and_says_so_in_the_modelled_line
     assert modelled_text(latency, "NVIDIA L4 24GB", False) == \
         "modelled on NVIDIA L4 24GB: mean TTFT 250 µs · mean TPOT 40 µs · 12,346 tokens/s"
     assert modelled_text(latency, "NVIDIA L4 24GB", True).startswith("simulated run (no weights ran")
+
+
+# ---- the fixed cost: the third limit ---------------------------------------------------------------
+
+def test_a_step_measured_here_keeps_its_clock_and_what_its_roofs_do_not_explain_is_its_fixed_cost():
+    from kvscope.backend.perf.model_run import as_measured, median_fixed_s
+
+    priced = modelled_times(smol_header(), [iteration(7, ("decode", 1, 40))], profile_from(FIGURES))[0]
+    assert priced.roof_s > 0 and priced.fixed_s == pytest.approx(priced.time_s - priced.roof_s)
+    measured = as_measured(priced, 3 * priced.roof_s)  # the engine took twice the roofs' time beyond them
+    assert measured.measured and measured.time_s == pytest.approx(3 * priced.roof_s)
+    assert measured.fixed_s == pytest.approx(2 * priced.roof_s) and measured.limit == "fixed cost"
+    assert as_measured(priced, priced.roof_s / 2).fixed_s == 0.0  # faster than the roofs: no negative cost
+    assert median_fixed_s([measured, priced, as_measured(priced, priced.roof_s + 1.0)]) == measured.fixed_s
+    assert median_fixed_s([measured], phase="prefill") is None
+
+
+def test_the_dashed_roof_is_the_roofs_lowered_by_the_fixed_cost():
+    from kvscope.frontend.views.roofline import fixed_cost_line
+
+    peak, bw, nbytes, fixed = 1e12, 1e10, 1e8, 0.02  # a 100 MB step: 10 ms at the bandwidth roof, +20 ms fixed
+    line = fixed_cost_line(peak, bw, nbytes, fixed, 1.0, 10.0)
+    assert line[0][0] <= 1.0 and line[-1][0] >= 400  # spans the ridge (100 FLOP/B) as the roofs do
+    for x, y in line:
+        assert y == pytest.approx(x * nbytes / (max(x * nbytes / peak, nbytes / bw) + fixed))
+        assert y < min(bw * x, peak)  # always under the roofs
+    assert line[0][1] == pytest.approx(line[0][0] * bw / 3)  # memory-bound: a third of the slanted roof
+    assert fixed_cost_line(peak, bw, nbytes, 0.0, 1.0, 10.0) == []  # no fixed cost, nothing to draw
+
+
+def test_a_run_on_this_machine_is_set_against_its_measured_roofs_only_where_it_ran_here():
+    from kvscope.frontend.hardware import HardwareChoice
+
+    class Feed:
+        epoch, history = 0, RunHistory()
+        state = RunState()
+
+    here = profile_from(FIGURES)
+    assert here.measures("cpu") and not here.measures("cuda:0") and not here.measures(None)
+    assert not profile_from({**FIGURES, "device": "NVIDIA H100"}).measures("cpu")
+    assert not HardwareProfile("h100", "H100", 1, 1, 1, 1, 1, None, "").measures("cuda")  # a datasheet: not measured
+    feed = Feed()
+    feed.state.model, feed.state.device = smol_header()["model"], "cpu"
+    feed.state.weights = smol_header()["weights"]
+    choice = HardwareChoice(feed)
+    choice.profile, choice.name = here, "this-machine"
+    cols = [Column(0, 0.05, 0.05, [Cell("a", "decode", 1, 40)], 1, 64, 4)]
+    feed.history.columns = cols
+    run = choice.modelled()
+    assert run is not None and run.measured
+    assert run.roofline_steps[0].measured and run.roofline_steps[0].time_s == 0.05 and run.roofline_steps[0].fixed_s > 0
+    assert not run.steps[0].measured  # the timeline's modelled axis and the modelled latencies stay modelled
+    feed.state.config, choice._runs = {"tensor_parallel": 2}, {}  # it ran over 2 ranks, priced on one: a model
+    assert not choice._run().measured
+    feed.state.config, feed.state.simulated, choice._runs = {}, True, {}  # simulate mode's times are modelled
+    assert not choice._run().measured

@@ -364,7 +364,7 @@ def test_whatif_prints_a_table_by_op_group(capsys):
     cmd_whatif(parse("--model-shape", "llama-3-8b", "--hardware", "h100", "--batch", "1", "--context", "1024"))
     out = capsys.readouterr().out
     assert out.startswith("llama-3-8b on NVIDIA H100 SXM5 80GB: decode step of 1 sequence at context 1,024")
-    for group in ("attn_proj", "mlp", "attention", "lm_head", "overhead", "iteration"):
+    for group in ("attn_proj", "mlp", "attention", "lm_head", "fixed cost", "iteration"):
         assert re.search(rf"^{group} ", out, re.M)
     assert "all_reduce" not in out
 
@@ -377,6 +377,24 @@ def test_whatif_json_has_the_iterations_figures(capsys):
     assert result["time_s"] == pytest.approx(sum(op["time_s"] for op in result["ops"]) + result["overhead_s"])
     assert result["flops"] == pytest.approx(sum(op["flops"] for op in result["ops"]))
     assert result["bytes"] > 0 and result["memory"]["fits"]
+
+
+def test_whatif_gives_three_limits_and_takes_a_measured_fixed_cost(capsys):
+    """Compute, memory and the fixed cost side by side; --fixed-ms puts a measured one (eager or compiled) in."""
+    assumed = whatif("smollm2-135m", "h100", 1, 512)
+    assert assumed["fixed_s"] == assumed["overhead_s"] == 50e-6 and assumed["limit"] == "memory"
+    assert assumed["roof_s"] == pytest.approx(sum(op["time_s"] for op in assumed["ops"]))
+    assert assumed["compute_s"] < assumed["memory_s"] <= assumed["roof_s"]
+    eager = whatif("smollm2-135m", "h100", 1, 512, fixed_s=0.004)
+    assert eager["limit"] == "fixed cost" and eager["time_s"] == pytest.approx(eager["roof_s"] + 0.004)
+    cmd_whatif(parse("--model-shape", "smollm2-135m", "--hardware", "h100", "--batch", "64", "--context", "512",
+                     "--fixed-ms", "4"))
+    assert re.search(r"^three limits: compute .* ms, memory .* ms, fixed cost 4 ms: fixed cost dominates$",
+                     capsys.readouterr().out, re.M)
+    for bad in ("-1", "nan", "inf"):
+        assert main(["whatif", "--model-shape", "smollm2-135m", "--hardware", "h100", "--batch", "1", "--context",
+                     "16", "--fixed-ms", bad]) == 2
+        assert capsys.readouterr().err.startswith("kvscope whatif: --fixed-ms: must be a finite number >= 0")
 
 
 def test_whatif_table_marks_a_model_that_does_not_fit():

@@ -215,10 +215,11 @@ class Engine:
         started = self.clock()
         plan = self.scheduler.schedule(started)
         self._emit(plan.outputs)
+        executing = self.clock()
         out = self.executor.execute(self.scheduler.step_input(plan, *self.events.observing())) if plan.rows \
             else StepOutput([])
         now = self.clock()
-        self.events.iteration(plan, now - started, self.runtime.iteration_fields())
+        self.events.iteration(plan, now - started, now - executing, self.runtime.iteration_fields())
         outputs = self.scheduler.update_from_output(plan, out)
         self._emit(outputs)
         if self.config.speculative:

@@ -78,8 +78,10 @@ class StepEvents:
 
     # ---- the iteration ----------------------------------------------------------------------------
 
-    def iteration(self, plan: SchedulerOutput, duration: float, extra: dict | None = None) -> None:
-        """extra: fields the runtime adds (simulate mode: the iteration's roofline `intensity` and `bound`)."""
+    def iteration(self, plan: SchedulerOutput, duration: float, executing: float, extra: dict | None = None) -> None:
+        """duration: the whole step's seconds; executing: the executor's share of them (inputs, forward,
+        sampling), the rest being the scheduler's. extra: fields the runtime adds (simulate mode: the
+        iteration's roofline `intensity` and `bound`)."""
         self.bus.emit(
             "iteration",
             batch=[{"request_id": r.request_id, "seq_id": r.seq_id, "phase": r.phase,
@@ -87,7 +89,7 @@ class StepEvents:
                     **({"num_draft_tokens": r.num_draft} if r.phase == "verify" else {})} for r in plan.rows],
             num_batched_tokens=plan.num_batched_tokens, token_budget=self.config.max_num_batched_tokens,
             num_running=plan.num_running, num_waiting=plan.num_waiting, kv_blocks_used=plan.num_blocks_used,
-            duration_s=duration, max_num_seqs=self.config.max_num_seqs, **(extra or {}),
+            duration_s=duration, execute_s=executing, max_num_seqs=self.config.max_num_seqs, **(extra or {}),
         )
         if self.bus.wants("attention_mask"):
             for r in plan.rows:

@@ -52,6 +52,7 @@ class Column:
     token_budget: int
     max_num_seqs: int | None
     allreduce: dict[str, Any] | None = None  # tensor parallel: the step's all-reduces {count, bytes, ms} (rank 0's)
+    execute_s: float | None = None  # the executor's part of duration_s (None in older traces)
 
     @property
     def scheduled(self) -> list[Cell]:
@@ -310,7 +311,7 @@ class RunHistory:
 def column_of(e: Event, cells: list[Cell], max_num_seqs: int | None) -> Column:
     """An iteration event as the column the timeline and the batch chart draw."""
     return Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"], e["token_budget"],
-                  max_num_seqs, e.get("allreduce"))
+                  max_num_seqs, e.get("allreduce"), e.get("execute_s"))
 
 
 def batch_cells(e: Event, state: RunState) -> list[Cell]:

@@ -190,6 +190,9 @@ class IterationEvent(_Event):
     num_waiting: int
     kv_blocks_used: int
     duration_s: float
+    # The executor's part of duration_s (the step's inputs, the forward, sampling); the rest is the
+    # scheduler's. Measured, as duration_s is; None in traces older than it.
+    execute_s: float | None = None
     max_num_seqs: int  # the batch's slot count, for the idle-slot view
     # Simulate mode only (duration_s is then the modelled time): the iteration's FLOPs per byte of
     # memory traffic, and which roof it sits under (the cost model's IterationCost).

@@ -99,6 +99,7 @@ class PlainState:
     weights: dict[str, Any] | None = None  # quantization and bytes; absent in old traces
     draft_model: dict[str, Any] | None = None  # speculative decoding with a draft model
     simulated: bool = False  # simulate mode: no weights ran, the iterations' times are modelled
+    device: str | None = None  # torch's device the run ran on ("cpu", "cuda:0"): whose clock its times are
     # The model sharded over ranks (header `tensor_parallel`): what each rank holds; None for one process
     tensor_parallel: dict[str, Any] | None = None
     step: int = -1
@@ -219,6 +220,7 @@ class RunState(PlainState):
         self.weights = e.get("weights")
         self.draft_model = e.get("draft_model")
         self.simulated = e.get("simulated") is True  # headers before simulate mode do not say
+        self.device = e.get("device")
         self.tensor_parallel = e.get("tensor_parallel")
         self._free = dict.fromkeys(range(self.cache["num_blocks"]))
 

@@ -17,7 +17,7 @@ from kvscope.backend.events.schema import describe_error, parse_event
 log = logging.getLogger(__name__)
 
 # Wall-clock fields: they differ between two runs of the same scenario with the same seed.
-TIME_FIELDS = frozenset({"t", "duration_s", "ttft_s", "tpot_s", "e2e_s", "queue_s", "tokens_per_s"})
+TIME_FIELDS = frozenset({"t", "duration_s", "execute_s", "ttft_s", "tpot_s", "e2e_s", "queue_s", "tokens_per_s"})
 
 
 class TraceError(KvscopeError):

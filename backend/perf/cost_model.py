@@ -198,6 +198,8 @@ class OpCost:
     time_s: float
     bound: str  # memory, compute, or link (the all-reduces)
     link_bytes: float = 0.0  # bytes each rank sends over the link
+    compute_s: float = 0.0  # its FLOPs at the compute roof
+    memory_s: float = 0.0  # its bytes at the bandwidth it streams them at (time_s is the larger of the two)
 
     @property
     def intensity(self) -> float:
@@ -222,8 +224,23 @@ class IterationCost:
         return sum(op.bytes for op in self.ops)
 
     @property
+    def roof_s(self) -> float:
+        """The time the roofs allow: each op group waiting for its own roof (or the link), no fixed cost."""
+        return sum(op.time_s for op in self.ops)
+
+    @property
+    def compute_s(self) -> float:
+        """Every FLOP at the compute roof."""
+        return sum(op.compute_s for op in self.ops)
+
+    @property
+    def memory_s(self) -> float:
+        """Every byte at the bandwidth roof (a linear layer's at the rate it streams its weights)."""
+        return sum(op.memory_s for op in self.ops)
+
+    @property
     def time_s(self) -> float:
-        return sum(op.time_s for op in self.ops) + self.overhead_s
+        return self.roof_s + self.overhead_s
 
     @property
     def intensity(self) -> float:
@@ -254,7 +271,8 @@ def iteration_cost(dep: Deployment, batch: Sequence[BatchItem | dict]) -> Iterat
 
     def roof(group: str, flops: float, nbytes: float, bandwidth: float = bw) -> OpCost:
         compute_s, memory_s = flops / peak, nbytes / bandwidth
-        return OpCost(group, flops, nbytes, max(compute_s, memory_s), "compute" if compute_s > memory_s else "memory")
+        return OpCost(group, flops, nbytes, max(compute_s, memory_s), "compute" if compute_s > memory_s else "memory",
+                      compute_s=compute_s, memory_s=memory_s)
 
     ops = [roof("attn_proj", *attention_projections(dep, tokens), hw.weight_bandwidth(tokens)),
            roof("mlp", *mlp(dep, tokens), hw.weight_bandwidth(tokens)),

@@ -59,6 +59,12 @@ class HardwareProfile:
     # streams them slower). Measured for this machine; 1.0 (the roof) for the datasheet GPUs.
     gemv_efficiency: float = 1.0
     gemm_efficiency: float = 1.0
+    device_type: str = "cuda"  # torch's name for what it is: a run on the same type can be set against it
+
+    def measures(self, device: str | None) -> bool:
+        """Whether a run on torch `device` ("cpu", "cuda:0") ran on this very machine's kind of device: then
+        its measured step times can be set against these roofs (only `this-machine` was measured here)."""
+        return self.name == THIS_MACHINE and bool(device) and str(device).split(":")[0] == self.device_type
 
     def peak_flops(self, dtype: str) -> float:
         """The compute roof for matmuls in this activation dtype."""
@@ -115,7 +121,8 @@ def profile_from(figures: dict) -> HardwareProfile:
     return HardwareProfile(THIS_MACHINE, f"{figures['device']} (measured)", figures["bf16_flops"],
                            figures["fp32_flops"], figures["bf16_flops"], figures["mem_bandwidth"],
                            figures["memory_bytes"], None, f"measured by kvscope on {figures['measured_at']}",
-                           gemv_efficiency=figures["gemv_efficiency"], gemm_efficiency=figures["gemm_efficiency"])
+                           gemv_efficiency=figures["gemv_efficiency"], gemm_efficiency=figures["gemm_efficiency"],
+                           device_type="cpu" if " CPU" in figures["device"] else "cuda")  # calibrate.describe's words
 
 
 def link_from(figures: dict) -> LinkProfile:

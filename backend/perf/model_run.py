@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -39,7 +40,12 @@ class RunShape:
 
 @dataclass(frozen=True)
 class ModelledStep:
-    """One iteration as the cost model prices it on the chosen hardware."""
+    """One iteration as the cost model prices it on the chosen hardware, or as it ran on this machine.
+
+    Its time is the roofs' time plus a fixed cost: the step's dispatch, launches and Python, which no
+    byte or FLOP explains. Priced, the fixed cost is the profile's overhead (assumed for a GPU: one
+    CUDA-graph replay); `measured`, it is what the engine's clock took beyond the roofs of this machine.
+    """
 
     step: int
     phase: str  # the phase of most of its query tokens: prefill, decode, verify or recompute
@@ -47,6 +53,20 @@ class ModelledStep:
     flops: float
     bytes: float
     bound: str  # memory or compute: which roof the iteration as a whole sits under
+    roof_s: float = 0.0  # the time the roofs allow: each op group at its roof (and the all-reduces)
+    compute_s: float = 0.0  # every FLOP at the compute roof
+    memory_s: float = 0.0  # every byte at the bandwidth roof
+    measured: bool = False  # time_s is the engine's clock on this machine, not the model's
+
+    @property
+    def fixed_s(self) -> float:
+        """The third limit: what the step cost beyond its roofs (dispatch, launches, Python)."""
+        return max(0.0, self.time_s - self.roof_s)
+
+    @property
+    def limit(self) -> str:
+        """What held the step back most: its fixed cost, or the roof it sits under."""
+        return "fixed cost" if self.fixed_s > self.roof_s else self.bound
 
     @property
     def intensity(self) -> float:
@@ -174,7 +194,19 @@ def model_step(dep: Deployment, step: int, rows: Sequence[tuple[str, int, int]])
     tokens: dict[str, int] = {}
     for phase, q, _ in rows:
         tokens[phase] = tokens.get(phase, 0) + q
-    return ModelledStep(step, max(tokens, key=tokens.__getitem__), cost.time_s, cost.flops, cost.bytes, cost.bound)
+    return ModelledStep(step, max(tokens, key=tokens.__getitem__), cost.time_s, cost.flops, cost.bytes, cost.bound,
+                        cost.roof_s, cost.compute_s, cost.memory_s)
+
+
+def as_measured(priced: ModelledStep, measured_s: float) -> ModelledStep:
+    """The step at the time the engine measured for it, against this machine's roofs: its fixed cost is the rest."""
+    return replace(priced, time_s=measured_s, measured=True)
+
+
+def median_fixed_s(steps: Iterable[ModelledStep], phase: str = "decode") -> float | None:
+    """The median fixed cost of a run's `phase` steps (None without one): the figure the views quote."""
+    fixed = sorted(s.fixed_s for s in steps if s.phase == phase)
+    return statistics.median(fixed) if fixed else None
 
 
 def event_rows(event: dict, kv_cache: bool = True) -> list[tuple[str, int, int]]:

@@ -2,10 +2,16 @@
 
 A decode step of B sequences at context T, or (--prefill) B prompts of T tokens each, through the
 roofline model of cost_model.py. Output: a table, or with --json one object whose `flops`, `bytes`,
-`time_s` and `bound` describe the iteration on one GPU.
+`time_s` and `bound` describe the iteration on one GPU, and its three limits: `compute_s` (every
+FLOP at the compute roof), `memory_s` (every byte at the bandwidth roof) and `fixed_s`, the step's
+fixed cost (dispatch, launches, Python): the profile's overhead, or `--fixed-ms`, e.g. the figure a
+run's roofline measured on this machine, eager or compiled. `limit` names the one that dominates.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 from kvscope.backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
                                      iteration_cost, resident_bytes)
@@ -37,9 +43,15 @@ def step_batch(batch: int, context: int, prefill: bool = False) -> list[BatchIte
 
 def whatif(model_shape: str | ModelShape, hardware: str | HardwareProfile, batch: int, context: int,
            prefill: bool = False, tp: int = 1, kv_cache_dtype: str = "auto", weight_quant: str = "none",
-           quant_group_size: int = 64, link: str | None = None) -> dict:
-    """One iteration's FLOPs, bytes, intensity, bound and time, in total and by op group (per GPU)."""
+           quant_group_size: int = 64, link: str | None = None, fixed_s: float | None = None) -> dict:
+    """One iteration's FLOPs, bytes, intensity, bound and time, in total and by op group (per GPU).
+    fixed_s: the step's fixed cost in place of the profile's overheads."""
     dep = deployment(model_shape, hardware, tp, kv_cache_dtype, weight_quant, quant_group_size, link)
+    if fixed_s is not None:
+        if not math.isfinite(fixed_s) or fixed_s < 0:
+            raise PerfError("fixed_ms", f"must be a finite number >= 0, got {fixed_s * 1e3}")
+        dep = replace(dep, hardware=replace(dep.hardware, iteration_overhead_s=fixed_s, row_overhead_s=0.0,
+                                            token_overhead_s=0.0))
     cost = iteration_cost(dep, step_batch(batch, context, prefill))
     return describe(dep, cost, batch, context, prefill)
 
@@ -54,6 +66,8 @@ def describe(dep: Deployment, cost: IterationCost, batch: int, context: int, pre
         "dtype": dep.dtype, "weight_quant": dep.weight_quant, "kv_cache_dtype": dep.kv_cache_dtype,
         "flops": cost.flops, "bytes": cost.bytes, "time_s": cost.time_s, "intensity": cost.intensity,
         "ridge": cost.ridge, "bound": cost.bound, "overhead_s": cost.overhead_s,
+        "compute_s": cost.compute_s, "memory_s": cost.memory_s, "roof_s": cost.roof_s, "fixed_s": cost.overhead_s,
+        "limit": "fixed cost" if cost.overhead_s > cost.roof_s else cost.bound,
         "mem_bandwidth": dep.hardware.mem_bandwidth,
         "weight_stream": {"one_token": dep.hardware.weight_bandwidth(1),
                           "several_tokens": dep.hardware.weight_bandwidth(2)},
@@ -104,9 +118,11 @@ def format_table(result: dict) -> str:
         intensity = f"{op['intensity']:,.1f}" if op["intensity"] is not None else "-"
         lines.append(f"{op['group']:<12}{op['flops'] / 1e9:>12,.2f}{moved / 1e6:>12,.1f}{intensity:>10}  "
                      f"{op['bound']:<8}{op['time_s'] * 1e3:>10.3f}")
-    lines.append(f"{'overhead':<12}{'':>44}{r['overhead_s'] * 1e3:>10.3f}")
+    lines.append(f"{'fixed cost':<12}{'':>44}{r['fixed_s'] * 1e3:>10.3f}")
     lines.append(f"{'iteration':<12}{r['flops'] / 1e9:>12,.2f}{r['bytes'] / 1e6:>12,.1f}{r['intensity']:>10,.1f}  "
                  f"{r['bound']:<8}{r['time_s'] * 1e3:>10.3f}")
+    lines.append(f"three limits: compute {r['compute_s'] * 1e3:,.3g} ms, memory {r['memory_s'] * 1e3:,.3g} ms, "
+                 f"fixed cost {r['fixed_s'] * 1e3:,.3g} ms: {r['limit']} dominates")
     stream = r["weight_stream"]
     if stream["one_token"] < r["mem_bandwidth"] or stream["several_tokens"] < r["mem_bandwidth"]:
         lines.append(f"weights stream at {stream['one_token'] / 1e9:,.1f} GB/s over one token, "

@@ -156,12 +156,16 @@
       for (const [scale, unit] of units) if (Math.abs(v) >= scale) return `${+(v / scale).toPrecision(3)}${unit}`;
       return `${+v.toPrecision(3)}`;
     },
-    // [intensity, attained FLOP/s, step, modelled µs] of one iteration (views/roofline.py)
+    // [intensity, attained FLOP/s, step, µs, roofs' µs, compute µs, memory µs, fixed µs, measured] of one
+    // iteration (views/roofline.py roofline_point)
     rooflineTip(p) {
       const v = p.value;
       if (p.seriesId === "roof") return "the roofs: memory bandwidth × intensity, then peak FLOP/s";
+      if (p.seriesId === "fixed-roof") return "the roofs lowered by the run's fixed cost per step";
+      const t = (us) => kv.seconds(us / 1e6);
       return `iteration ${v[2]} · ${esc(p.seriesName)}<br>${kv.si(v[0])} FLOP/byte<br>` +
-             `${kv.si(v[1])}FLOP/s · ${v[3]} µs modelled`;
+             `${kv.si(v[1])}FLOP/s · ${t(v[3])} ${v[8] ? "measured" : "modelled"}<br>` +
+             `= roofs ${t(v[4])} (compute ${t(v[5])}, memory ${t(v[6])}) + fixed cost ${t(v[7])}`;
     },
     // Records how long after the NiceGUI process received an event the browser painted it.
     lat(stamp, view) {

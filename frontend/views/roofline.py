@@ -26,21 +26,60 @@ most of its tokens. A **decode** step reads every weight to produce one token pe
 intensity is about the batch size: far left, **memory-bound**; batching more sequences moves it
 right. A **prefill** chunk multiplies each weight by many tokens and climbs towards the compute
 roof. Points sit below the roofs because an iteration is several op groups that each wait for one
-roof, plus a fixed overhead per step (and the all-reduces with tp > 1); for a tiny model the
-overhead is nearly all of it. The times are modelled (lower bounds: real kernels reach 60-90% of
-the roofs), whatever machine recorded the run. On **this-machine** the model uses what was
-measured instead: its linear layers stream weights below the bandwidth roof (the caption says how
-fast), so its decode points sit further below the slanted roof.
+roof (and the all-reduces with tp > 1), plus the third limit: a **fixed cost** per step, the
+dispatch of its ops, kernel launches and the engine's Python, which no byte or FLOP explains. The
+dashed line is the roofs lowered by it: the fastest a step of the run's size can go while it pays
+that cost. For a small model at batch 1 it is most of the step; batching spreads it over more
+tokens, and capturing the step (`engine.compile_decode` on a CPU, CUDA graphs on a GPU) shrinks it.
+The times are modelled (lower bounds: real kernels reach 60-90% of the roofs, and a GPU's fixed
+cost is assumed, one CUDA-graph replay), whatever machine recorded the run. On **this-machine**,
+for a run that ran here, each point is the step as the engine **measured** it, set against this
+machine's measured roofs (its linear layers stream weights below the bandwidth roof; the caption
+says how fast): what the step took beyond its roofs is its fixed cost, measured. Hover a point for
+its split: compute, memory, fixed cost.
 """
 
-LEGEND = [(PHASE_COLORS[p], p) for p in SHOWN_PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s")]
+FIXED_COLOR = "#b45309"
+LEGEND = [(PHASE_COLORS[p], p) for p in SHOWN_PHASES] + [("#111827", "roofs: bandwidth × intensity, peak FLOP/s"),
+                                                         (FIXED_COLOR, "roofs lowered by the fixed cost per step")]
 ROOF_COLOR = "#111827"
 OTHER_COLOR = "#6b7280"  # the other run of a side-by-side comparison
+FIXED_SAMPLES = 32  # points along the dashed curve (log-spaced intensities)
 
 
 def roofline_point(s: ModelledStep) -> list[Any]:
-    """[intensity (FLOP/B), attained FLOP/s, step, modelled µs]: one iteration's point."""
-    return [s.intensity, s.attained_flops, s.step, round(s.time_s * 1e6, 2)]
+    """[intensity (FLOP/B), attained FLOP/s, step, µs, roofs' µs, compute µs, memory µs, fixed µs, measured]:
+    one iteration's point and its split (the tooltip's)."""
+    return [s.intensity, s.attained_flops, s.step, *(round(t * 1e6, 2) for t in (s.time_s, s.roof_s, s.compute_s,
+                                                                                 s.memory_s, s.fixed_s)), s.measured]
+
+
+def fixed_cost_line(peak_flops: float, bandwidth: float, step_bytes: float, fixed_s: float, lo: float,
+                    hi: float) -> list[list[float]]:
+    """The roofs lowered by a fixed cost: a step moving `step_bytes` at intensity x does x × step_bytes FLOPs in
+    at least max(FLOPs / peak, bytes / bandwidth) + fixed_s seconds. Log-spaced over [lo, hi] (the roofs' span)."""
+    if step_bytes <= 0 or fixed_s <= 0:
+        return []
+    ridge = peak_flops / bandwidth
+    lo, hi = min(lo, ridge / 4), max(hi, ridge * 4)
+    xs = [lo * (hi / lo) ** (i / (FIXED_SAMPLES - 1)) for i in range(FIXED_SAMPLES)]
+    return [[x, x * step_bytes / (max(x * step_bytes / peak_flops, step_bytes / bandwidth) + fixed_s)] for x in xs]
+
+
+def typical_step(run: ModelledRun) -> ModelledStep | None:
+    """The run's median decode step by fixed cost (its median step of any phase if none decoded): the step
+    whose size and fixed cost the dashed line and the caption quote."""
+    steps = [s for s in run.roofline_steps.values() if s.phase == "decode"] or list(run.roofline_steps.values())
+    return sorted(steps, key=lambda s: s.fixed_s)[len(steps) // 2] if steps else None
+
+
+def fixed_caption(run: ModelledRun) -> str:
+    s = typical_step(run)
+    if s is None:
+        return ""
+    how = "measured: the engine's clock" if s.measured else "modelled: the profile's overhead"
+    return (f" · fixed cost {s.fixed_s * 1e3:,.3g} ms per {s.phase} step ({how}; the step took "
+            f"{s.time_s * 1e3:,.3g} ms, its roofs allow {s.roof_s * 1e3:,.3g} ms)")
 
 
 def roof_line(peak_flops: float, bandwidth: float, lo: float, hi: float) -> list[list[float]]:
@@ -59,7 +98,7 @@ def caption(run: ModelledRun | None, label: str, problem: str | None) -> str:
               if min(one, several) < hw.mem_bandwidth else "")
     return (f"{label}: peak {hw.peak_flops(dtype) / 1e12:,.1f} TFLOP/s ({dtype}), "
             f"{hw.mem_bandwidth / 1e9:,.0f} GB/s{stream}, ridge {hw.ridge(dtype):,.0f} FLOP/B · "
-            f"{len(run.steps)} iterations · model sizes: {run.source}")
+            f"{len(run.roofline_steps)} iterations · model sizes: {run.source}{fixed_caption(run)}")
 
 
 class RooflineView(FeedView):
@@ -69,14 +108,14 @@ class RooflineView(FeedView):
         self.hardware = hardware
         self.chunks = {phase: Chunks(f"rl-{phase}-") for phase in SHOWN_PHASES}
         self.last_step = -(10**9)
-        self.roof_sent: list[list[float]] = []
+        self.roof_sent: tuple[list, list] = ([], [])
         self.span = (1.0, 1.0)  # the intensities drawn so far (the roofs span them)
         self.points: list[list[Any]] = []  # every point drawn, in step order (side by side: the other column's)
         self.other_note = ""  # side by side: what the hollow points are
         self.other_series: dict | None = None  # side by side: the other run's points (redrawn by `full`)
         with view_card("Roofline on the chosen hardware", EXPLANATION, "w-full"):
             legend(LEGEND)
-            self.caption = LiveText().classes("kv-caption").mark("roofline-caption")
+            self.caption = LiveText().classes("kv-caption").mark("roofline-caption").props("data-kv=roofline-caption")
             self.chart = make_chart(self._options(), height, "roofline")
         hardware.on_change(self.invalidate)
         super().__init__(feed)
@@ -84,7 +123,7 @@ class RooflineView(FeedView):
     def _options(self) -> dict:
         return {
             "grid": {"left": 64, "right": 24, "top": 30, "bottom": 44},
-            "tooltip": {"trigger": "item", ":formatter": "kvscope.rooflineTip"},
+            "tooltip": {"trigger": "item", "confine": True, ":formatter": "kvscope.rooflineTip"},
             "xAxis": {"type": "log", "name": "FLOP per byte", "nameLocation": "middle", "nameGap": 24,
                       "axisLabel": {":formatter": "kvscope.si"}},
             "yAxis": {"type": "log", "name": "FLOP/s", "axisLabel": {":formatter": "kvscope.si"}},
@@ -96,14 +135,14 @@ class RooflineView(FeedView):
         self.caption.set(caption(run, self.hardware.label, self.hardware.problem()) + self.other_note)
         for chunks in self.chunks.values():
             chunks.clear()
-        self.last_step, self.roof_sent, self.span, self.points = -(10**9), [], (1.0, 1.0), []
+        self.last_step, self.roof_sent, self.span, self.points = -(10**9), ([], []), (1.0, 1.0), []
         if run is not None:
             self._new_points(run)
         series = [self._points(phase, sid, data) for phase, chunks in self.chunks.items() for sid, data in chunks.all()]
         if self.other_series is not None:
             self._widen(self.other_series["data"])
             series.append(self.other_series)
-        series.append(self._roof(run, force=True))
+        series += self._roofs(run, force=True)
         self.push(self.chart, {"series": series}, replace_series=True)
         return True
 
@@ -116,8 +155,7 @@ class RooflineView(FeedView):
         self._new_points(run)
         series = [self._points(phase, sid, data) for phase, chunks in self.chunks.items()
                   for sid, data in chunks.take_dirty()]
-        roof = self._roof(run)
-        series += [roof] if roof else []
+        series += self._roofs(run)
         if not series:
             return False
         self.caption.set(caption(run, self.hardware.label, None) + self.other_note)
@@ -126,8 +164,9 @@ class RooflineView(FeedView):
 
     def _new_points(self, run: ModelledRun) -> None:
         lo, hi = self.span
-        for step in sorted(s for s in run.steps if s > self.last_step):
-            priced = run.steps[step]
+        shown = run.roofline_steps
+        for step in sorted(s for s in shown if s > self.last_step):
+            priced = shown[step]
             self.chunks[priced.phase].add(step, roofline_point(priced))
             self.points.append(roofline_point(priced))
             lo, hi = min(lo, priced.intensity), max(hi, priced.intensity)
@@ -143,10 +182,10 @@ class RooflineView(FeedView):
                              "symbol": "emptyDiamond", "symbolSize": 8, "z": 1,
                              "itemStyle": {"color": OTHER_COLOR, "opacity": 0.9}}
         run = self.hardware.modelled()
-        roof = self._roof(run) if run is not None else None
+        roofs = self._roofs(run) if run is not None else []
         if run is not None:
             self.caption.set(caption(run, self.hardware.label, None) + self.other_note)
-        self.push(self.chart, {"series": [self.other_series] + ([roof] if roof else [])})
+        self.push(self.chart, {"series": [self.other_series, *roofs]})
 
     def _widen(self, points: list[list[Any]]) -> None:
         """The roofs span these intensities too."""
@@ -159,14 +198,22 @@ class RooflineView(FeedView):
         return {"id": sid, "name": phase, "type": "scatter", "data": data, "symbolSize": 7,
                 "itemStyle": {"color": PHASE_COLORS[phase], "opacity": 0.8}}
 
-    def _roof(self, run: ModelledRun | None, force: bool = False) -> dict | None:
-        if run is None:
-            line: list[list[float]] = []
-        else:
+    def _roofs(self, run: ModelledRun | None, force: bool = False) -> list[dict]:
+        """The roofs and the dashed roofs-with-fixed-cost, when they moved (or `force`)."""
+        line: list[list[float]] = []
+        fixed: list[list[float]] = []
+        if run is not None:
             hw, dtype = run.dep.hardware, run.dep.dtype
             line = roof_line(hw.peak_flops(dtype), hw.mem_bandwidth, *self.span)
-        if not force and line == self.roof_sent:
-            return None
-        self.roof_sent = line
-        return {"id": "roof", "type": "line", "data": line, "showSymbol": False, "silent": True,
-                "lineStyle": {"color": ROOF_COLOR, "width": 2}, "itemStyle": {"color": ROOF_COLOR}}
+            typical = typical_step(run)
+            if typical is not None:
+                fixed = fixed_cost_line(hw.peak_flops(dtype), hw.mem_bandwidth, typical.bytes, typical.fixed_s,
+                                        *self.span)
+        if not force and (line, fixed) == self.roof_sent:
+            return []
+        self.roof_sent = (line, fixed)
+        return [{"id": "roof", "type": "line", "data": line, "showSymbol": False, "silent": True,
+                 "lineStyle": {"color": ROOF_COLOR, "width": 2}, "itemStyle": {"color": ROOF_COLOR}},
+                {"id": "fixed-roof", "type": "line", "data": fixed, "showSymbol": False, "silent": True,
+                 "lineStyle": {"color": FIXED_COLOR, "width": 2, "type": "dashed"},
+                 "itemStyle": {"color": FIXED_COLOR}}]
