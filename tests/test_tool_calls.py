@@ -569,3 +569,36 @@ def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_the_clients_field(s
         smol_client.chat.completions.create(model=tiny_dir, messages=USER, max_tokens=4,
                                             extra_body={"guided_regex": "(unclosed"})
     assert refused.value.body["param"] == "guided_regex"
+
+
+@needs_smollm2
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_choice": ["sunny", "rainy"]}, lambda text: text in ("sunny", "rainy")),
+    ({"guided_regex": "[0-9]{2} C"}, lambda text: len(text) == 4 and text[:2].isdigit()),
+    ({"guided_json": Weather.model_json_schema()}, lambda text: Weather.model_validate_json(text)),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda text: text in ("yes", "no")),
+    ({"response_format": {"type": "json_object"}}, lambda text: isinstance(json.loads(text), dict)),
+])
+def test_smollm2_completions_take_the_same_grammar_fields_as_chat(smol_client, extra, check) -> None:
+    """vLLM takes its structured-output fields on /v1/completions too: every prompt and choice follows them."""
+    r = smol_client.completions.create(model=SMOLLM2, prompt=["The weather in Paris is", "Tomorrow will be"],
+                                       temperature=0, max_tokens=40, n=1, extra_body=extra)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and check(choice.text), choice.text
+    chunks = list(smol_client.completions.create(model=SMOLLM2, prompt="The weather in Paris is", temperature=0,
+                                                 max_tokens=40, extra_body=extra, stream=True))
+    assert check("".join(c.choices[0].text for c in chunks if c.choices))
+
+
+def test_completions_refuse_a_grammar_as_chat_does_naming_the_field(smol_client, tiny_dir) -> None:
+    cases = [({"guided_regex": "(unclosed"}, 4, "guided_regex"),
+             ({"guided_regex": "a", "guided_choice": ["b"]}, 4, "guided_regex"),  # two grammars
+             ({"guided_choice": ["a"]}, 0, "guided_choice")]  # max_tokens 0 (echo alone) generates nothing
+    for extra, max_tokens, param in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            smol_client.completions.create(model=tiny_dir, prompt="Once", max_tokens=max_tokens, echo=True,
+                                           extra_body=extra)
+        assert refused.value.body["param"] == param, refused.value.body
+    ok = smol_client.completions.create(model=tiny_dir, prompt="Once", max_tokens=4, extra_body={"guided_choice": ["x y"]})
+    assert ok.choices[0].text == "x y" and ok.choices[0].finish_reason == "stop"  # the server still serves

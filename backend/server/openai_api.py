@@ -62,23 +62,28 @@ def retrieve_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
 @post("/completions", guards=[require_token], status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionBody]) -> Response:
     data.refuse_unimplemented()
+    grammar = grammar_of(data)  # before any work: its size is checked
+    if grammar is not None and data.max_tokens == 0:
+        raise OpenAIError(400, f"{grammar.source}: max_tokens 0 generates nothing to constrain", grammar.source)
     model = served_model(request, data.model)
     prompts, n = data.prompts(), data.n or 1
     if len(prompts) * n > MAX_CHOICES:
         raise OpenAIError(400, f"n: {len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices", "n")
     run = await api_run(request, model, len(prompts))
-    sampling = sampling_for(data, data.logprobs or 0)
+    sampling = sampling_for(data, data.logprobs or 0, grammar)
     ids = await asyncio.to_thread(lambda: [token_ids(run, p) for p in prompts])
     if not all(ids):
         raise OpenAIError(400, "prompt: empty prompt", "prompt")
     max_tokens = [fit_in_context(run, len(i), data.max_tokens, 16, "prompt", "max_tokens") for i in ids]
-    gen = Generation(run, n, "cmpl", len(prompts))
+    compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
+    gen = Generation(run, n, "cmpl", len(prompts), grammar=grammar)
     if data.echo:
         await set_echo(run, gen, prompts, ids, data.logprobs)
     if data.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
         gen.skip_generation([len(i) for i in ids])
     else:
-        await gen.submit(list(zip(prompts, max_tokens)), sampling)
+        with named_by_source(grammar):
+            await gen.submit(list(zip(prompts, max_tokens)), sampling, compiled)
     return await _respond(request, gen, data, model, "text", data.logprobs is not None, lambda: None)
 
 

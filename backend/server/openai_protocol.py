@@ -57,7 +57,8 @@ class StreamOptions(StrictBody):
 
 
 class SamplingBody(StrictBody):
-    """The fields the completion and chat bodies share: the model, sampling, stops and streaming."""
+    """The fields the completion and chat bodies share: the model, sampling, stops, streaming and the grammar
+    fields (OpenAI's response_format; vLLM's structured_outputs and guided_*, which it takes on both routes)."""
 
     model: Name | None = None
     max_tokens: int | None = Field(default=None, ge=0, le=100_000)
@@ -77,6 +78,12 @@ class SamplingBody(StrictBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Name | None = None  # an end user's id, for OpenAI's abuse monitoring: nothing to act on here
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's grammar fields: structured.py
+    guided_json: Schema | None = None
+    guided_regex: GrammarText | None = None
+    guided_choice: ChoiceList | None = None
+    guided_grammar: GrammarText | None = None
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -160,12 +167,6 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=100_000)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsField | None = None  # vLLM's grammar fields: structured.py
-    guided_json: Schema | None = None
-    guided_regex: GrammarText | None = None
-    guided_choice: ChoiceList | None = None
-    guided_grammar: GrammarText | None = None
     tools: Tools | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
