@@ -27,8 +27,9 @@ from kvscope.backend.server.openai_protocol import ChatBody
 from kvscope.backend.server.openai_serving import message_dicts
 from kvscope.backend.server.openai_shapes import chat_response, stream_events
 from kvscope.backend.server.structured import MAX_GRAMMAR_CHARS, Grammar, grammar_of, named_by_source
-from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, ToolCallStream, chat_message, parse
-from kvscope.backend.server.tools import ToolCalling, hermes_tools_prompt
+from kvscope.backend.server.tool_parser import (ForcedCallParser, HermesToolParser, ToolCallStream, assemble,
+                                                chat_message, parse)
+from kvscope.backend.server.tools import MAX_PARALLEL_CALLS, ToolCalling, hermes_tools_prompt
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
@@ -69,18 +70,30 @@ def test_text_around_calls_stays_content_without_the_whitespace_next_to_them() -
     assert content == "Let me check.Done. " and calls_of(calls) == [("get_weather", {"city": "Paris"})]
 
 
-@pytest.mark.parametrize("block", ['<tool_call>{"name": "f", "arguments": {</tool_call>',
-                                   '<tool_call>["f"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+@pytest.mark.parametrize("block", ['<tool_call>["f"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
                                    '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',
-                                   '<tool_call>{"name": "f", "arguments": {}}'])  # never closed
-def test_a_block_that_is_not_a_call_stays_content_as_written(block: str) -> None:
+                                   '<tool_call>{"name": "f" "arguments": {}}'])  # never closed
+def test_a_block_that_never_starts_a_call_stays_content_as_written(block: str) -> None:
     assert parse(HermesToolParser(), "a " + block) == ("a " + block, [])
 
 
-def test_a_block_nested_past_pythons_recursion_limit_is_content_not_a_crash() -> None:
+@pytest.mark.parametrize("block", ['<tool_call>{"name": "f", "arguments": {</tool_call> b',
+                                   '<tool_call>{"name": "f", "arguments": {"x": tru}}</tool_call> b',
+                                   '<tool_call>{"name": "f", "arguments": {"x": 1} ]</tool_call> b'])
+def test_a_call_that_started_but_broke_is_neither_a_call_nor_content(block: str) -> None:
+    """Its start streamed already; a plain answer leaves the broken call out and never dumps it into content."""
+    assert parse(HermesToolParser(), "a " + block) == ("ab", [])  # whitespace next to a call is dropped
+
+
+def test_a_call_whose_close_tag_never_came_is_whole_once_its_json_closes() -> None:
+    content, calls = parse(HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"x": [1, "}"]}}')
+    assert content is None and calls_of(calls) == [("f", {"x": [1, "}"]})]
+
+
+def test_a_block_nested_past_pythons_recursion_limit_is_dropped_not_a_crash() -> None:
     block = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
-    assert parse(HermesToolParser(), block) == (block, [])
-    assert parse(ForcedCallParser("f"), "[" * 5000) == ("[" * 5000, [])
+    assert parse(HermesToolParser(), block) == (None, [])
+    assert parse(ForcedCallParser("f"), "[" * 5000) == (None, [])
 
 
 def test_a_call_without_arguments_has_empty_ones() -> None:
@@ -100,9 +113,8 @@ def test_a_stream_split_anywhere_gives_the_plain_answers_content_and_calls(text:
             parser = HermesToolParser()
             pieces = parser.push(text[:cut]) + parser.push(text[cut:second]) + parser.push(text[second:])
             pieces += parser.finish()
-            content = "".join(p for p in pieces if isinstance(p, str)) or None
-            assert content == whole_content
-            assert calls_of([p for p in pieces if isinstance(p, dict)]) == calls_of(whole_calls)
+            content, calls = assemble(pieces)
+            assert content == whole_content and calls_of(calls) == calls_of(whole_calls)
 
 
 def test_the_start_of_a_tag_is_held_back_until_it_is_known() -> None:
@@ -121,23 +133,57 @@ def test_a_forced_required_answer_is_a_list_of_calls() -> None:
     assert calls_of(parse(ForcedCallParser(None), text)[1]) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
 
 
-def test_a_forced_answer_cut_short_is_content() -> None:
-    assert parse(ForcedCallParser("f"), '{"city": "Pa') == ('{"city": "Pa', [])
+def test_a_forced_answer_cut_short_keeps_its_complete_calls_and_never_becomes_content() -> None:
+    assert parse(ForcedCallParser("f"), '{"city": "Pa') == (None, [])
+    cut = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"zo'
+    content, calls = parse(ForcedCallParser(None), cut)
+    assert content is None and calls_of(calls) == [("get_weather", {"city": "Paris"})]
+    assert chat_message(ForcedCallParser(None), cut, "length")[1] == "length"
 
 
-def test_a_streamed_call_arrives_whole_in_one_delta_with_its_index() -> None:
+@pytest.mark.parametrize("parser, text", [
+    (lambda: ForcedCallParser("get_weather"), ' {"city": "Par\\"is", "days": [1, {"a": "}"}]}'),
+    (lambda: ForcedCallParser(None), '[{"name": "get_weather", "arguments": {"city": "Paris"}},\n'
+                                     ' {"name": "get_time", "arguments": {}}]'),
+    (lambda: HermesToolParser(), "Sure.\n" + WEATHER + "\n" + TIME + " bye"),
+])
+def test_call_arguments_stream_as_fragments_that_rebuild_the_plain_answers_calls(parser, text) -> None:
+    """Each call's first delta has its id and name, the next ones only fragments of its arguments (vLLM's
+    streaming); joined they are the plain answer's arguments, however the text is split."""
+    _, whole = parse(parser(), text)
+    assert whole
+    for size in (1, 3, 7):
+        stream = ToolCallStream(parser())
+        deltas = [stream.delta(text[i:i + size], False) for i in range(0, len(text), size)] + [stream.delta("", True)]
+        rebuilt: dict[int, dict] = {}
+        for entry in (e for d in deltas for e in d.get("tool_calls", [])):
+            if "id" in entry:  # a call's start (with the arguments' first fragment when they came in the same delta)
+                assert entry["index"] not in rebuilt and entry["type"] == "function"
+                rebuilt[entry["index"]] = {"name": entry["function"]["name"], "arguments": entry["function"]["arguments"]}
+            else:
+                assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
+                rebuilt[entry["index"]]["arguments"] += entry["function"]["arguments"]
+        fragments = sum("id" not in e for d in deltas for e in d.get("tool_calls", []))
+        assert size > 1 or fragments > len(whole)  # character by character: in pieces, not whole
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(rebuilt.items())] == calls_of(whole)
+
+
+def test_a_streamed_call_starts_once_its_name_is_read_with_its_index() -> None:
     stream = ToolCallStream(HermesToolParser())
     deltas = [stream.delta(piece, False) for piece in ("Sure.", WEATHER[:20], WEATHER[20:], TIME)]
     deltas.append(stream.delta("", True))
     assert deltas[0] == {"content": "Sure."} and deltas[1] == {}
     (first,) = deltas[2]["tool_calls"]
     assert (first["index"], first["type"], first["function"]["name"]) == (0, "function", "get_weather")
+    assert first["function"]["arguments"] == '{"city": "Paris"}'  # its start and all its arguments, in one delta
     assert deltas[3]["tool_calls"][0]["index"] == 1 and stream.finish_reason("stop") == "tool_calls"
 
 
-def test_finish_reason_is_tool_calls_only_when_the_model_stopped_after_calls() -> None:
+def test_finish_reason_is_tool_calls_only_when_the_model_chose_to_call_and_stopped() -> None:
     assert chat_message(HermesToolParser(), WEATHER, "stop")[1] == "tool_calls"
     assert chat_message(HermesToolParser(), WEATHER, "length")[1] == "length"  # cut: more calls may be missing
+    # Forced (required or named): the answer's own reason, as OpenAI and vLLM report it
+    assert chat_message(ForcedCallParser("get_weather"), '{"city": "Paris"}', "stop")[1] == "stop"
     message, reason = chat_message(HermesToolParser(), "Paris.", "stop")
     assert (message, reason) == ({"role": "assistant", "content": "Paris.", "refusal": None}, "stop")
 
@@ -185,7 +231,8 @@ def test_every_source_of_a_grammar_maps_onto_the_engines_structured_outputs(fiel
 
 def test_tool_choice_required_forces_a_list_of_calls_to_the_defined_tools() -> None:
     (schema,) = grammar(tools=TOOLS, tool_choice="required").outputs.values()
-    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    # bounded: a model that repeats its call ends the list instead of writing calls until max_tokens
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == MAX_PARALLEL_CALLS == 8
     first, second = schema["items"]["anyOf"]
     assert first["properties"] == {"name": {"const": "get_weather"}, "arguments": SCHEMA}
     assert second["properties"]["arguments"] == {"type": "object", "properties": {}}
@@ -358,6 +405,17 @@ def answered(pieces: list[str], calling: ToolCalling) -> ChatCompletion:
     return ChatCompletion.model_validate(chat_response(gen, "m", False, calling.parser))
 
 
+def accumulated(chunks: list[ChatCompletionChunk]) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each streamed call, its fragments joined as clients join them."""
+    calls: dict[int, list[str]] = {}
+    for delta in (d for c in chunks for d in c.choices[0].delta.tool_calls or []):
+        if delta.id is not None:
+            assert delta.index not in calls and delta.type == "function"
+            calls[delta.index] = [delta.id, delta.function.name, ""]
+        calls[delta.index][2] += delta.function.arguments or ""
+    return [tuple(call) for _, call in sorted(calls.items())]
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "none"])
 def test_a_hermes_call_in_the_models_text_is_a_tool_call_plain_and_streamed(tool_choice: str) -> None:
     text = "Checking.\n" + WEATHER
@@ -374,20 +432,23 @@ def test_a_hermes_call_in_the_models_text_is_a_tool_call_plain_and_streamed(tool
     assert plain.message.content == content == "Checking." and plain.finish_reason == "tool_calls"
     (call,) = plain.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-    (delta,) = deltas
-    assert (delta.index, delta.type, delta.function.name, delta.function.arguments) == \
-        (0, "function", "get_weather", call.function.arguments)
-    assert delta.id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+    ((call_id, name, arguments),) = accumulated(chunks)
+    assert (name, arguments) == ("get_weather", call.function.arguments) and len(deltas) > 2  # in fragments
+    assert call_id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(WEATHER[:3] not in (c.choices[0].delta.content or "") for c in chunks)  # the tag never leaks
 
 
-def test_a_forced_named_call_streams_its_arguments_as_one_call() -> None:
+def test_a_forced_named_call_streams_its_arguments_as_they_are_written() -> None:
     calling = ToolCalling.of(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     pieces = ['{"city"', ': "Oslo"}']
-    (delta,) = [d for c in streamed(pieces, calling) for d in c.choices[0].delta.tool_calls or []]
-    assert (delta.function.name, json.loads(delta.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    chunks = streamed(pieces, calling)
+    ((_, name, arguments),) = accumulated(chunks)
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Oslo"})
+    fragments = [d.function.arguments for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert fragments == ['{"city"', ': "Oslo"}']  # the start with the first piece, then each next piece
     plain = answered(pieces, calling).choices[0]
     assert plain.message.content is None and plain.message.tool_calls[0].function.name == "get_weather"
+    assert plain.finish_reason == chunks[-1].choices[0].finish_reason == "stop"  # forced: as OpenAI and vLLM
 
 
 # ---- bounds before any work --------------------------------------------------------------------------------
@@ -510,8 +571,9 @@ def test_smollm2_shown_one_call_calls_the_tool_again_plain_and_streamed(smol_cli
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
 
     chunks = list(smol_client.chat.completions.create(**kwargs, stream=True))
-    (delta,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-    assert (delta.index, delta.function.name, delta.function.arguments) == (0, "get_weather", call.function.arguments)
+    ((_, name, arguments),) = accumulated(chunks)
+    assert (name, arguments) == ("get_weather", call.function.arguments)
+    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) > 2  # the arguments came in fragments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -537,12 +599,30 @@ def test_smollm2_forced_to_call_makes_a_call_whose_arguments_follow_the_schema(s
                                                 temperature=0, max_tokens=40, stream=stream)
         if stream:
             chunks = list(r)
-            calls = [d.function for c in chunks for d in c.choices[0].delta.tool_calls or []]
+            calls = [(name, arguments) for _, name, arguments in accumulated(chunks)]
             reason = chunks[-1].choices[0].finish_reason
         else:
-            calls, reason = [c.function for c in r.choices[0].message.tool_calls], r.choices[0].finish_reason
-        assert reason == "tool_calls" and calls and all(c.name == "get_weather" for c in calls)
-        assert all(isinstance(json.loads(c.arguments)["city"], str) for c in calls)
+            calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+            reason = r.choices[0].finish_reason
+        # forced: the answer's own reason, as OpenAI and vLLM report it; the list bounded (tools.MAX_PARALLEL_CALLS)
+        assert reason == "stop" and 1 <= len(calls) <= 8 and all(name == "get_weather" for name, _ in calls)
+        assert all(isinstance(json.loads(arguments)["city"], str) for _, arguments in calls)
+
+
+@needs_smollm2
+def test_smollm2_forced_calls_cut_by_max_tokens_keep_the_complete_ones_and_never_become_content(smol_client) -> None:
+    """The call takes 22 tokens: cut at 12 it never completes, and neither answer dumps its JSON into content."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=SMOLLM2, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=12)
+    plain = smol_client.chat.completions.create(**kwargs).choices[0]
+    assert (plain.finish_reason, plain.message.content, plain.message.tool_calls) == ("length", None, None)
+    chunks = list(smol_client.chat.completions.create(**kwargs, stream=True))
+    assert not any(c.choices[0].delta.content for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    streamed_calls = accumulated(chunks)  # a start and first fragments, if the cut came after the call's name
+    whole = smol_client.chat.completions.create(**{**kwargs, "max_tokens": 40}).choices[0]
+    assert whole.finish_reason == "stop" and len(whole.message.tool_calls) == 1 and len(streamed_calls) <= 1
+    for _, name, arguments in streamed_calls:
+        assert name == "get_weather" and whole.message.tool_calls[0].function.arguments.startswith(arguments)
 
 
 @needs_smollm2

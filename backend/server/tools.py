@@ -28,6 +28,9 @@ from kvscope.backend.server.structured import (MAX_GRAMMAR_CHARS, FunctionName, 
 from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser
 
 MAX_TOOLS = 128
+# Calls a forced "required" answer may hold with parallel_tool_calls: a bound, so that a model that repeats
+# its call (greedy SmolLM2 does) ends the list instead of writing calls until max_tokens.
+MAX_PARALLEL_CALLS = 8
 ToolMode = Literal["none", "auto", "required"]
 Messages = list[dict[str, Any]]  # as chat templates read them
 
@@ -128,8 +131,8 @@ def check_tools(tools: list[ToolDef]) -> None:
 def forced_call_schema(tools: list[ToolDef], mode: ToolMode | FunctionRef, parallel: bool) -> dict[str, Any] | None:
     """The JSON schema a forced choice puts on the whole answer (None when nothing is forced).
 
-    Named: the function's arguments, as vLLM does. Required: a list of calls (one or more, or exactly one
-    without parallel_tool_calls), each {"name": one of the tools, "arguments": its parameters}."""
+    Named: the function's arguments, as vLLM does. Required: a list of calls (1..MAX_PARALLEL_CALLS, or exactly
+    one without parallel_tool_calls), each {"name": one of the tools, "arguments": its parameters}."""
     if isinstance(mode, FunctionRef):
         return _parameters(next(t for t in tools if t.function.name == mode.name))
     if mode != "required":
@@ -138,7 +141,7 @@ def forced_call_schema(tools: list[ToolDef], mode: ToolMode | FunctionRef, paral
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "arguments": _defs_at_root(_parameters(t), f"t{k}_", defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for k, t in enumerate(tools)]
-    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
             **({"$defs": defs} if defs else {})}
 
 
