@@ -154,7 +154,8 @@ def _limits(args: argparse.Namespace):
     names = ("max_kv_memory_mb", "max_run_kv_memory_mb", "max_weight_memory_mb", "max_replay_memory_mb", "max_runs",
              "max_waiting", "request_timeout_s", "max_viewers", "viewer_events_per_s", "paused_ttl_s",
              "stall_timeout_s", "history", "trace_window", "trace_dir", "api_events", "max_tensor_parallel",
-             "grammar_timeout_s", "max_grammar_compiles", "grammar_cache_mb")
+             "grammar_timeout_s", "max_grammar_compiles", "grammar_cache_mb", "stored_responses_mb",
+             "stored_response_ttl_s")
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return ServiceLimits(allow_paths=args.allow_paths, served_models=(args.model,) if args.model else (), **given)
 
@@ -506,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="grammars compiling at once, server-wide; one more gets 429 (default 2)")
         lim.add_argument("--grammar-cache-mb", type=positive(float),
                          help="compiled grammars one run keeps, by xgrammar's own measure (default 256)")
+        lim.add_argument("--stored-responses-mb", type=positive(float),
+                         help="responses kept for previous_response_id (store: true), by their JSON's bytes; the "
+                              "oldest go first (default 64)")
+        lim.add_argument("--stored-response-ttl-s", type=positive(float),
+                         help="how long a stored response is kept (default 3600)")
         lim.add_argument("--history", type=positive(int), help="finished requests the api run keeps (default 256)")
         lim.add_argument("--trace-window", type=positive(int), help="events the api run keeps in memory (20000)")
         lim.add_argument("--api-events", choices=("full", "summary", "off"),

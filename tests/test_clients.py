@@ -183,7 +183,7 @@ NODE_MODULES = os.environ.get("KVSCOPE_NODE_MODULES", "")  # .ci/run installs op
 
 @pytest.mark.skipif(shutil.which("node") is None or not (Path(NODE_MODULES) / "openai").is_dir(),
                     reason="node, or the openai npm package in $KVSCOPE_NODE_MODULES, is missing (.ci/run installs it)")
-def test_the_openai_npm_client_parses_a_zod_schema_streams_a_forced_call_and_an_answer(url) -> None:
+def test_the_openai_npm_client_parses_streams_a_forced_call_and_runs_a_responses_tool_round_trip(url) -> None:
     script = Path(__file__).parent / "node" / "openai_client.cjs"
     done = subprocess.run(["node", str(script), url, SMOLLM2], capture_output=True, text=True, timeout=3 * TIMEOUT_S,
                           env={**os.environ, "NODE_PATH": NODE_MODULES})
@@ -192,4 +192,7 @@ def test_the_openai_npm_client_parses_a_zod_schema_streams_a_forced_call_and_an_
     assert isinstance(got["parsed"]["city"], str) and type(got["parsed"]["celsius"]) is int
     assert got["call"]["function"]["name"] == "get_weather" and got["call"]["id"].startswith("call_")
     assert isinstance(json.loads(got["call"]["function"]["arguments"])["city"], str)
-    assert got["finish_reason"] == "tool_calls" and got["plain"].strip()
+    assert got["finish_reason"] == "stop" and got["plain"].strip()  # forced: its own reason, as OpenAI's
+    call = got["responses_call"]
+    assert (call["type"], call["name"], call["status"]) == ("function_call", "get_weather", "completed")
+    assert isinstance(json.loads(call["arguments"])["city"], str) and got["responses_answer"].strip()

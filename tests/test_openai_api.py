@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.loader import LoadedModel, load_model
 from kvscope.backend.engine.reference import reference_generate
@@ -34,6 +35,9 @@ def test_models_lists_the_served_model_first(client: openai.OpenAI, model_name: 
     models = client.models.list().data
     assert (models[0].id, models[0].object, models[0].owned_by) == (model_name, "model", "kvscope")
     assert [m.id for m in models] == RunManager(model_name).api_models()  # and the others it serves by name
+    # vLLM's max_model_len (what clients size prompts by), the very limit a request is held to
+    assert all(m.max_model_len == EngineConfig().max_model_len for m in models)
+    assert client.models.retrieve(model_name).max_model_len == EngineConfig().max_model_len
 
 
 def test_a_greedy_completion_is_what_the_reference_generates(client, model_name, loaded: LoadedModel) -> None:

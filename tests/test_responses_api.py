@@ -178,7 +178,8 @@ def test_past_the_time_limit_a_stream_ends_with_response_failed_and_a_plain_answ
     manager.stop_all()
 
     assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
-    assert [e["type"] for e in events] == [*STREAM_OPENING, "response.failed"]
+    # nothing was written: no item opened (a message item opens with the answer's first text)
+    assert [e["type"] for e in events] == [*STREAM_OPENING[:2], "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and "time limit" in events[-1]["response"]["error"]["message"]
 
 
@@ -201,7 +202,7 @@ def test_a_run_fault_is_a_409_or_ends_the_stream_with_response_failed(tiny_dir, 
         plain = httpx.post(base + "/v1/responses", json={"input": "ab", "max_output_tokens": 8}, timeout=30)
     manager.stop_all()
 
-    assert [e["type"] for e in events[:4]] == STREAM_OPENING and events[-1]["type"] == "response.failed"
+    assert [e["type"] for e in events[:2]] == STREAM_OPENING[:2] and events[-1]["type"] == "response.failed"
     assert "response.completed" not in [e["type"] for e in events]
     assert "run failed" in events[-1]["response"]["error"]["message"]
     assert plain.status_code == 409 and plain.json()["error"]["code"] == "run_failed"
@@ -211,10 +212,9 @@ def test_a_run_fault_is_a_409_or_ends_the_stream_with_response_failed(tiny_dir, 
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # hosted tools: kvscope runs functions only
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "file_search", "vector_store_ids": []}]}, "tools[1].type"),
+    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
@@ -249,7 +249,19 @@ def test_each_field_kvscope_cannot_honour_is_a_400_naming_it(url: str, extra: di
     ({"input": [{"role": "bot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": ["just text"]}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f a", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
+    ({"input": TEXT, "tool_choice": "required"}, "tool_choice"),  # no tools to choose
+    ({"input": TEXT, "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+    ({"input": TEXT, "tools": [{"type": "function", "name": "f", "params": {}}]}, "tools[0].params"),
+    ({"input": TEXT, "tools": [{"type": "function", "name": "f"}] * 2}, "tools"),  # two of one name
+    ({"input": TEXT, "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
@@ -328,6 +340,95 @@ def test_a_streamed_parse_and_json_object_answer_under_their_grammars(smollm2: o
                                  instructions="Answer in JSON with the key answer.",
                                  text={"format": {"type": "json_object"}}, max_output_tokens=60, temperature=0)
     assert r.status == "completed" and isinstance(json.loads(r.output_text), dict)
+
+
+# ---- function tools -------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get the weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                               "required": ["city"], "additionalProperties": False},  # an enum: the demo model's
+                "strict": True}  # strings would run on (it writes characters, not words)
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def test_a_forced_call_is_a_function_call_item_plain_and_streamed_with_its_arguments_in_deltas(url, model_name):
+    """The stream's items and the plain response's output are one builder's (responses_items.py): the same
+    types, the arguments rebuilt from the deltas, ids in OpenAI's shapes; each event valid for the SDK."""
+    body = {"model": model_name, "input": TEXT, "tools": [WEATHER_TOOL], "tool_choice": NAMED, "temperature": 0,
+            "max_output_tokens": 40}
+    plain = Response.model_validate(httpx.post(url + "/v1/responses", json=body, timeout=60).json())
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(d) for d in data]
+
+    assert plain.id.startswith("resp_") and plain.status == "completed"
+    ((call),) = plain.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_") and isinstance(json.loads(call.arguments), dict)
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds.count("response.function_call_arguments.delta") > 1  # in fragments, as they were written
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = events[-1].response.output[0]
+    assert deltas == events[-3].arguments == done.arguments == call.arguments  # greedy: the same call twice
+    assert events[2].item.id == done.id and events[-1].response.tools[0].name == "get_weather"
+
+
+def test_function_call_items_and_their_outputs_are_the_chat_histories_calls_and_tool_messages(url, model_name):
+    """The Agents SDK's second turn: the call it received and its tool's output, as input items, mean the same
+    prompt as chat's assistant tool_calls and tool message (tools.py renders both)."""
+    call = {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Paris"}',
+            "id": "fc_7", "status": "completed"}
+    output = {"type": "function_call_output", "call_id": "call_7", "output": "Sunny, 21 C"}
+    responses = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": model_name, "input": [{"role": "user", "content": TEXT}, call, output], "tools": [WEATHER_TOOL],
+        "temperature": 0, "max_output_tokens": 12}).json()
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "temperature": 0, "max_tokens": 12,
+        "tools": [{"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}],
+        "messages": [{"role": "user", "content": TEXT},
+                     {"role": "assistant", "tool_calls": [{"id": "call_7", "type": "function", "function": {
+                         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_7", "content": "Sunny, 21 C"}]}).json()
+    assert responses["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    text = "".join(p["text"] for o in responses["output"] if o["type"] == "message" for p in o["content"])
+    assert text == (chat["choices"][0]["message"]["content"] or "")
+
+
+def test_a_stored_response_continues_by_previous_response_id(url, model_name, manager):
+    """store: true keeps the conversation; the next request sends only what is new and is answered as if it
+    had sent the whole conversation (instructions are the new request's own, as OpenAI's)."""
+    first = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": model_name, "input": TEXT, "store": True, "temperature": 0, "max_output_tokens": 8}).json()
+    assert first["store"] is True
+    follow = {"model": model_name, "temperature": 0, "max_output_tokens": 8}
+    chained = httpx.post(url + "/v1/responses", timeout=60, json={
+        **follow, "previous_response_id": first["id"], "input": "And then?"}).json()
+    whole = httpx.post(url + "/v1/responses", timeout=60, json={**follow, "input": [
+        {"role": "user", "content": TEXT}, first["output"][0], {"role": "user", "content": "And then?"}]}).json()
+    assert chained["previous_response_id"] == first["id"]
+    assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert chained["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
+    limits = httpx.get(url + "/api/limits", timeout=10).json()
+    assert limits["stored_responses"] >= 1 and 0 < limits["stored_response_bytes"] <= limits["max_stored_response_bytes"]
+    unknown = httpx.post(url + "/v1/responses", timeout=60, json={**follow, "previous_response_id": chained["id"],
+                                                                  "input": "x"})  # not stored: store was absent
+    assert_openai_400(unknown, "previous_response_id")
+
+
+def test_the_store_is_bounded_in_bytes_and_time() -> None:
+    from kvscope.backend.server.response_store import ResponseStore
+
+    now = [0.0]
+    store = ResponseStore(max_bytes=200, ttl_s=10, clock=lambda: now[0])
+    message = [{"role": "user", "content": "x" * 50}]  # 38 bytes of JSON + 50
+    assert store.put("a", message) and store.put("b", message)
+    assert store.put("c", message) and store.get("a") is None  # the oldest went to make room
+    assert store.get("b") == message and store.describe()["stored_response_bytes"] <= 200
+    assert not store.put("huge", [{"role": "user", "content": "x" * 500}])  # larger than the whole budget
+    now[0] = 10.5
+    assert store.get("b") is None and store.get("c") is None and store.describe()["stored_responses"] == 0
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

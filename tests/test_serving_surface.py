@@ -39,6 +39,7 @@ def test_health_is_503_until_the_model_serves_then_200_with_no_body(manager, url
     if first.status_code == 503:  # nothing has asked for the model yet: the probe started loading it
         assert first.json()["status"] == "loading" and first.headers["retry-after"]
     assert healthy(url) == 200 and httpx.get(url + "/health").content == b""
+    assert httpx.get(url + "/health").headers["content-type"].startswith("text/plain")  # an empty body is not JSON
     assert manager.get(API_RUN_ID) is not None
 
 

@@ -224,6 +224,9 @@ def grammar(**fields) -> Grammar | None:
     ({"tools": TOOLS, "tool_choice": "none"}, None),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      Grammar("tool_choice", {"json": SCHEMA})),
+    # a forced call comes before response_format, which shapes text a forced call never writes (instructor)
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "response_format": {"type": "json_object"}}, Grammar("tool_choice", {"json": SCHEMA})),
 ])
 def test_every_source_of_a_grammar_maps_onto_the_engines_structured_outputs(fields, expected) -> None:
     assert grammar(**fields) == expected
@@ -623,6 +626,23 @@ def test_smollm2_forced_calls_cut_by_max_tokens_keep_the_complete_ones_and_never
     assert whole.finish_reason == "stop" and len(whole.message.tool_calls) == 1 and len(streamed_calls) <= 1
     for _, name, arguments in streamed_calls:
         assert name == "get_weather" and whole.message.tool_calls[0].function.arguments.startswith(arguments)
+
+
+@needs_smollm2
+def test_smollm2_with_tools_and_a_response_format_either_calls_or_answers_in_the_format(smol_client) -> None:
+    """OpenAI's models choose between calling a tool and answering in the format: one grammar allows both
+    (tools.calls_or). Shown an earlier call SmolLM2 calls again; asked for JSON, it answers the schema's JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": Weather.model_json_schema()}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}, weather_call(0, "Paris"),
+                {"role": "user", "content": "What is the weather in Rome?"}]
+    kwargs = dict(model=SMOLLM2, tools=TOOLS, response_format=fmt, temperature=0, max_tokens=60)
+    called = smol_client.chat.completions.create(messages=messages, **kwargs).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.content is None
+    assert json.loads(called.message.tool_calls[0].function.arguments)["city"] == "Rome"
+    ask = [{"role": "user", "content": "Report as JSON: Paris is sunny at 21 degrees."}]
+    answered = smol_client.chat.completions.create(messages=ask, **kwargs).choices[0]
+    assert answered.finish_reason == "stop" and not answered.message.tool_calls
+    Weather.model_validate_json(answered.message.content)
 
 
 @needs_smollm2

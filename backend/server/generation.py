@@ -82,7 +82,7 @@ class Generation:
         self.grammar = grammar  # the answer's grammar, and the field that asked for it
         self.tokenizer = run.loaded.tokenizer  # read-only: each token's own text, for logprobs
         self.eos_ids = set(self.tokenizer.eos_token_ids)
-        self.id = f"{prefix}-{uuid.uuid4().hex[:16]}"
+        self.id = f"{prefix}{uuid.uuid4().hex[:16]}"  # prefix: "chatcmpl-", "cmpl-", "resp_" (OpenAI's)
         self.created = int(time.time())
         self.n = n
         # One prompt: the engine request is the response's id (the dashboard finds it by that name).

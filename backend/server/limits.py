@@ -51,6 +51,9 @@ class ServiceLimits:
     max_grammar_compiles: int = 2
     grammar_cache_mb: float = 256.0
     request_timeout_s: float = 600.0  # a /v1 request is aborted after this long
+    # The Responses API's `store: true` (response_store.py): conversations kept for previous_response_id
+    stored_responses_mb: float = 64.0
+    stored_response_ttl_s: float = 3600.0
     max_viewers: int = 32  # websocket viewers per run
     viewer_events_per_s: float = 4000.0  # sent to all viewers together: the engine and /v1 keep the CPU
     paused_ttl_s: float = 900.0  # a paused run untouched this long expires (the api run resumes instead)

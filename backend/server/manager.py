@@ -47,6 +47,7 @@ from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError,
                                            kv_cache_bytes, model_config, weight_needs)
 from kvscope.backend.server.replay import ReplayRun
 from kvscope.backend.server.replay_copies import ReplayCopies
+from kvscope.backend.server.response_store import ResponseStore
 from kvscope.backend.server.run_errors import RunBusy, RunError, build_run
 from kvscope.backend.server.run_pacing import DEFAULT_SPEED
 from kvscope.backend.server.runs import Retention, ServedRun
@@ -119,6 +120,8 @@ class RunManager:
         self._api_run_watchers: list[Callable[[str, ApiRun], None]] = []  # GET /metrics (metrics.py)
         # clients' grammars, compiled off the runs' workers: the places are the server's, not a run's
         self.compiles = GrammarCompiles(lambda: self.limits.max_grammar_compiles, lambda: self.limits.grammar_timeout_s)
+        # the Responses API's stored conversations (store: true), for previous_response_id
+        self.responses = ResponseStore(int(self.limits.stored_responses_mb * MB), self.limits.stored_response_ttl_s)
 
     def get(self, run_id: str) -> ServedRun | None:
         return self.runs.get(run_id)
@@ -284,9 +287,13 @@ class RunManager:
         for run in held:
             watcher(run.model, run)
 
+    def api_config(self, model: str) -> EngineConfig:
+        """The engine settings of `model`'s API run (/v1/models reports its max_model_len before it loads)."""
+        return api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel,
+                          self.api_compile_decode)
+
     def _start_api_run(self, model: str, run_id: str) -> ApiRun:
-        config = api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel,
-                            self.api_compile_decode)
+        config = self.api_config(model)
         run = self._add(lambda _: ApiRun(model, config, run_id, self.retention(open_ended=True), self.weights),
                         self.kv_bytes_of(model, config), "engine.num_blocks", run_id=run_id,
                         needs=self.weight_needs_of(model, config))
@@ -364,7 +371,8 @@ class RunManager:
                 "grammar_bytes": sum(c["bytes"] for c in caches),
                 "max_grammar_bytes_per_run": int(lim.grammar_cache_mb * MB),
                 "grammar_caches": caches, "grammar_compiles": self.compiles.in_flight,
-                "max_grammar_compiles": lim.max_grammar_compiles, "grammar_timeout_s": lim.grammar_timeout_s}
+                "max_grammar_compiles": lim.max_grammar_compiles, "grammar_timeout_s": lim.grammar_timeout_s,
+                **self.responses.describe()}
 
     def _rank_processes(self) -> list[dict]:
         """Each tensor-parallel run's other ranks: processes of their own, their weight shards' bytes (counted

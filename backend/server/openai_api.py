@@ -41,13 +41,16 @@ from kvscope.backend.server.structured import grammar_of, named_by_source
 from kvscope.backend.server.tools import ToolCalling
 
 
-def model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope"}
+def model_card(name: str, max_model_len: int) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `root` and `max_model_len` (prompt plus answer, in tokens)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvscope", "root": name, "parent": None,
+            "max_model_len": max_model_len}
 
 
 @get("/models", sync_to_thread=True)  # looks for installed packages on disk
 def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(m) for m in request.app.state.manager.api_models()]}
+    manager = request.app.state.manager
+    return {"object": "list", "data": [model_card(m, manager.api_config(m).max_model_len) for m in manager.api_models()]}
 
 
 @get("/models/{model_id:path}", sync_to_thread=True)
@@ -56,7 +59,7 @@ def retrieve_model(request: Request, model_id: FromPath[str]) -> dict[str, Any]:
     name = model_id.removeprefix("/")
     if name not in served:
         raise model_not_found(name, served)
-    return model_card(name)
+    return model_card(name, request.app.state.manager.api_config(name).max_model_len)
 
 
 @post("/completions", guards=[require_token], status_code=200)
@@ -76,7 +79,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
         raise OpenAIError(400, "prompt: empty prompt", "prompt")
     max_tokens = [fit_in_context(run, len(i), data.max_tokens, 16, "prompt", "max_tokens") for i in ids]
     compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
-    gen = Generation(run, n, "cmpl", len(prompts), grammar=grammar)
+    gen = Generation(run, n, "cmpl-", len(prompts), grammar=grammar)
     if data.echo:
         await set_echo(run, gen, prompts, ids, data.logprobs)
     if data.max_tokens == 0:  # echo alone: scoring a text, nothing to generate
@@ -91,7 +94,7 @@ async def completions(request: Request, data: JSONBody[CompletionBody]) -> Respo
 async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Response:
     data.refuse_unimplemented()
     calling = ToolCalling.of(data)
-    grammar = grammar_of(data, calling.forced_schema())  # before any work: the schemas' sizes are checked
+    grammar = calling.with_calls(grammar_of(data, calling.forced_schema()))  # before any work: sizes checked
     model = served_model(request, data.model)
     run = await api_run(request, model, 1)
     sampling = sampling_for(data, (data.top_logprobs or 0) if data.logprobs else 0, grammar)
@@ -102,7 +105,7 @@ async def chat_completions(request: Request, data: JSONBody[ChatBody]) -> Respon
     max_param = "max_completion_tokens" if data.max_completion_tokens else "max_tokens"
     max_tokens = fit_in_context(run, prompt_len, asked, DEFAULT_CHAT_MAX_TOKENS, "messages", max_param)
     compiled = await compiled_grammar(request, run, grammar)  # off the run's worker, bounded in time
-    gen = Generation(run, data.n or 1, "chatcmpl", grammar=grammar)
+    gen = Generation(run, data.n or 1, "chatcmpl-", grammar=grammar)
     with named_by_source(grammar):
         await gen.submit([(prompt, max_tokens)], sampling, compiled)
     return await _respond(request, gen, data, model, "chat", bool(data.logprobs), calling.parser)

@@ -31,7 +31,7 @@ async def health_probe(request: Request) -> Response:
     await asyncio.to_thread(manager.start_api_run_in_background)  # takes the manager's lock
     state = manager.api_state()
     if state == "serving":
-        return Response(b"", status_code=200)
+        return Response(b"", status_code=200, media_type=MediaType.TEXT)  # an empty body is not JSON
     reason = manager.load_error if state == "failed" and manager.load_error else f"the model is {state}"
     return Response({"status": state, "error": reason}, status_code=503, media_type=MediaType.JSON,
                     headers={"Retry-After": "1"})

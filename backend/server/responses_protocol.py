@@ -1,10 +1,13 @@
 """The body of OpenAI's Responses API (`POST /v1/responses`), and its `input` as chat messages.
 
-OpenAI keeps responses on its side (`store`, `previous_response_id`, `conversation`, `background`) and
-runs tools and reasoning; kvscope keeps nothing and runs neither, so each of those fields is a 400 that
-names it and says why, never silently ignored. Fields the body does not declare are refused by
-validation, as on the chat route (openai_protocol.py, whose strict base and stream options it shares).
-An `input` item is validated here rather than by the route, so that an error names its place
+Function tools work as on chat (the client runs them): `tools` of type "function", `tool_choice`,
+`parallel_tool_calls`, and `function_call` / `function_call_output` items in the input, which become the
+chat history's assistant `tool_calls` and `tool` messages, checked by tools.py as chat's are. `store`
+keeps a response for `previous_response_id` in a bounded store with an expiry (response_store.py).
+OpenAI's hosted tools (web search, file search, ...), `conversation`, `background` and reasoning are
+400s that name the field and say why, never silently ignored. Fields the body does not declare are
+refused by validation, as on the chat route (openai_protocol.py, whose strict base and stream options it
+shares). An `input` item is validated here rather than by the route, so that an error names its place
 (`input[2].role`).
 """
 
@@ -15,14 +18,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from kvscope.backend.server.openai_errors import OpenAIError, invalid_reason
-from kvscope.backend.server.openai_protocol import Name, StreamOptions, StrictBody, Text
+from kvscope.backend.server.openai_protocol import ChatMessage, Name, StreamOptions, StrictBody, Text
 from kvscope.backend.server.structured import (FunctionName, Grammar, JsonSchemaFormat, ResponseFormat, check_size,
                                                format_grammar, one_reason)
+from kvscope.backend.server.tools import (MAX_TOOLS, FunctionDef, FunctionRef, ToolCall, ToolCalling, ToolDef,
+                                          arguments_object)
 
 MAX_ITEMS = 256
 # "developer" is OpenAI's newer name for "system"; the chat templates kvscope serves know only "system".
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-NOT_STORED = "kvscope keeps no responses: send the whole conversation as `input`"
 
 
 class TextFormat(StrictBody):
@@ -60,6 +64,55 @@ class InputPart(StrictBody):
     logprobs: Annotated[list[dict[str, Any]], Field(max_length=100_000)] | None = None
 
 
+class FunctionTool(StrictBody):
+    """A function tool as the Responses API writes it: chat's definition, without the `function` wrapper."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # kvscope forces the schema whenever it forces a call
+
+    def as_chat(self) -> ToolDef:
+        return ToolDef(type="function", function=FunctionDef(name=self.name, description=self.description,
+                                                             parameters=self.parameters, strict=self.strict))
+
+
+class NamedFunction(StrictBody):
+    type: Literal["function"]
+    name: FunctionName
+
+
+class FunctionCallItem(StrictBody):
+    """An earlier answer's call, sent back as input."""
+
+    type: Literal["function_call"]
+    call_id: Name
+    name: FunctionName
+    arguments: Text  # JSON text, as the response gave it
+    id: Name | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class OutputText(StrictBody):
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class FunctionCallOutputItem(StrictBody):
+    """What the client's tool returned for a call."""
+
+    type: Literal["function_call_output"]
+    call_id: Name
+    output: Annotated[Text | Annotated[list[OutputText], Field(max_length=64)],
+                      one_reason("a string, or a list of up to 64 input_text parts")]
+    id: Name | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
 class InputMessage(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
@@ -93,14 +146,16 @@ class ResponsesBody(StrictBody):
     safety_identifier: Name | None = None
     prompt_cache_key: Name | None = None  # kvscope's prefix cache needs no hint
     service_tier: Annotated[str, Field(max_length=32)] | None = None
-    parallel_tool_calls: bool | None = None  # with no tools there are no calls to run in parallel
-    tool_choice: Annotated[str, Field(max_length=32)] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedFunction | dict[str, Any],
+                           one_reason('"none", "auto", "required" or {"type": "function", "name": NAME}')] | None = None
+    # Checked item by item (function_tools), so that a hosted tool is refused by its place: tools[1].type
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    store: bool | None = None  # kept for previous_response_id (response_store.py)
+    previous_response_id: Name | None = None
     truncation: Literal["auto", "disabled"] | None = None
     # Declared only to be refused with a reason (refuse_unimplemented).
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
-    store: bool | None = None
     background: bool | None = None
-    previous_response_id: Name | None = None
     conversation: Name | dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     include: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=16)] | None = None
@@ -114,11 +169,11 @@ class ResponsesBody(StrictBody):
         verbosity = self.text.verbosity if self.text else None
         obfuscation = self.stream_options.include_obfuscation if self.stream_options else None
         refused = {
-            "tools": (bool(self.tools), "the Responses route runs no tools; /v1/chat/completions calls functions"),
-            "tool_choice": (self.tool_choice not in (None, "auto", "none"), "there are no tools to choose"),
-            "store": (bool(self.store), NOT_STORED),
-            "previous_response_id": (self.previous_response_id is not None, NOT_STORED),
-            "conversation": (self.conversation is not None, NOT_STORED),
+            "tool_choice": (isinstance(self.tool_choice, dict),
+                            'only "none", "auto", "required" or a function by name: kvscope runs no hosted tools'),
+            "conversation": (self.conversation is not None, "kvscope keeps no conversations: send the whole "
+                                                             "conversation as `input`, or `previous_response_id` "
+                                                             "with `store`"),
             "background": (bool(self.background), "kvscope answers within the request"),
             "reasoning": (self.reasoning is not None, "the served models have no reasoning mode"),
             "include": (bool(self.include), "kvscope has no extra output items to include"),
@@ -136,32 +191,86 @@ class ResponsesBody(StrictBody):
             if is_refused:
                 raise OpenAIError(400, f"{param}: not supported by kvscope: {why}", param)
 
-    def grammar(self) -> Grammar | None:
-        """The grammar `text.format` asks for, its size checked (RequestError naming text.format)."""
+    def grammar(self, calling: ToolCalling) -> Grammar | None:
+        """The grammar a forced `tool_choice` or `text.format` asks for, its size checked (RequestError naming
+        the field). A forced call comes first: `text.format` shapes the text an answer writes, and a forced
+        call writes none (instructor's RESPONSES_TOOLS sends both)."""
+        forced = calling.forced_schema()
         fmt = self.text.format if self.text else None
-        grammar = format_grammar(fmt.as_response_format(), "text.format") if fmt else None
+        if forced is not None:
+            grammar = Grammar("tool_choice", {"json": forced})
+        else:
+            grammar = format_grammar(fmt.as_response_format(), "text.format") if fmt else None
         if grammar is not None:
             check_size(grammar)
-        return grammar
+        return calling.with_calls(grammar)
 
-    def messages(self) -> list[dict[str, str]]:
-        """The conversation as chat messages: the instructions as a system message first, then the input."""
-        first = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+    def tool_calling(self, history: list[ChatMessage]) -> ToolCalling:
+        """The tools, their choice and the history's calls checked as chat's are (RequestError naming the field)."""
+        tools = function_tools(self.tools or [])
+        choice = self.tool_choice
+        named = FunctionRef(name=choice.name) if isinstance(choice, NamedFunction) else choice
+        return ToolCalling.checked(tools, named, self.parallel_tool_calls, history)
+
+    def input_messages(self) -> list[ChatMessage]:
+        """The input as chat messages, without the instructions (a stored response keeps these: the next
+        response's instructions replace them, as OpenAI's do)."""
         if isinstance(self.input, str):
-            return [*first, {"role": "user", "content": self.input}]
-        return [*first, *(_message(item, f"input[{i}]") for i, item in enumerate(self.input))]
+            return [ChatMessage(role="user", content=self.input)]
+        messages: list[ChatMessage] = []
+        for i, item in enumerate(self.input):
+            _append(messages, item, f"input[{i}]")
+        return messages
+
+    def instruction_messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
 
 
-def _message(item: dict[str, Any], where: str) -> dict[str, str]:
+def function_tools(tools: list[dict[str, Any]]) -> list[ToolDef]:
+    """The function tools as chat's definitions; any other type is a 400 naming its place."""
+    out = []
+    for k, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise OpenAIError(400, f"tools[{k}].type: {str(tool.get('type'))[:64]!r} tools are not supported by "
+                                   "kvscope: it runs no hosted tools; define functions, which the client runs",
+                              f"tools[{k}].type")
+        out.append(_validated(FunctionTool, tool, f"tools[{k}]").as_chat())
+    return out
+
+
+def _append(messages: list[ChatMessage], item: dict[str, Any], where: str) -> None:
+    """One input item onto the chat history: a message; a function call (joined to the assistant turn it
+    follows, as one answer's calls are); a call's output as a tool message."""
     kind = item.get("type", "message")
-    if kind != "message":  # function_call, function_call_output, reasoning, item_reference, ...
-        raise OpenAIError(400, f"{where}: {str(kind)[:64]!r} items are not supported by kvscope (it runs no tools, "
-                               "keeps no items to refer to: only messages)", f"{where}.type")
+    if kind == "function_call":
+        call = _validated(FunctionCallItem, item, where)
+        arguments_object(call.arguments, f"{where}.arguments")  # as chat checks a history's calls
+        entry = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last.role == "assistant":
+            last.tool_calls = [*(last.tool_calls or []), _validated_call(entry, where)]
+        else:
+            messages.append(ChatMessage(role="assistant", tool_calls=[_validated_call(entry, where)]))
+    elif kind == "function_call_output":
+        output = _validated(FunctionCallOutputItem, item, where)
+        messages.append(ChatMessage(role="tool", tool_call_id=output.call_id, content=output.text()))
+    elif kind == "message":
+        messages.append(_message(item, where))
+    else:  # reasoning, item_reference, hosted tools' calls, ...
+        raise OpenAIError(400, f"{where}: {str(kind)[:64]!r} items are not supported by kvscope (messages, "
+                               "function_call and function_call_output only)", f"{where}.type")
+
+
+def _validated_call(entry: dict[str, Any], where: str) -> ToolCall:
+    return _validated(ToolCall, entry, where)
+
+
+def _message(item: dict[str, Any], where: str) -> ChatMessage:
     message = _validated(InputMessage, item, where)
     if isinstance(message.content, str):
-        return {"role": ROLES[message.role], "content": message.content}
+        return ChatMessage(role=ROLES[message.role], content=message.content)
     texts = [_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(message.content)]
-    return {"role": ROLES[message.role], "content": "".join(texts)}
+    return ChatMessage(role=ROLES[message.role], content="".join(texts))
 
 
 def _part_text(part: dict[str, Any], where: str) -> str:

@@ -104,8 +104,12 @@ class Grammar:
 def grammar_of(body: Any, forced_tool_call: dict[str, Any] | None = None) -> Grammar | None:
     """The request's one grammar, or None; RequestError naming the fields when it names several.
 
-    `forced_tool_call` is the schema a `tool_choice` of `required` or a named function forces (tools.py)."""
+    `forced_tool_call` is the schema a `tool_choice` of `required` or a named function forces (tools.py); it
+    comes before `response_format`, which shapes the text an answer writes, and a forced call writes none
+    (OpenAI's reading; instructor sends both)."""
     named = [g for g in _sources(body, forced_tool_call) if g is not None]
+    if forced_tool_call is not None:
+        named = [g for g in named if g.source != "response_format"]
     if len(named) > 1:
         others = " and ".join(g.source for g in named[1:])
         raise RequestError(named[0].source, f"{others} also asks for a grammar: send only one of them")

@@ -25,9 +25,10 @@ from kvscope.backend.engine.request import RequestError
 from kvscope.backend.server.guards import MAX_JSON_DEPTH, check_utf8, json_depth
 from kvscope.backend.server.structured import (MAX_GRAMMAR_CHARS, FunctionName, Grammar, StrictModel, check_size,
                                                one_reason)
-from kvscope.backend.server.tool_parser import ForcedCallParser, HermesToolParser, Parser
+from kvscope.backend.server.tool_parser import CLOSE, OPEN, ForcedCallParser, HermesToolParser, Parser
 
 MAX_TOOLS = 128
+FORMAT_FIELDS = ("response_format", "text.format")  # the grammars that shape an answer's text (OpenAI's formats)
 # Calls a forced "required" answer may hold with parallel_tool_calls: a bound, so that a model that repeats
 # its call (greedy SmolLM2 does) ends the list instead of writing calls until max_tokens.
 MAX_PARALLEL_CALLS = 8
@@ -83,13 +84,27 @@ class ToolCalling:
     @classmethod
     def of(cls, body: Any) -> ToolCalling:
         """From a ChatBody (RequestError naming the field for a tool, choice or history message it refuses)."""
-        mode = tool_mode(body.tools, body.tool_choice)
-        check_tools(body.tools or [])
-        check_history(body.messages)
-        return cls(body.tools or [], mode, body.parallel_tool_calls is not False)
+        return cls.checked(body.tools or [], body.tool_choice, body.parallel_tool_calls, body.messages)
+
+    @classmethod
+    def checked(cls, tools: list[ToolDef], choice: ToolChoice | FunctionRef | None, parallel: bool | None,
+                history: list[Any]) -> ToolCalling:
+        """From the tools, the choice (chat's, or a function already named) and the history's messages."""
+        named = NamedToolChoice(type="function", function=choice) if isinstance(choice, FunctionRef) else choice
+        mode = tool_mode(tools, named)
+        check_tools(tools)
+        check_history(history)
+        return cls(tools, mode, parallel is not False)
 
     def forced_schema(self) -> dict[str, Any] | None:
         return forced_call_schema(self.tools, self.mode, self.parallel)
+
+    def with_calls(self, grammar: Grammar | None) -> Grammar | None:
+        """A response format beside tools the model may call ("auto"): the answer is a call or the format's JSON,
+        as OpenAI's models choose between calling and answering in the format (calls_or)."""
+        if self.mode != "auto" or grammar is None or grammar.source not in FORMAT_FIELDS:
+            return grammar
+        return calls_or(grammar, self.tools)
 
     def template_inputs(self, messages: Messages, native: bool) -> tuple[Messages, list[dict[str, Any]] | None]:
         shown = None if self.mode == "none" else self.tools
@@ -137,12 +152,42 @@ def forced_call_schema(tools: list[ToolDef], mode: ToolMode | FunctionRef, paral
         return _parameters(next(t for t in tools if t.function.name == mode.name))
     if mode != "required":
         return None
+    call, defs = call_schema(tools)
+    return {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            **({"$defs": defs} if defs else {})}
+
+
+def call_schema(tools: list[ToolDef]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One call, {"name": one of the tools, "arguments": its parameters}, and the definitions its refs need at
+    the root of the schema it goes into."""
     defs: dict[str, Any] = {}
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "arguments": _defs_at_root(_parameters(t), f"t{k}_", defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for k, t in enumerate(tools)]
-    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
-            **({"$defs": defs} if defs else {})}
+    return {"anyOf": calls}, defs
+
+
+def calls_or(grammar: Grammar, tools: list[ToolDef]) -> Grammar:
+    """The answer as one Hermes tool-call block around a call's JSON, or the format's JSON: one EBNF grammar
+    (xgrammar's union of the two, each JSON compact as the engine compiles JSON). RequestError naming the
+    format's field when a schema does not compile."""
+    import xgrammar
+
+    ((kind, value),) = grammar.outputs.items()
+    call, defs = call_schema(tools)
+    try:
+        answer = xgrammar.Grammar.from_json_schema(json.dumps(value if kind == "json" else {"type": "object"}),
+                                                   any_whitespace=False)
+        called = xgrammar.Grammar.from_json_schema(json.dumps({**call, **({"$defs": defs} if defs else {})}),
+                                                   any_whitespace=False)
+        block = xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(f'root ::= "{OPEN}\\n"'), called,
+                                        xgrammar.Grammar.from_ebnf(f'root ::= "\\n{CLOSE}"'))
+        either = Grammar(grammar.source, {"grammar": str(xgrammar.Grammar.union(answer, block))})
+    except (RuntimeError, ValueError) as e:
+        raise RequestError(grammar.source, f"with the tools' calls beside it, does not compile: {str(e)[:200]}") \
+            from None
+    check_size(either)
+    return either
 
 
 DEFS_KEYS = ("$defs", "definitions")  # JSON Schema's name, and draft 7's (pydantic v1 wrote it)

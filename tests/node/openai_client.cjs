@@ -1,6 +1,8 @@
 // The official openai npm client against a kvscope server, as an application uses it: parse() with a zod
-// schema, a forced tool call streamed (the SDK's stream helper puts the deltas together) and a plain
-// streamed answer. Prints one JSON line of what the application got; tests/test_clients.py checks it.
+// schema, a forced tool call streamed (the SDK's stream helper puts the deltas together), a plain
+// streamed answer, and the Responses API's round trip: responses.create with a function tool, its
+// function_call answered by a function_call_output, then the final answer. Prints one JSON line of what
+// the application got; tests/test_clients.py checks it.
 // Run: NODE_PATH=<folder with openai and zod> node openai_client.cjs BASE_URL MODEL
 const OpenAI = require("openai");
 const { zodResponseFormat } = require("openai/helpers/zod");
@@ -34,11 +36,25 @@ async function main() {
   for await (const chunk of await client.chat.completions.create({ ...ask("Say hello."), stream: true })) {
     plain += chunk.choices[0]?.delta?.content ?? "";
   }
+
+  const { name, description, parameters } = WEATHER_TOOL.function;
+  const responsesTool = { type: "function", name, description, parameters, strict: false };
+  const input = [{ role: "user", content: "What is the weather in Rome?" }];
+  const first = await client.responses.create({
+    model, input, tools: [responsesTool], tool_choice: "required", temperature: 0, max_output_tokens: 40,
+  });
+  const fc = first.output.find((item) => item.type === "function_call");
+  const second = await client.responses.create({
+    model, tools: [responsesTool], temperature: 0, max_output_tokens: 40,
+    input: [...input, fc, { type: "function_call_output", call_id: fc.call_id, output: "Sunny, 24 degrees Celsius." }],
+  });
   console.log(JSON.stringify({
     parsed: parsed.choices[0].message.parsed,
     call: called.choices[0].message.tool_calls[0],
     finish_reason: called.choices[0].finish_reason,
     plain,
+    responses_call: fc,
+    responses_answer: second.output_text,
   }));
 }
 
