@@ -11,22 +11,15 @@ import sys
 from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api, set_default_openai_client,
                     set_tracing_disabled)
 from openai import AsyncOpenAI
-from pydantic import BaseModel
+from weather import Weather, called, report
 
 BASE_URL, MODEL = sys.argv[1:3]
-called: list[str] = []
 
 
 @function_tool
 def get_weather(city: str) -> str:
     """The weather in a city."""
-    called.append(city)
-    return f"Sunny in {city}, 24 degrees Celsius."
-
-
-class Weather(BaseModel):
-    city: str
-    celsius: int
+    return report(city)
 
 
 async def main() -> None:

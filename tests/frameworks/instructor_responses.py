@@ -7,15 +7,9 @@ import sys
 
 import instructor
 from openai import OpenAI
-from pydantic import BaseModel
+from weather import Weather
 
 BASE_URL, MODEL = sys.argv[1:3]
-
-
-class Weather(BaseModel):
-    city: str
-    celsius: int
-
 
 client = instructor.from_openai(OpenAI(base_url=BASE_URL, api_key="x", timeout=300, max_retries=0),
                                 mode=instructor.Mode.RESPONSES_TOOLS)

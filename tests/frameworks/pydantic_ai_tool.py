@@ -8,14 +8,13 @@ import json
 import sys
 from dataclasses import dataclass
 
-from pydantic import BaseModel
 from pydantic_ai import Agent, NativeOutput
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
+from weather import Weather, called, report
 
 BASE_URL, MODEL = sys.argv[1:3]
-called: list[str] = []
 
 
 @dataclass
@@ -32,13 +31,7 @@ agent = Agent(model, instructions="You answer questions about the weather.", cap
 @agent.tool_plain
 def get_weather(city: str) -> str:
     """The weather in a city."""
-    called.append(city)
-    return f"Sunny in {city}, 24 degrees Celsius."
-
-
-class Weather(BaseModel):
-    city: str
-    celsius: int
+    return report(city)
 
 
 result = agent.run_sync("What is the weather in Paris?")
