@@ -131,6 +131,16 @@ SCENARIO = {"name": "fuzz", "model": "demo", "seed": 0, "engine": {"block_size":
 COMPLETION = {"model": "demo", "prompt": "ROMEO:", "max_tokens": 2, "temperature": 0}
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 ADD_REQUEST = {"prompt": "ROMEO:", "max_tokens": 2, "sampling": {"temperature": 0}}
+# The Responses API with what an agent's second turn sends: a function tool, the call it made, its output
+RESPONSES = {"model": "demo", "max_output_tokens": 2, "temperature": 0, "instructions": "Be brief.",
+             "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+             "input": [{"role": "user", "content": "hi"},
+                       {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                       {"type": "function_call_output", "call_id": "c", "output": "done"}]}
+RESPONSES_FIELDS = ["input", "input.0.content", "input.0.role", "input.1.arguments", "input.1.call_id", "input.1.name",
+                    "input.1.type", "input.2.output", "input.2.call_id", "tools", "tools.0.name", "tools.0.parameters",
+                    "tools.0.type", "tool_choice", "parallel_tool_calls", "store", "previous_response_id", "text",
+                    "max_output_tokens", "instructions", "stream"]
 RUN_IDS = ["api", "{scenario}", "{replay}", "nope", "", "%2e%2e", "a" * 300]
 ENGINE_FIELDS = [f"engine.{p}" for p in model_fields(Scenario.model_fields["engine"].annotation)]
 SAMPLING_FIELDS = [f"sampling.{name}" for name in SamplingParams.model_fields]
@@ -280,6 +290,8 @@ def _strand_bodies() -> list[tuple[str, str, dict]]:
         (key, value), = spec.items()
         guided = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}[key]
         bodies.append((f"chat {guided} {name}", "/v1/chat/completions", {**chat, guided: value}))
+        bodies.append((f"completions {guided} {name}", "/v1/completions",
+                       {"prompt": "ROMEO:", "max_tokens": 24, guided: value}))
     for name, schema in schemas.items():
         fmt = {"type": "json_schema", "name": "s", "schema": schema}
         bodies.append((f"responses text.format {name}", "/v1/responses",
@@ -287,6 +299,10 @@ def _strand_bodies() -> list[tuple[str, str, dict]]:
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         bodies.append((f"chat tool_choice {json.dumps(choice)}", "/v1/chat/completions",
                        {**chat, "max_tokens": 48, "tools": tools, "tool_choice": choice}))
+    for choice in ("required", {"type": "function", "name": "f"}):
+        bodies.append((f"responses tool_choice {json.dumps(choice)}", "/v1/responses",
+                       {"input": "Say something.", "max_output_tokens": 48, "tool_choice": choice,
+                        "tools": [{"type": "function", "name": "f", "parameters": tool}]}))
     return bodies
 
 
@@ -357,8 +373,13 @@ def surrogate_cases() -> st.SearchStrategy[Case]:
     def build(draw: st.DrawFn) -> Case:
         bad = draw(st.sampled_from(SURROGATES))
         where = draw(st.sampled_from(["arguments value", "arguments key", "tokenize arguments", "schema text",
-                                      "content", "content part", "tool result", "responses input", "live prompt"]))
-        if where.endswith("arguments") or where.startswith("arguments"):
+                                      "content", "content part", "tool result", "responses input", "live prompt",
+                                      "responses call arguments"]))
+        if where == "responses call arguments":  # a function_call item sent back: JSON text inside a string
+            items = [{"role": "user", "content": "hi"},
+                     {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": "%s"}' % bad}]
+            path, text = "/v1/responses", json.dumps({"input": items, "max_output_tokens": 2})
+        elif where.endswith("arguments") or where.startswith("arguments"):
             arguments = '{"a": "%s"}' % bad if where != "arguments key" else '{"%s": 1}' % bad
             path = "/tokenize" if where.startswith("tokenize") else "/v1/chat/completions"
             text = json.dumps({"messages": _history(arguments), **({} if path == "/tokenize" else {"max_tokens": 2})})
@@ -463,6 +484,7 @@ def routes(targets: Targets) -> list[st.SearchStrategy[Case]]:
         body_cases("/v1/completions", COMPLETION, targets.completion_fields),
         body_cases("/v1/chat/completions", CHAT, targets.chat_fields + ["messages.0.content", "messages.0.role",
                                                                          "messages.1"]),
+        body_cases("/v1/responses", RESPONSES, RESPONSES_FIELDS),
         run_path("/api/runs/{run}/requests").flatmap(
             lambda path: body_cases(path, ADD_REQUEST, targets.add_request_fields + SAMPLING_FIELDS)),
         control_cases(), scenario_cases(targets), trace_cases(targets), get_cases(targets), websocket_cases()]

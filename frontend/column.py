@@ -108,7 +108,7 @@ class RunColumn:
     def _show_request_text(self) -> None:
         state, rid = self.feed.state, self.selection.request_id
         view = state.requests.get(rid) if state is not None and rid is not None else None
-        text = request_text(view) if view is not None else ""
+        text = request_text(view, state, self.feed.history) if view is not None else ""
         if text != self.request_text.text:
             self.request_text.set_text(text)
         self.request_text.set_visibility(bool(text))

@@ -95,10 +95,14 @@ def test_langchain_agent_round_trip_call_then_tool_result_then_answer(chat) -> N
     assert "Sunny in Rome, 24 degrees" in final.content
 
 
-def test_langchain_bind_tools_with_a_forced_choice_always_calls(chat) -> None:
-    call = chat.bind_tools([get_weather], tool_choice="get_weather").invoke(ROME)
-    (asked,) = call.tool_calls
+def test_langchain_bind_tools_with_a_forced_choice_always_calls_plain_and_streamed(chat) -> None:
+    bound = chat.bind_tools([get_weather], tool_choice="get_weather")
+    (asked,) = bound.invoke(ROME).tool_calls
     assert asked["name"] == "get_weather" and isinstance(asked["args"]["city"], str)
+    chunks = list(bound.stream(ROME))  # the arguments arrive in fragments; LangChain adds the chunks up
+    whole = sum(chunks[1:], chunks[0])
+    assert len([c for c in chunks if c.tool_call_chunks]) > 2
+    assert [(c["name"], c["args"]) for c in whole.tool_calls] == [(asked["name"], asked["args"])]
 
 
 @pytest.mark.parametrize("method", ["json_schema", "json_mode", "function_calling"])

@@ -6,6 +6,8 @@ the schema declares that the engine spells differently) fails here, for each kin
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvscope.backend.events.bus import EventBus
@@ -74,3 +76,30 @@ def test_the_reducer_knows_every_sequence_of_a_request_from_the_events():
         forks = [e["seq_id"] for e in events if e["type"] == "seq_fork" and e["request_id"] == rid]
         first = next(e["seq_id"] for e in events if e["type"] == "request_arrived" and e["request_id"] == rid)
         assert forks and state.requests[rid].seq_ids == [first, *forks]
+
+
+def test_a_request_of_several_sequences_keeps_each_ones_reply_apart():
+    """#38: n = 2 wrote "and my the And king lord soul", both sequences' tokens in arrival order. The first
+    sequence's reply stays its own, and the request panel gives each sequence its own line (beams too)."""
+    from kvscope.backend.events.record import RunRecord
+    from kvscope.frontend.text import request_text
+
+    events = events_of("beams-and-n")
+    for rid in ("n", "beams"):
+        end = next(k for k, e in enumerate(events) if e["type"] == "request_finished" and e["request_id"] == rid)
+        record = RunRecord.from_events(events[:end])  # the moment before it finished
+        view = record.state.requests[rid]
+        first, *others = view.seq_ids
+        mine = [e for e in events[:end] if e["type"] == "token" and e["request_id"] == rid]
+        assert view.output_text == "".join(e["text"] for e in mine if e["seq_id"] == first)
+        shown = request_text(view, record.state, record.history)
+        assert f"{len(view.seq_ids)} sequences:" in shown
+        for seq in view.seq_ids:
+            text = "".join(t.event["text"] for t in record.history.seq_output(record.state, seq))
+            assert f"sequence {seq}" in shown and text in shown
+        if rid == "n":  # two independent samples: neither line holds the other's tokens
+            texts = {e["seq_id"]: "".join(t["text"] for t in mine if t["seq_id"] == e["seq_id"]) for e in mine}
+            for seq, text in texts.items():  # each sequence's own tokens, whole, and nothing of the other's
+                assert re.search(rf"sequence {seq}( \(\w+\))?: {re.escape(text)}\n(  sequence|prompt)", shown), shown
+        finished = RunRecord.from_events(events[:end + 1])
+        assert "replies, best first:" in request_text(finished.state.requests[rid], finished.state, finished.history)

@@ -50,13 +50,16 @@ def test_health_is_503_after_the_run_failed_and_200_once_a_fresh_one_serves(mana
     def refused(*args, **kwargs):
         raise RuntimeError("no room for the model")
 
-    # Refused before the run fails: a restart begun in between would answer 'loading', not 'failed'
     monkeypatch.setattr(manager, "_start_api_run", refused)
     manager.get(API_RUN_ID).fail("a test broke it")
     answer = httpx.get(url + "/health")
-    assert answer.status_code == 503 and answer.json()["status"] == "failed"
+    # 503 at once; its status is "failed", or "loading" while the restart the probe began is still under way
+    # (the failed run is gone, the refusal not yet recorded: CI caught that moment twice)
+    assert answer.status_code == 503 and answer.json()["status"] in ("failed", "loading")
     wait_for(lambda: "no room" in (httpx.get(url + "/health").json().get("error") or ""), "/health says why")
-    assert "no room for the model" in httpx.get(url + "/health").json()["error"]  # why, for the operator
+    failed = httpx.get(url + "/health")
+    assert failed.status_code == 503 and failed.json()["status"] == "failed"
+    assert "no room for the model" in failed.json()["error"]  # why, for the operator
     monkeypatch.setattr(manager, "_start_api_run", start)
     assert healthy(url) == 200
 

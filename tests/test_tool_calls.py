@@ -572,6 +572,10 @@ def test_smollm2_shown_one_call_calls_the_tool_again_plain_and_streamed(smol_cli
     assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    with smol_client.chat.completions.stream(**kwargs) as stream:  # the client's own accumulator
+        final = stream.get_final_completion().choices[0]
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)] and final.finish_reason == "tool_calls"
 
     chunks = list(smol_client.chat.completions.create(**kwargs, stream=True))
     ((_, name, arguments),) = accumulated(chunks)

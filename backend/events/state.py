@@ -26,8 +26,8 @@ class RequestView:
     prompt_text: str = ""
     max_tokens: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
-    # With n > 1 the tokens of all its sequences land here in arrival order until request_finished
-    # replaces them with the final output.
+    # Its first sequence's tokens (with n > 1 or beams, each sequence's are RunHistory.seq_output's) until
+    # request_finished puts the returned output here (the best sequence's).
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     arrival_step: int = -1
@@ -306,8 +306,11 @@ class RunState(PlainState):
         view = self.requests.get(rid)
         if view is None:
             return
-        view.output_token_ids.append(e["token_id"])
-        view.output_text += e["text"]
+        if not view.seq_ids:  # first seen by its token: a trace that began mid-run
+            view.seq_ids.append(e["seq_id"])
+        if e["seq_id"] == view.seq_ids[0]:  # the first sequence's reply: the others never mix into it
+            view.output_token_ids.append(e["token_id"])
+            view.output_text += e["text"]
         if view.first_token_step is None and not view.joined:  # a joined one's came before the trace
             view.first_token_step = e["step"]
 
