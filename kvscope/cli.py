@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from pydantic import ValidationError
@@ -177,6 +178,7 @@ def positive(kind: type):
 
 def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     """The server's runs: the --model loaded (serve, or replay given --model), the replay run opened."""
+    from kvscope.backend.model.quant import weight_bytes
     from kvscope.backend.model.sharding import check_tensor_parallel
     from kvscope.backend.run import cached_model
     from kvscope.backend.server.manager import RunManager
@@ -184,7 +186,12 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     model, weights = args.model or "demo", getattr(args, "weights", "native")
     tp = getattr(args, "tensor_parallel", 1)
     if args.command == "serve" or args.model:
+        # Seconds to a minute for a real model: say what is happening, then what was loaded
+        print(f"loading {model} (weights: {weights}) ...", flush=True)
+        started = time.perf_counter()
         loaded = cached_model(model, weights)  # a model that cannot load fails now, not as a 503 on the first request
+        print(f"loaded {loaded.name} in {time.perf_counter() - started:.1f} s: {loaded.config.num_hidden_layers} "
+              f"layers, {weight_bytes(loaded.model) / 2**20:,.1f} MiB of weights held", flush=True)
         try:
             check_tensor_parallel(loaded.config, tp)
         except KvscopeError as e:
@@ -435,6 +442,9 @@ def cmd_schema(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kvscope", description="A watchable LLM inference engine.")
+    from kvscope.backend.model.packages import installed_version
+
+    parser.add_argument("--version", action="version", version=f"kvscope {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="print a completion of a prompt")

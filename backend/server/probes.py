@@ -10,7 +10,6 @@ routes would feed the model, chat messages through the template and its tools in
 from __future__ import annotations
 
 import asyncio
-from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 from litestar import MediaType, Request, Response, Router, get, post
@@ -18,6 +17,7 @@ from litestar.params import JSONBody
 from pydantic import Field, model_validator
 
 from kvscope.backend.model.chat import encode_chat, reads_tools
+from kvscope.backend.model.packages import installed_version
 from kvscope.backend.server.guards import require_token
 from kvscope.backend.server.openai_errors import OPENAI_ERROR_HANDLERS, OpenAIError
 from kvscope.backend.server.openai_protocol import ChatMessage, Name, StrictBody, Text, TokenId
@@ -39,10 +39,7 @@ async def health_probe(request: Request) -> Response:
 
 @get("/version")
 async def server_version() -> dict[str, str]:
-    try:
-        return {"version": version("kvscope")}
-    except PackageNotFoundError:  # a source checkout on PYTHONPATH, never installed
-        return {"version": "unknown"}
+    return {"version": installed_version()}
 
 
 class TokenizeBody(StrictBody):
