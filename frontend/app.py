@@ -149,7 +149,10 @@ class Dashboard:
             # client side only: the switch works at once, and sessionStorage remembers it (kvscope.js)
             ui.button(icon="co_present").props("flat round dense color=white data-kv=projector") \
                 .on("click", js_handler="() => kvscope.toggleProjector()").mark("projector") \
-                .tooltip("projector mode: large type for a lecture hall")
+                .tooltip("projector mode: large type for a lecture hall (P)")
+            ui.button(icon="keyboard").props("flat round dense color=white data-kv=shortcuts-button") \
+                .on("click", js_handler="() => kvscope.shortcutsHelp()").mark("shortcuts-button") \
+                .tooltip("keys: space or → continue, P projector, F full screen, ? all of them")
             for feed in feeds:
                 self.exports.append(ExportMenu(self.backend, feed.run_id))
 

@@ -125,7 +125,7 @@ class PromptBox:
         self.chat = False
         with ui.row().classes("items-end gap-2 w-full no-wrap"):
             self.prompt = ui.input("add a prompt to this run", placeholder="ROMEO:\n").classes("grow") \
-                .props("dense clearable").mark("prompt").on("keydown.enter", self.send)
+                .props("dense clearable data-kv=prompt").mark("prompt").on("keydown.enter", self.send)
             self.chat_switch = ui.switch("chat").bind_value(self, "chat").props("dense").mark("prompt-chat") \
                 .tooltip("send it as a user message, written with the model's chat template")
             self.max_tokens = ui.number("max tokens", value=32, min=1, max=1024, precision=0).classes("w-24") \

@@ -150,14 +150,17 @@ class NewRunPanel:
         with ui.expansion("Engine configuration", icon="tune").classes("w-full").props("dense"):
             self._engine_form()
         ui.timer(0.0, self.load_models, once=True)  # not awaited by the page: a first GGUF conversion takes ~10 s
-        with ui.row().classes("items-center gap-2 w-full"):
-            ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28").mark("start-speed") \
-                .props("data-kv=start-speed")
-            ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
-        self.start_button = ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full") \
-            .mark("start-run").props("data-kv=start-run")
-        self.install = ui.label("").classes("kv-small").mark("scenario-install")
-        self.install.set_visibility(False)
+        # Held at the drawer's bottom edge while the scenario's text and the engine form scroll above it: at
+        # 1280x720 a long lesson text put Start run below the fold (kvscope.css: .kv-start-bar)
+        with ui.column().classes("kv-start-bar w-full gap-1"):
+            with ui.row().classes("items-center gap-2 w-full"):
+                ui.select(SPEEDS, value=4.0, label="speed").bind_value(self, "speed").classes("w-28") \
+                    .mark("start-speed").props("data-kv=start-speed")
+                ui.checkbox("start paused").bind_value(self, "paused").mark("start-paused")
+            self.start_button = ui.button("Start run", icon="play_arrow", on_click=self.start).classes("w-full") \
+                .mark("start-run").props("data-kv=start-run")
+            self.install = ui.label("").classes("kv-small").mark("scenario-install")
+            self.install.set_visibility(False)
         ui.separator()
         ui.label("Replay a trace").classes("kv-drawer-title")
         ui.upload(label="trace .jsonl", auto_upload=True, on_upload=self._on_upload, max_file_size=200_000_000) \

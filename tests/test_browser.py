@@ -634,3 +634,70 @@ def test_the_roofline_on_this_machine_draws_the_steps_as_measured_with_their_fix
     assert box["width"] > 200 and box["x"] >= 0 and box["x"] + box["width"] <= screen["width"]
     if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
         page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/roofline-{viewport[0]}.png")
+
+
+def test_the_keys_a_lecturer_reaches_for(page, backend_url, dashboard_url, tiny_dir):
+    """#38: space / → continue a lesson (else play / step), P projector, F full screen of the named view, ?
+    the keys' help; a key typed into a field stays there."""
+    run_id = api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 0, "paused": True,
+                                            "lesson": True, "overrides": {"model": tiny_dir}})["run_id"]
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    page.locator("[data-kv=lesson-continue]").wait_for()
+    page.keyboard.press("Space")  # the lesson's continue: on to its first preemption
+    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, "space did not continue")
+    page.wait_for_function("() => document.querySelector('.kv-focus') !== null")  # the step names a view
+    page.keyboard.press("f")
+    page.wait_for_function("() => document.fullscreenElement && document.fullscreenElement.classList.contains('kv-focus')")
+    page.keyboard.press("f")
+    page.wait_for_function("() => document.fullscreenElement === null")
+    page.keyboard.press("p")
+    assert page.evaluate("document.documentElement.classList.contains('kv-projector')")
+    page.keyboard.press("P")
+    assert not page.evaluate("document.documentElement.classList.contains('kv-projector')")
+    page.keyboard.press("?")
+    assert "projector mode" in page.locator("[data-kv=shortcuts]").inner_text()
+    page.keyboard.press("Escape")
+    assert page.locator("[data-kv=shortcuts]").count() == 0
+    page.locator("[data-kv=shortcuts-button]").click()  # the header's button opens the same help
+    for width, height in ((1280, 720), (1920, 1080)):
+        page.set_viewport_size({"width": width, "height": height})
+        box = page.locator("[data-kv=shortcuts]").bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= width and box["y"] + box["height"] <= height
+        if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
+            page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/keys-{width}.png")
+
+    no_lesson = scenario(tiny_dir, "keys", 64, 2, 2, (16, 24), (8, 12), {"process": "burst"})
+    del no_lesson["lesson"]  # without a lesson the keys drive the run's own controls
+    plain = start(backend_url, no_lesson, speed=1, paused=True)
+    page.goto(f"{dashboard_url}/?run={plain}")
+    page.locator("[data-kv=play]").wait_for()
+    page.wait_for_function("window.kvscope && kvscope.latency.length > 0")  # painted: its buttons answer clicks
+    before = api(backend_url, f"/api/runs/{plain}")["step"]
+    page.keyboard.press("ArrowRight")  # no lesson: one iteration
+    wait_for(lambda: api(backend_url, f"/api/runs/{plain}")["step"] == before + 1, "→ did not step once")
+    prompt = page.locator("input[data-kv=prompt], [data-kv=prompt] input").first
+    prompt.click()
+    page.keyboard.type("a b ")  # typing: the space goes into the field, the run stays paused
+    assert (api(backend_url, f"/api/runs/{plain}")["paused"], prompt.input_value()) == (True, "a b ")
+    prompt.blur()
+    page.keyboard.press("Space")  # no lesson: play
+    wait_for(lambda: not api(backend_url, f"/api/runs/{plain}")["paused"], "space did not play")
+
+
+@pytest.mark.parametrize("viewport", [(1280, 720), (1366, 768)])
+def test_start_run_stays_in_sight_however_long_the_drawer_grows(page, dashboard_url, viewport):
+    """#38: at 1280x720 the Start run button sat below the fold under a long lesson text and the engine form."""
+    page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+    page.goto(dashboard_url)
+    page.locator("[data-kv=scenario]").click()
+    page.get_by_role("option", name="quantized-weights", exact=True).click()  # the longest description
+    page.get_by_role("button", name="Expand \"Engine configuration\"").click()  # the engine form opens above it
+    page.wait_for_function("() => document.querySelector('[data-kv=scenario-about]').innerText.length > 100")
+    button = page.locator("[data-kv=start-run]")
+    box = button.bounding_box()
+    assert 0 <= box["y"] and box["y"] + box["height"] <= viewport[1], box
+    assert page.evaluate("(el) => { const r = el.getBoundingClientRect(); "
+                         "return document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2)?.closest('button') === el; }",
+                         button.element_handle())  # on top, not under the form
+    if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
+        page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/start-run-{viewport[0]}.png")

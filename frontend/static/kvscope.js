@@ -258,6 +258,51 @@
   };
   for (const name of ["wheel", "touchstart", "keydown"]) addEventListener(name, () => (sight = null), { passive: true });
   new ResizeObserver(keepInSight).observe(document.documentElement);
+  // The keys a lecturer reaches for (docs/dashboard.md): each presses the button it stands for, so a key
+  // does exactly what a click does. Typing in a field, or with a modifier held, is left alone.
+  const SHORTCUTS = [ // [keys as the help names them, what they do]; the handler below reads the keys
+    [["space", "→"], "continue the lesson; without one, space plays / pauses and → steps one iteration"],
+    [["P"], "projector mode on / off"],
+    [["F"], "full screen: the view the lesson names, else the page (Esc leaves)"],
+    [["?"], "these keys"],
+  ];
+  const visible = (el) => el && el.offsetParent !== null && !el.disabled;
+  const press = (kv) => {
+    const el = [...document.querySelectorAll(`[data-kv=${kv}]`)].find(visible);
+    if (el) el.click();
+    return Boolean(el);
+  };
+  kv.shortcutsHelp = () => {
+    let help = document.getElementById("kv-shortcuts");
+    if (help) return help.remove();
+    help = document.createElement("div");
+    help.id = "kv-shortcuts";
+    help.className = "kv-shortcuts";
+    help.dataset.kv = "shortcuts";
+    help.innerHTML = "<b>Keys</b>" + SHORTCUTS.map(([keys, what]) =>
+      `<div>${keys.map((k) => `<kbd>${esc(k)}</kbd>`).join(" ")} ${esc(what)}</div>`).join("") +
+      "<div class='kv-muted'>? or Esc closes this</div>";
+    help.addEventListener("click", () => help.remove());
+    document.body.appendChild(help);
+  };
+  kv.fullScreen = () => {
+    if (document.fullscreenElement) return document.exitFullscreen();
+    const named = [...document.querySelectorAll(".kv-focus")].find(visible);
+    return (named || document.documentElement).requestFullscreen?.().catch(() => {});
+  };
+  addEventListener("keydown", (e) => {
+    const t = e.target;
+    if (e.ctrlKey || e.metaKey || e.altKey || e.isComposing) return;
+    if (t && (t.isContentEditable || /^(INPUT|TEXTAREA|SELECT)$/.test(t.tagName))) return;
+    if (e.key === "Escape") return document.getElementById("kv-shortcuts")?.remove();
+    if (e.key === " " || e.key === "ArrowRight") {
+      if (!press("lesson-continue") && !press(e.key === " " ? "play" : "step")) return;
+    } else if (e.key === "p" || e.key === "P") kv.toggleProjector();
+    else if (e.key === "f" || e.key === "F") kv.fullScreen();
+    else if (e.key === "?") kv.shortcutsHelp();
+    else return;
+    e.preventDefault(); // space would also scroll the page, or press the focused button a second time
+  });
   window.kvscope = kv;
   // ECharts (zrender) takes a line of text to be as tall as "国" is wide. Without a CJK font that is a
   // narrow fallback glyph (6 px at 16 px), so it lays labels out as if lines were 6 px tall: the
