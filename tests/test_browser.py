@@ -632,8 +632,8 @@ def test_the_roofline_on_this_machine_draws_the_steps_as_measured_with_their_fix
                      shown["tip"]), shown
     box, screen = page.locator("[data-kv=roofline]").bounding_box(), page.viewport_size
     assert box["width"] > 200 and box["x"] >= 0 and box["x"] + box["width"] <= screen["width"]
-    if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
-        page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/roofline-{viewport[0]}.png")
+    if SHOTS:
+        page.screenshot(path=f"{SHOTS}/roofline-{viewport[0]}.png")
 
 
 def test_the_keys_a_lecturer_reaches_for(page, backend_url, dashboard_url, tiny_dir):
@@ -663,8 +663,8 @@ def test_the_keys_a_lecturer_reaches_for(page, backend_url, dashboard_url, tiny_
         page.set_viewport_size({"width": width, "height": height})
         box = page.locator("[data-kv=shortcuts]").bounding_box()
         assert box["x"] >= 0 and box["x"] + box["width"] <= width and box["y"] + box["height"] <= height
-        if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
-            page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/keys-{width}.png")
+        if SHOTS:
+            page.screenshot(path=f"{SHOTS}/keys-{width}.png")
 
     no_lesson = scenario(tiny_dir, "keys", 64, 2, 2, (16, 24), (8, 12), {"process": "burst"})
     del no_lesson["lesson"]  # without a lesson the keys drive the run's own controls
@@ -699,5 +699,5 @@ def test_start_run_stays_in_sight_however_long_the_drawer_grows(page, dashboard_
     assert page.evaluate("(el) => { const r = el.getBoundingClientRect(); "
                          "return document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2)?.closest('button') === el; }",
                          button.element_handle())  # on top, not under the form
-    if os.environ.get("KVSCOPE_ROOFLINE_SHOTS"):
-        page.screenshot(path=f"{os.environ['KVSCOPE_ROOFLINE_SHOTS']}/start-run-{viewport[0]}.png")
+    if SHOTS:
+        page.screenshot(path=f"{SHOTS}/start-run-{viewport[0]}.png")
