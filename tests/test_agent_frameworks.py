@@ -55,7 +55,7 @@ def test_the_agents_sdk_calls_the_tool_and_answers_run_and_streamed_and_fills_an
 
 
 def test_pydantic_ai_responses_model_calls_the_tool_then_answers_and_fills_a_native_output(url) -> None:
-    got = run_in("KVSCOPE_AGENTS_VENV", "pydantic_ai_tool.py", url)
+    got = run_in("KVSCOPE_PYDANTIC_AI_VENV", "pydantic_ai_tool.py", url)
     assert got["called"] == ["Paris"] and got["output"].strip()
     assert isinstance(got["native"]["city"], str) and type(got["native"]["celsius"]) is int
     assert got["parts"].index("tool-call") < got["parts"].index("tool-return") < len(got["parts"]) - 1
