@@ -115,6 +115,7 @@ class Tally:
     routes: Counter = field(default_factory=Counter)
     answers: dict[str, Counter] = field(default_factory=dict)
     findings: list[str] = field(default_factory=list)
+    planned: int = 0  # the cases the plan drew (each route family max_cases // families, each class its own)
 
     def count(self, case: Case, answer: str) -> None:
         route = route_of(case)
@@ -339,6 +340,7 @@ def fuzz(max_cases: int, seconds: float, seed: int, rss_growth_mb: float = 1200,
         if store_cases:  # each spawns ranks, so counted apart; the issue's own attack first, whatever is drawn
             fuzz_case(harness, tally, ISSUE_ATTACK)
             plan += [(hostile_store_cases(), store_cases - 1)] if store_cases > 1 else []
+        tally.planned = sum(cases for _, cases in plan) + bool(store_cases)
         for i, (family, cases) in enumerate(plan):  # each family its share of cases and of the time
             family_deadline = time.monotonic() + (seconds - (time.monotonic() - started)) / (len(plan) - i)
             fuzz_family(harness, tally, family, cases, family_deadline, seed)

@@ -48,7 +48,9 @@ def test_scenarios_lists_every_bundled_scenario_with_its_first_sentence(capsys):
 
 
 def test_every_command_a_message_or_doc_points_at_exists(capsys):
-    commands = set(next(a for a in build_parser()._actions if a.dest == "command").choices)
+    parser = build_parser()
+    commands = set(next(a for a in parser._actions if a.dest == "command").choices)
+    commands |= {option for a in parser._actions for option in a.option_strings}  # `kvscope --version`
     files = [*ROOT.glob("backend/**/*.py"), *ROOT.glob("frontend/**/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]
     named = {(m, f.name) for f in files for m in re.findall(r"`kvscope ([a-z-]+)", f.read_text(encoding="utf-8"))}
     assert {m for m, _ in named} >= {"scenarios", "run", "serve"}
@@ -165,7 +167,8 @@ def test_a_busy_port_names_the_flag_that_chose_it(capsys, never_serves, busy_por
 
 def test_a_model_that_cannot_load_fails_at_start(capsys, never_serves, tmp_path):
     code, out, err = run_cli(capsys, "serve", "--no-ui", "--port", str(free_port()), "--model", str(tmp_path))
-    assert "config.json" in one_line_error(code, err) and not out
+    # what it tried to load, then one line saying why it could not
+    assert "config.json" in one_line_error(code, err) and out == f"loading {tmp_path} (weights: native) ...\n"
 
 
 # ---- POST /api/runs: a 4xx naming the cause, and a line in the log ---------------------------------------
