@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from kvscope import part_dir
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.errors import KvscopeError, pydantic_reason
-from kvscope.backend.events.moments import MomentKind
+from kvscope.backend.events.moments import MomentKind, ViewName
 from kvscope.backend.events.questions import QUESTIONS, QuestionKind
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.model.chat import encode_chat
@@ -154,12 +154,31 @@ class Ask(_Strict):
     text: str | None = Field(default=None, min_length=1, max_length=300, description="wording; default: the kind's")
 
 
+# `{name}` in a lesson text: a value of the run it is shown beside (side by side, each column's own; the
+# values: frontend/lesson_text.py; docs/scenarios.md)
+PLACEHOLDER = r"\{([A-Za-z0-9_]+)\}"
+LESSON_FIELDS = ("model", "attention", "n_layers", "n_heads", "n_kv_heads", "head_dim", "kv_shape", "kv_dtype",
+                 "kv_bytes_per_token", "bytes_per_block", "block_size", "num_blocks", "batching", "kv_layout",
+                 "kv_cache", "prefix_caching", "chunked_prefill", "token_budget", "arrival_rate", "speculative",
+                 "weights_mib", "ranks")
+
+
 class LessonStep(_Strict):
     """One step of a lesson: shown at the run's start, or when lesson mode pauses at a key moment."""
 
     at: Literal["start"] | MomentKind = "start"
     text: str = Field(min_length=1, max_length=1000)
+    views: list[ViewName] = Field(default_factory=list, max_length=4,
+                                  description="the views the text talks about, in its order; default: the moment's")
     ask: Ask | None = None
+
+    @field_validator("text")
+    @classmethod
+    def _known_placeholders(cls, text: str) -> str:
+        for name in re.findall(PLACEHOLDER, text):
+            if name not in LESSON_FIELDS:
+                raise ValueError(f"unknown placeholder {{{name}}}; valid: {', '.join(LESSON_FIELDS)}")
+        return text
 
 
 class SimulateSpec(_Strict):

@@ -33,6 +33,7 @@ class LessonQuestion:
         self.locked = False  # the pick is final once the lesson moves on
         self.revealed = False
         self.buttons: dict[str, ui.button] = {}
+        self.asked: dict[str, list[AnswerOption]] = {}  # each step's choices (by its text) as first asked
         with ui.column().classes("kv-question w-full").props("data-kv=lesson-question").mark("lesson-question") \
                 as self.box:
             self.text = ui.label("").classes("kv-question-text").mark("question-text")
@@ -45,9 +46,9 @@ class LessonQuestion:
         """The guide shows `step` (at `moment`, or at the start): ask its question, or reveal the one waiting."""
         waiting = self.question is not None and not self.revealed
         if step.get("ask"):
-            self._ask(step["ask"], feed)
+            self._ask(step, feed)
         elif waiting and moment is not None and moment.kind == self.question.reveal:
-            events = [entry.event for entry in feed.log]
+            events = [*feed.past, *(entry.event for entry in feed.log)]  # the log alone may not reach back
             self._reveal(self.question.answer(step_events(events, moment.step)))
         elif waiting:  # a step in between: the pick is final, the answer still to come
             self._lock()
@@ -55,9 +56,22 @@ class LessonQuestion:
             self.question = None
             self.box.set_visibility(False)
 
-    def _ask(self, ask: dict[str, Any], feed: RunFeed) -> None:
+    def reset(self) -> None:
+        """No question: the card is shown again from its first step (a rewind, "previous")."""
+        self.question, self.pick, self.locked, self.revealed = None, None, False, False
+        self.box.set_visibility(False)
+
+    def restore(self, pick: str | None) -> None:
+        """The room's pick again, on a question asked again by a step before the one shown ("previous")."""
+        if self.question is not None and pick in self.buttons:
+            self._choose(pick)
+
+    def _ask(self, step: dict[str, Any], feed: RunFeed) -> None:
+        """Ask the step's question; asked again ("previous"), with the choices the state gave it the first
+        time, not the later state's."""
+        ask = step["ask"]
         self.question = QUESTIONS[ask["question"]]
-        self.choices = self.question.choices(feed.state)
+        self.choices = self.asked.setdefault(step["text"], self.question.choices(feed.state))
         self.pick, self.locked, self.revealed = None, False, False
         self.text.set_text(ask.get("text") or self.question.text)
         self.row.clear()

@@ -48,6 +48,10 @@ RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, ALL
 FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626"}
 FLASH_LABELS = {"alloc": "allocate", "share": "share", "copy": "copy-on-write", "free": "free", "evict": "evict"}
 FOCUS_COLOR = "#111827"  # lesson mode's lasting ring (with a white inner line) on the blocks it explains
+# ... in the colour of what the moment did to them, as its flash ring was (and its lesson text names it)
+MOMENT_RING_FLASH = {"copy_on_write": "copy", "share": "share", "prefix_hit": "share", "fork": "share",
+                     "preempt": "free", "cache_full": "free", "prune": "free", "block_added": "alloc",
+                     "prompt_cached": "alloc", "prefill_chunk": "alloc", "slot_refilled": "alloc"}
 # The attention mask: a key read from the KV cache (what decode does), one computed in this pass
 # (what prefill does), one masked as the future.
 MASK_COLORS = {"cached": PHASE_COLORS["decode"], "computed": PHASE_COLORS["prefill"], "masked": "#eceff3"}
@@ -66,6 +70,12 @@ SPEC_COLORS = {"accepted": "#59a14f", "rejected": "#e15759", "discarded": "#cbd5
 def request_color(index: int) -> str:
     """The colour of the request that arrived index-th (the palette repeats after its length)."""
     return REQUEST_COLORS[index % len(REQUEST_COLORS)]
+
+
+def ring_color(moment_kind: str) -> str:
+    """The lasting lesson ring's colour at a moment of this kind (block_pool.js draws it, exports too)."""
+    flash = MOMENT_RING_FLASH.get(moment_kind)
+    return FLASH_COLORS[flash] if flash else FOCUS_COLOR
 
 
 def kind_colors() -> list[str]:

@@ -2,13 +2,18 @@
 
 Each scenario is opened from the landing page (picked in the drawer, started unpaced: lesson mode
 stops it at every moment anyway) and walked step by step with the lesson's "continue" button to its
-`finished` step, in projector mode at 1280x720. At each moment: no page error, the view the step names
-outlined (`kv-focus`) and, with the docked lesson card, wholly in the window, and the blocks the moment
-concerns ringed in the block pool; a question on the card answered with its first choice, and marked
-at the moment that reveals it. A screenshot of
-every moment goes to KVSCOPE_WALK_DIR (default: a temporary folder), `<scenario>-<n>-<moment>.png`,
-for a person to look through; with KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also
-written, at 1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
+`finished` step, twice: in projector mode at 1280x720 and in normal mode at 1920x1080. At each step,
+the start's included: no page error; every view the step names outlined (`kv-focus`); the first of
+them, then each other one brought by "next view", wholly in the window beside the docked lesson card,
+which is whole and covers none of it; the blocks the moment concerns ringed in the colour of what
+happened to them; a question's choices and its status line whole on the card. A question is answered
+with the first choice, and at the moment that reveals it the walk steps back ("previous": the question
+is asked again), answers the other way (the right choice after a wrong pick, a wrong one after a right
+pick) and sees the verdict flip; a lesson without a question steps back once from its first moment.
+A screenshot of every moment goes to KVSCOPE_WALK_DIR (default: a temporary folder),
+`<scenario>-<mode>-<n>-<moment>.png`, for a person to look through, and the last projector walk writes
+a handout there; with KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also written, at
+1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
 
 The servers, the browser and the page-error check are tests/test_browser.py's fixtures.
 """
@@ -26,25 +31,40 @@ import pytest
 from PIL import Image
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-from kvscope.backend.events.moments import VIEWS, find_moments
+from kvscope.backend.events.moments import find_moments, step_views
 from kvscope.backend.model.loader import missing_package
 from kvscope.backend.scenario import SCENARIOS_DIR, load_scenario
 from kvscope.frontend.lesson import MOMENT_TITLES
+from kvscope.frontend.palette import ring_color
 from tests.server_helpers import wait_for
 from tests.test_browser import ROOT, WAIT_S, api, backend_url, browser, dashboard_url, page  # noqa: F401
 
 SCENARIOS = sorted(p.stem for p in SCENARIOS_DIR.glob("*.yaml"))
 DOCS_DIR = ROOT / "docs" / "images" / "scenarios"
-VIEWPORT = {"width": 1280, "height": 720}  # a projector's: what a class sees
+MODES = {"projector": {"width": 1280, "height": 720},  # a projector's: what a class sees
+         "normal": {"width": 1920, "height": 1080}}  # a lecturer's own screen
 TITLE_KINDS = {title: kind for kind, title in MOMENT_TITLES.items()}
 IN_SIGHT = """(selector) => {
     const card = document.querySelector(selector);
     if (!card) return null;
     const box = card.getBoundingClientRect();
     const below = document.querySelector('.q-header').getBoundingClientRect().bottom;  // the fixed header
-    return {focused: card.classList.contains('kv-focus'), top: box.top, bottom: box.bottom, header: below,
+    return {focused: card.classList.contains('kv-focus'), top: box.top, bottom: box.bottom, left: box.left,
+            right: box.right, header: below,
             whole: box.top >= below - 1 && box.bottom <= window.innerHeight + 1 && box.left >= -1
                    && box.right <= window.innerWidth + 1};
+}"""
+# Each of the card's question parts (choices, status line) inside the card's visible box and the window
+ON_THE_CARD = """() => {
+    const card = document.querySelector('.kv-lesson-card').getBoundingClientRect();
+    const parts = [...document.querySelectorAll('.kv-lesson-card [data-kv=question-choice], '
+                                                + '.kv-lesson-card [data-kv=question-status]')]
+        .filter((el) => el.offsetParent !== null);
+    return parts.filter((el) => {
+        const b = el.getBoundingClientRect();
+        return b.top < card.top - 1 || b.bottom > Math.min(card.bottom, window.innerHeight) + 1
+            || b.left < card.left - 1 || b.right > card.right + 1;
+    }).map((el) => el.innerText);
 }"""
 
 
@@ -67,6 +87,13 @@ def moment_kind(text: str) -> str:
     return TITLE_KINDS[match.group(1)]
 
 
+def step_index(text: str) -> int:
+    """'step 2 of 4 · ...' -> 1, the step's index in the lesson."""
+    match = re.match(r"step (\d+) of \d+", text)
+    assert match, f"not a lesson step: {text!r}"
+    return int(match.group(1)) - 1
+
+
 def choose(page, select: str, option: str, tries: int = 4) -> None:
     """Open a select and click one of its options. A click that lands while the page is still wiring the
     select up (a loaded machine) opens no menu: open it again, a bounded number of times."""
@@ -81,11 +108,12 @@ def choose(page, select: str, option: str, tries: int = 4) -> None:
             page.keyboard.press("Escape")  # a half-open menu closes before the next try
 
 
-def start_from_the_landing_page(page, dashboard_url: str, name: str) -> str:  # noqa: F811
+def start_from_the_landing_page(page, dashboard_url: str, name: str, mode: str) -> str:  # noqa: F811
     """Pick the scenario in the drawer, unpaced, and start it; its run id."""
     page.goto(dashboard_url + "/")
-    page.locator("[data-kv=projector]").click()  # a lecture hall's type; the tab keeps it (sessionStorage)
-    page.wait_for_function("() => document.documentElement.classList.contains('kv-projector')")
+    if mode == "projector":
+        page.locator("[data-kv=projector]").click()  # a lecture hall's type; the tab keeps it (sessionStorage)
+        page.wait_for_function("() => document.documentElement.classList.contains('kv-projector')")
     choose(page, "[data-kv=scenario]", name)
     page.locator("[data-kv=scenario-about]").get_by_text("Lesson.").wait_for()
     choose(page, "[data-kv=start-speed]", "unpaced")
@@ -94,29 +122,41 @@ def start_from_the_landing_page(page, dashboard_url: str, name: str) -> str:  # 
     return re.search(r"run=([0-9a-f]+)", page.url).group(1)
 
 
-def check_the_moment(page, backend_url: str, run_id: str, kind: str, errors: list[str]) -> None:  # noqa: F811
-    """What a class must see at a moment: no page error, the views the step names outlined, the first
-    of them and the lesson card both wholly in the window (projector mode), and the blocks it concerns ringed."""
+def check_the_step(page, backend_url: str, run_id: str, step: dict, errors: list[str]) -> None:  # noqa: F811
+    """What a class must see at a step: no page error; every view the step names outlined; the first of
+    them, then each other one "next view" brings, wholly in the window beside the whole lesson card, which
+    covers none of it; the question's parts whole on the card; the blocks of its moment ringed in the
+    colour of what happened to them."""
+    kind = step["at"]
     assert not errors, f"page errors at {kind}: {errors[:3]}"
-    views = VIEWS[kind]
+    views = step_views(step)
 
     def outlined() -> bool:
         seen = [page.evaluate(IN_SIGHT, f".kv-card[data-view='{name}']") for name in views]
         return all(s is not None and s["focused"] for s in seen)
 
-    wait_for(outlined, f"{kind}: {', '.join(views)} outlined")  # in the update with the moment's text, or just after
-    # projector mode's promise (docs/dashboard.md): the lesson card and the view it names, both whole
-    named = f".kv-card[data-view='{views[0]}']"
-    wait_for(lambda: page.evaluate(IN_SIGHT, named)["whole"],  # a smooth scroll takes a moment
-             f"{kind}: {views[0]} is not wholly in the window: {page.evaluate(IN_SIGHT, named)}")
+    wait_for(outlined, f"{kind}: {', '.join(views)} outlined")  # in the update with the step's text, or just after
+    for i, view in enumerate(views):
+        if i:
+            page.locator("[data-kv=lesson-next-view]").click()
+        named = f".kv-card[data-view='{view}']"
+        wait_for(lambda: page.evaluate(IN_SIGHT, named)["whole"],  # a smooth scroll takes a moment
+                 f"{kind}: {view} is not wholly in the window: {page.evaluate(IN_SIGHT, named)}")
+        card, box = page.evaluate(IN_SIGHT, ".kv-lesson-card"), page.evaluate(IN_SIGHT, named)
+        assert card["whole"], f"{kind}: the lesson card is not wholly in the window: {card}"
+        assert card["left"] >= box["right"] or card["right"] <= box["left"] or card["top"] >= box["bottom"] \
+            or card["bottom"] <= box["top"], f"{kind}: the lesson card covers {view}: {card} {box}"
     assert page.evaluate(IN_SIGHT, ".kv-lesson-card")["whole"], f"{kind}: the lesson card is not wholly in the window"
-    if kind == "finished":
+    assert page.evaluate(ON_THE_CARD) == [], f"{kind}: question parts off the card: {page.evaluate(ON_THE_CARD)}"
+    if kind in ("start", "finished"):
         return
     moments = {m.kind: m for m in find_moments(trace_events(backend_url, run_id))}
     blocks = " ".join(str(b) for b in moments[kind].blocks)
     canvas = page.locator("[data-kv=block-pool] canvas")
     wait_for(lambda: (canvas.get_attribute("data-ringed") or "") == blocks,
              f"{kind}: blocks {blocks} not ringed")
+    if blocks:
+        assert canvas.get_attribute("data-ring-color") == ring_color(kind), f"{kind}: the ring's colour"
 
 
 def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
@@ -127,71 +167,113 @@ def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811
 CHOICES = "[data-kv=question-choice]:visible"
 
 
-def answer_the_moment(page) -> bool:
-    """What the class does at a moment before it goes on: a predict-then-reveal question open on the card
-    gets the room's pick (its first choice), then continue. Whether a question was answered."""
+def asked(page) -> bool:
+    """A predict-then-reveal question open on the card, no choice marked yet."""
     choices = page.locator(CHOICES)
-    asked = choices.count() > 0 and all(not c.get_attribute("data-mark") for c in choices.all())
-    if asked:
-        choices.first.click()
-        wait_for(lambda: page.locator(CHOICES).first.get_attribute("data-mark") == "picked",
-                 "the pick was not marked")
-    page.locator("[data-kv=lesson-continue]").click()
-    return asked
+    return choices.count() > 0 and all(not c.get_attribute("data-mark") for c in choices.all())
 
 
-def revealed(page) -> bool:
-    """The card marks a question's right answer (the moment that answers it has come)."""
-    return page.locator("[data-kv=question-choice][data-mark=right]:visible").count() > 0
+def pick(page, index: int) -> str:
+    """The room's pick: the index-th choice; its value."""
+    choice = page.locator(CHOICES).nth(index)
+    choice.click()
+    wait_for(lambda: choice.get_attribute("data-mark") == "picked", "the pick was not marked")
+    return choice.get_attribute("data-choice")
+
+
+def go_on(page, name: str, button: str = "lesson-continue") -> None:
+    """Press continue (or previous) and wait for the card's next step."""
+    before = progress(page)
+    page.locator(f"[data-kv={button}]").click()
+    wait_for(lambda: progress(page) != before, f"{name}: no step after {before!r} ({button})", WAIT_S * 3)
+
+
+def verdict(page) -> str | None:
+    """'right' or 'wrong' once the card revealed its question's answer, else None."""
+    if page.locator("[data-kv=question-choice][data-mark=right]:visible").count() == 0:
+        return None
+    return "right" if page.locator("[data-kv=question-status]").inner_text().endswith("was right.") else "wrong"
 
 
 def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
     """The whole page (lesson card and every view) for the walk; for the docs, the window a class sees
     (the docked lesson card and the view it names), in 256 colours (a third of the bytes, no visible
     loss for flat UI)."""
-    page.mouse.move(VIEWPORT["width"] - 2, 2)  # no tooltip in the picture
-    if index == 1 and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
+    mode = "projector" if page.evaluate("kvscope.projector()") else "normal"
+    page.mouse.move(page.viewport_size["width"] - 2, 2)  # no tooltip in the picture
+    if index == 1 and mode == "projector" and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
         DOCS_DIR.mkdir(parents=True, exist_ok=True)
         Image.open(io.BytesIO(page.screenshot())).quantize(256).save(DOCS_DIR / f"{name}.png", optimize=True)
-    page.evaluate("window.scrollTo(0, 0)")  # the fixed header at the top of the long picture
-    page.screenshot(path=str(walk_dir / f"{name}-{index}-{kind}.png"), full_page=True)
+    page.screenshot(path=str(walk_dir / f"{name}-{mode}-{index}-{kind}.png"))  # what the room sees
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_walk_every_lesson_step_of(name, page, backend_url, dashboard_url, walk_dir):  # noqa: F811
+def test_walk_every_lesson_step_of(name, mode, page, backend_url, dashboard_url, walk_dir):  # noqa: F811
     scenario = load_scenario(name)
     if missing_package(scenario.model):
         pytest.skip(f"{scenario.model} is not installed ({missing_package(scenario.model)})")
     errors: list[str] = []  # the fixture fails the test on any at the end; a moment must have none already
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
-    page.set_viewport_size(VIEWPORT)
-    run_id = start_from_the_landing_page(page, dashboard_url, name)
-    steps = [step.at for step in scenario.lesson]  # every lesson pauses mid-run (tests/test_scenarios.py)
-    walked = walk(page, backend_url, run_id, name, walk_dir, errors)
-    assert sorted(walked) == sorted(steps), f"{name}: walked {walked}, the lesson has {steps}"
+    page.set_viewport_size(MODES[mode])
+    run_id = start_from_the_landing_page(page, dashboard_url, name, mode)
+    steps = [step.model_dump() for step in scenario.lesson]  # every lesson pauses mid-run (tests/test_scenarios.py)
+    walked = walk(page, backend_url, run_id, name, steps, walk_dir, errors)
+    assert sorted(walked) == sorted(step["at"] for step in steps), f"{name}: walked {walked}, the lesson has {steps}"
     events = trace_events(backend_url, run_id)
     first = next(i for i, e in enumerate(events) if e["type"] in ("control", "iteration"))
     assert (events[first]["type"], events[first]["action"], events[first]["step"]) == ("control", "resume", -1), \
         "the run must wait at step 0 until its page (or the lesson's continue) starts it"
 
 
-def walk(page, backend_url: str, run_id: str, name: str, walk_dir: Path, errors: list[str]) -> list[str]:  # noqa: F811
+def walk(page, backend_url: str, run_id: str, name: str, steps: list[dict], walk_dir: Path,  # noqa: F811
+         errors: list[str]) -> list[str]:
     """A lesson in lesson mode: held on its first step, then every moment with continue, to the end."""
     page.locator("[data-kv=lesson-continue]").wait_for()
     assert api(backend_url, f"/api/runs/{run_id}")["step"] == -1
     assert moment_kind(progress(page)) == "start"
-    walked, questions = ["start"], 0
+    check_the_step(page, backend_url, run_id, steps[0], errors)
+    walked, question, stepped_back = ["start"], None, False
     while walked[-1] != "finished":
-        before = progress(page)
-        questions += answer_the_moment(page)
-        wait_for(lambda: progress(page) != before and page.locator("[data-kv=lesson-continue]").is_visible(),
-                 f"{name}: no step after {walked[-1]} (at {before!r})", WAIT_S * 3)
-        kind = moment_kind(progress(page))
-        check_the_moment(page, backend_url, run_id, kind, errors)  # waits for the outline, the scroll and the ring
-        if questions and revealed(page):
-            questions -= 1
+        if asked(page):
+            question = pick(page, 0)
+        go_on(page, name)
+        text = progress(page)
+        kind, step = moment_kind(text), steps[step_index(text)]
+        assert step["at"] == kind, f"{name}: {text!r} shows step {step}"
+        check_the_step(page, backend_url, run_id, step, errors)  # waits for the outline, the scroll and the ring
+        if question is not None and verdict(page) is not None:
+            step_back_and_answer_the_other_way(page, name, question)  # from a question's reveal
+            question, stepped_back = None, True
+        elif not stepped_back and kind != "finished":
+            go_on(page, name, "lesson-previous")
+            assert progress(page) == f"step 1 of {len(steps)} · {MOMENT_TITLES['start']}", progress(page)
+            go_on(page, name)
+            assert progress(page) == text, f"{name}: continue after previous did not come back to {text!r}"
+            stepped_back = True
         walked.append(kind)
         screenshot(page, walk_dir, name, len(walked) - 1, kind)
-    assert questions == 0, f"{name}: a question asked was never revealed"
+    assert question is None, f"{name}: a question asked was never revealed"
+    assert not page.locator("[data-kv=lesson-continue]").is_visible(), "continue at the end of the lesson"
     return walked
+
+
+def step_back_and_answer_the_other_way(page, name: str, first: str) -> None:
+    """At a question's reveal: back to the step that asked it (asked again, no mark), the other answer,
+    and the reveal again with the opposite verdict."""
+    text, before = progress(page), verdict(page)
+    right = {c.get_attribute("data-choice") for c in page.locator("[data-kv=question-choice][data-mark=right]").all()}
+    back = 0
+    while not asked(page):  # a step between keeps the pick, locked
+        assert back < 3, f"{name}: three steps back and the question was not asked again"
+        go_on(page, name, "lesson-previous")
+        back += 1
+    values = [c.get_attribute("data-choice") for c in page.locator(CHOICES).all()]
+    assert first in values and right <= set(values), f"{name}: asked again with other choices: {values}"
+    pick(page, next(i for i, v in enumerate(values) if (v in right) == (before == "wrong")))
+    for _ in range(back):
+        go_on(page, name)
+    assert progress(page) == text, f"{name}: continue after previous did not come back to {text!r}"
+    wait_for(lambda: verdict(page) == ("right" if before == "wrong" else "wrong"),
+             f"{name}: the verdict did not flip from {before} ({page.locator('[data-kv=question-status]').inner_text()})")

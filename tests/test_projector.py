@@ -1,7 +1,7 @@
-"""Projector mode in a room (#22): in headless Chromium at 1280x720 and 1920x1080, a lesson pause shows
-its card and the view it names on one screen, no text is under 16 px, no two labels overlap (measured
-on the boxes ECharts itself draws and on the page's own elements), and the marks a lesson points at
-(beam forks, prunes, finishes; the block pool's rings) are at least 16 px.
+"""Projector mode in a room (#22): in headless Chromium at 1280x720 and 1920x1080, no text is under 16 px,
+no two labels overlap (measured on the boxes ECharts itself draws and on the page's own elements), and the
+marks a lesson points at (beam forks, prunes, finishes; the block pool's rings) are at least 16 px. That a
+lesson pause shows its card and the views it names on one screen is the lesson walk's (test_lesson_walk).
 
 Shares test_browser's servers and its `page` fixture, which fails a test on any page error.
 `KVSCOPE_SHOTS=folder` saves a screenshot of every layout checked here, to look at.
@@ -9,31 +9,14 @@ Shares test_browser's servers and its `page` fixture, which fails a test on any 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from kvscope.backend.events.moments import VIEWS
-from kvscope.frontend.lesson import MOMENT_TITLES
-from kvscope.frontend.palette import FOCUS_COLOR
+from kvscope.frontend.palette import ring_color
 from tests.server_helpers import wait_for
-from tests.test_browser import (COMPONENT, MEASURE, PROJECTOR_PX, SHOTS, WAIT_S, api, backend_url, browser,  # noqa: F401
+from tests.test_browser import (COMPONENT, MEASURE, PROJECTOR_PX, SHOTS, api, backend_url, browser,  # noqa: F401
                                 dashboard_url, laid_out, measure_when, page, pytestmark, wait_at_rest)
 
 SIZES = ((1280, 720), (1920, 1080))
-# a view's card is the one holding its chart or canvas
-CARD_OF = {"blocks": "block-pool", "timeline": "timeline", "batch": "batch", "metrics": "metrics",
-           "speculative": "spec-pq", "sampling": "sampling", "attention": "attention", "roofline": "roofline"}
-KIND_OF_TITLE = {title: kind for kind, title in MOMENT_TITLES.items()}
-
-# The boxes of the lesson card and of a view's card, once the page stopped moving (a pause scrolls smoothly).
-BOXES = """(mark) => {
-    const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom].map(Math.round); };
-    const card = document.querySelector(`[data-kv='${mark}']`).closest('.kv-card');
-    return {lesson: box(document.querySelector('.kv-lesson-card')), view: box(card), focused: card.classList.contains('kv-focus'),
-            header: Math.round(document.querySelector('.q-header').getBoundingClientRect().bottom),
-            width: window.innerWidth, height: window.innerHeight, scroll: window.scrollY};
-}"""
 
 # Every text ECharts drew, as boxes on the page: zrender's own text elements (axis labels and names,
 # legend items, titles) and the labels of shapes, with the transforms that placed them.
@@ -109,15 +92,6 @@ def in_projector_mode(page, width: int, height: int) -> None:
     page.add_init_script("sessionStorage.setItem('kvscope-projector', '1')")  # as the header's switch leaves it
 
 
-def settled(page, mark: str) -> dict:
-    """BOXES once two readings 0.3 s apart agree (the smooth scroll and the charts' layout are done)."""
-    last, deadline = None, time.monotonic() + WAIT_S
-    while (boxes := page.evaluate(BOXES, mark)) != last and time.monotonic() < deadline:
-        last = boxes
-        time.sleep(0.3)
-    return boxes
-
-
 Point = tuple[float, float]
 
 
@@ -149,38 +123,6 @@ def finished_run(base: str, name: str, overrides: dict | None = None) -> str:
 def shot(page, name: str) -> None:
     if SHOTS:
         page.screenshot(path=f"{SHOTS}/projector-{name}.png")
-
-
-@pytest.mark.parametrize("width,height", SIZES)
-@pytest.mark.parametrize("scenario,last", [("memory-pressure", "preempt"), ("speculative-draft", "draft_rejected"),
-                                           ("beam-search", "prune")])
-def test_a_lesson_pause_shows_its_card_and_the_view_it_names_on_one_screen(page, backend_url, dashboard_url,
-                                                                          scenario, last, width, height):
-    in_projector_mode(page, width, height)
-    run_id = api(backend_url, "/api/runs", {"scenario": scenario, "speed": 0, "paused": True, "lesson": True})["run_id"]
-    page.goto(f"{dashboard_url}/?run={run_id}")
-    progress = page.locator(".kv-lesson-card .kv-caption").first  # "step 2 of 4 · First preemption (iteration 2)"
-    kind, seen = "start", []
-    while kind != last:
-        before = progress.inner_text()
-        page.locator("[data-kv=lesson-continue]").click()
-        page.wait_for_function("(before) => { const p = document.querySelector('.kv-lesson-card .kv-caption');"
-                               " return p.innerText !== before && document.querySelector('.kv-focus'); }", arg=before)
-        title = progress.inner_text().split(" · ")[1].split(" (")[0]
-        kind = KIND_OF_TITLE[title]
-        seen.append(kind)
-        assert kind != "finished", f"{scenario} finished before its {last} moment: {seen}"
-        b = settled(page, CARD_OF[VIEWS[kind][0]])
-        shot(page, f"{scenario}-{kind}-{width}x{height}")
-        where = f"{scenario} at {kind}, {width}x{height}: {b}"
-        for name in ("lesson", "view"):
-            left, top, right, bottom = b[name]
-            assert left >= 0 and right <= b["width"] and top >= b["header"] and bottom <= b["height"], \
-                f"the {name} card is not whole on the screen below the header, {where}"
-        lesson, view = b["lesson"], b["view"]
-        assert lesson[0] >= view[2] or lesson[2] <= view[0] or lesson[1] >= view[3] or lesson[3] <= view[1], \
-            f"the lesson card covers the view it names, {where}"
-        assert b["focused"], f"the view is not outlined, {where}"
 
 
 @pytest.mark.parametrize("scenario", ["roofline", "beam-search", "memory-pressure"])
@@ -229,9 +171,9 @@ def test_a_lesson_ring_is_16px_across_when_2048_blocks_make_the_cells_tiny(page,
         const cx = (b % g.cols) * g.cell + g.cell / 2, cy = Math.floor(b / g.cols) * g.cell + g.cell / 2;
         const ctx = pool.$refs.canvas.getContext('2d');
         const at = (x, y) => Array.from(ctx.getImageData(Math.round(x * g.dpr), Math.round(y * g.dpr), 1, 1).data.slice(0, 3));
-        const left = Math.max(0, cx - g.ring / 2) + 1;  // inside the ring's dark outer line
+        const left = Math.max(0, cx - g.ring / 2) + 1;  // inside the ring's outer line
         return {{cell: g.cell, ring: g.ring, edge: at(left, cy)}};
     }}""")
-    dark = [int(FOCUS_COLOR[i:i + 2], 16) for i in (1, 3, 5)]
+    dark = [int(ring_color("fork")[i:i + 2], 16) for i in (1, 3, 5)]  # a fork shares: the share colour
     assert ring["cell"] < PROJECTOR_PX <= ring["ring"], ring
     assert all(abs(a - b) <= 8 for a, b in zip(ring["edge"], dark)), ring

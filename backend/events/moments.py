@@ -19,7 +19,10 @@ MomentKind = Literal["queued", "slot_refilled", "prefill_chunk", "prompt_cached"
                      "prune", "draft_rejected", "first_token", "mask_forced", "one_token_allowed", "request_finished",
                      "bound_changed", "finished"]
 MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
-# Where each moment is seen: the views lesson mode highlights.
+# The dashboard's views by name (frontend/column.py), as a lesson step names them.
+ViewName = Literal["blocks", "timeline", "batch", "metrics", "block_table", "attention", "sampling", "speculative",
+                   "roofline", "kv_calc"]
+# Where each moment is seen: the views lesson mode highlights, unless its lesson step names its own.
 VIEWS: dict[str, tuple[str, ...]] = {
     "queued": ("timeline", "batch"), "slot_refilled": ("batch", "timeline"),
     "prefill_chunk": ("batch", "timeline"), "prompt_cached": ("blocks", "kv_calc"),
@@ -240,6 +243,12 @@ def lesson_moments(scenario: dict[str, Any] | None) -> frozenset[str]:
     if not isinstance(lesson, list):  # none, or a trace recorded before lessons had steps (one text)
         return frozenset()
     return frozenset(step["at"] for step in lesson if step.get("at") in MOMENT_KINDS and step["at"] != "finished")
+
+
+def step_views(step: dict[str, Any]) -> tuple[str, ...]:
+    """The views a lesson step (a scenario dict's) talks about, in the order its text names them: its own
+    `views`, else those of the moment it waits for (none for a `start` step that names none)."""
+    return tuple(step.get("views") or VIEWS.get(step.get("at", "start"), ()))
 
 
 def find_moments(events: Iterable[Event]) -> list[Moment]:

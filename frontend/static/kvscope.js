@@ -47,14 +47,19 @@
       if (parent >= 0) kids.push({ type: "line", shape: { x1: x0, y1: yOf(parent), x2: x0, y2: y }, style: ink });
       // the marks keep their size however thin the lines get: a lesson points at them
       const r = kv.markPx() / 2, cross = { stroke: "#dc2626", lineWidth: r / 2.5 };
+      // a mark at the plot's edge (the run's first or last iteration) moves in by its size: clipped, half
+      // of it would be lost
+      const plot = params.coordSys, pad = r + r / 2.5;
+      const inside = (x) => Math.min(Math.max(x, plot.x + pad), plot.x + plot.width - pad);
+      const fx = inside(x0), ex = inside(x1);
       if (parent >= 0) // the fork: where this sequence left its parent
-        kids.push({ type: "circle", name: "fork", shape: { cx: x0, cy: y, r: r - 1 }, z2: 2,
+        kids.push({ type: "circle", name: "fork", shape: { cx: fx, cy: y, r: r - 1 }, z2: 2,
                     style: { fill: "#fff", stroke: "#111827", lineWidth: r / 4 } });
       if (end === 2) { // pruned: a cross
-        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y - r, x2: x1 + r, y2: y + r }, style: cross, z2: 2 });
-        kids.push({ type: "line", name: "prune", shape: { x1: x1 - r, y1: y + r, x2: x1 + r, y2: y - r }, style: cross, z2: 2 });
+        kids.push({ type: "line", name: "prune", shape: { x1: ex - r, y1: y - r, x2: ex + r, y2: y + r }, style: cross, z2: 2 });
+        kids.push({ type: "line", name: "prune", shape: { x1: ex - r, y1: y + r, x2: ex + r, y2: y - r }, style: cross, z2: 2 });
       } else if (end === 1) {
-        kids.push({ type: "circle", name: "finished", shape: { cx: x1, cy: y, r: r }, style: { fill: "#111827" }, z2: 2 });
+        kids.push({ type: "circle", name: "finished", shape: { cx: ex, cy: y, r: r }, style: { fill: "#111827" }, z2: 2 });
       }
       return { type: "group", children: kids };
     },
@@ -115,7 +120,8 @@
     // [x0, x1, used, max]: batch slots in use and idle over iterations x0..x1
     slotBar(params, api) {
       const used = api.value(2), max = api.value(3);
-      const half = Math.max(api.size([1, 0])[0] * 0.4, 0.5);
+      // a slot is held from one iteration to the next: runs touch (a gap would read as an idle moment)
+      const half = Math.max(api.size([1, 0])[0] * 0.5, 0.5);
       const children = [];
       const r = (y0, y1, style) => {
         const a = api.coord([api.value(0), y1]), b = api.coord([api.value(1), y0]);
@@ -262,6 +268,8 @@
   // does exactly what a click does. Typing in a field, or with a modifier held, is left alone.
   const SHORTCUTS = [ // [keys as the help names them, what they do]; the handler below reads the keys
     [["space", "→"], "continue the lesson; without one, space plays / pauses and → steps one iteration"],
+    [["←"], "the lesson's previous moment: its card and question again"],
+    [["N"], "the next view the lesson's step names, brought into sight"],
     [["P"], "projector mode on / off"],
     [["F"], "full screen: the view the lesson names, else the page (Esc leaves)"],
     [["?"], "these keys"],
@@ -287,7 +295,7 @@
   };
   kv.fullScreen = () => {
     if (document.fullscreenElement) return document.exitFullscreen();
-    const named = [...document.querySelectorAll(".kv-focus")].find(visible);
+    const named = [...document.querySelectorAll(".kv-focus-now, .kv-focus")].find(visible);
     return (named || document.documentElement).requestFullscreen?.().catch(() => {});
   };
   addEventListener("keydown", (e) => {
@@ -297,6 +305,10 @@
     if (e.key === "Escape") return document.getElementById("kv-shortcuts")?.remove();
     if (e.key === " " || e.key === "ArrowRight") {
       if (!press("lesson-continue") && !press(e.key === " " ? "play" : "step")) return;
+    } else if (e.key === "ArrowLeft") {
+      if (!press("lesson-previous")) return;
+    } else if (e.key === "n" || e.key === "N") {
+      if (!press("lesson-next-view")) return;
     } else if (e.key === "p" || e.key === "P") kv.toggleProjector();
     else if (e.key === "f" || e.key === "F") kv.fullScreen();
     else if (e.key === "?") kv.shortcutsHelp();

@@ -85,11 +85,13 @@ export default {
       this.schedule();
     },
     // (a method and a field of one component share one namespace: a field named focus hid this method)
-    ring(blocks) {
+    ring(blocks, color) {
       for (const b of this.focused) this.dirty.add(b);
       this.focused = new Set(blocks);
+      this.ringColor = color || this.colors.focus; // the colour the lesson's text names (palette.ring_color)
       this.all = true; // a ring larger than its cell covers neighbours: repaint them all
       this.$refs.canvas.dataset.ringed = blocks.join(" "); // what a canvas draws, readable by a test or a screen reader
+      this.$refs.canvas.dataset.ringColor = this.ringColor;
       this.schedule();
     },
     tip(block, html) {
@@ -223,7 +225,7 @@ export default {
         ctx.strokeRect(x + 1, y + 1, cell - 2, cell - 2);
       }
     },
-    // The lesson's double ring (dark outside, white inside) around block b, `ring` px across.
+    // The lesson's double ring (its colour outside, white inside) around block b, `ring` px across.
     drawRing(ctx, b) {
       if (b < 0 || b >= this.n) return;
       const { cell, cols, ring } = this.geom;
@@ -232,7 +234,7 @@ export default {
       const y = inside(Math.floor(b / cols) * cell + (cell - ring) / 2);
       const w = Math.max(3, ring / 8);
       ctx.lineWidth = w;
-      ctx.strokeStyle = this.colors.focus;
+      ctx.strokeStyle = this.ringColor || this.colors.focus;
       ctx.strokeRect(x + w / 2, y + w / 2, ring - w, ring - w);
       ctx.strokeStyle = "#fff";
       ctx.lineWidth = Math.max(1, w / 2);

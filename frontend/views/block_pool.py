@@ -33,6 +33,8 @@ reserved for tokens that do not exist yet (that is *paged attention*).
 - **white stripes**: the draft model's own KV blocks (speculative decoding with a draft model)
 - rings flash on **allocate** (green), **free** (slate), **share** (purple), **copy-on-write**
   (orange) and **evict** (red)
+- a **double ring** (white inside) lasts while a lesson step explains those blocks, in the colour of
+  what the moment did to them: orange for a copy-on-write, purple for a share, green for new blocks
 
 Hover a block for its owners and how many of its token slots are filled; click it to select its
 request in the other views. While a request is selected its blocks are outlined and the others fade.
@@ -49,7 +51,7 @@ LEGEND = [(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = r
           (STRIPES, "stripes: draft model")]
 RING_LEGEND = [(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
                for kind, color in FLASH_COLORS.items()] + \
-              [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR}", "lesson: look here")]
+              [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR},inset 0 0 0 5px #fff", "lesson: look here")]
 
 
 class BlockPoolCanvas(ui.element, component="block_pool.js"):
@@ -168,10 +170,11 @@ class BlockPoolView(FeedView):
         for title, rank in zip(self.rank_titles, state.ranks):
             title.set_text(rank_title(rank, state.cache.get("block_size", 0), replicated))
 
-    def ring(self, blocks: list[int]) -> None:
-        """Lesson mode's lasting rings, on every rank's strip (the same blocks on each)."""
+    def ring(self, blocks: list[int], color: str | None = None) -> None:
+        """Lesson mode's lasting rings, on every rank's strip (the same blocks on each), in `color` (default:
+        the focus colour)."""
         for canvas in self.canvases:
-            canvas.run_method("ring", blocks)
+            canvas.run_method("ring", blocks, color)
 
     def full(self) -> bool:
         state, history, selected = self.feed.state, self.feed.history, self.selection.request_id
