@@ -154,7 +154,11 @@ class Dashboard:
                 .on("click", js_handler="() => kvscope.shortcutsHelp()").mark("shortcuts-button") \
                 .tooltip("keys: space or → continue, P projector, F full screen, ? all of them")
             for feed in feeds:
-                self.exports.append(ExportMenu(self.backend, feed.run_id))
+                self.exports.append(ExportMenu(self.backend, feed, lambda f=feed: self._paused_at(f)))
+
+    def _paused_at(self, feed: RunFeed) -> str | None:
+        """The moment this run's lesson guide holds it at (its column is built after the header's menu)."""
+        return next((c.guide.paused_at for c in self.columns if c.feed is feed), None)
 
     def _welcome(self, runs: dict[str, dict] | None, runs_error: str | None) -> None:
         with ui.card().classes("kv-card w-full").props("flat bordered"):

@@ -1,5 +1,7 @@
 """The export menu: PNG / SVG of a view, a GIF of the run and a Perfetto trace (rendered server-side by the
-`frontend.export` package from the run's trace), and the trace itself as JSONL.
+`frontend.export` package from the run's trace), the trace itself as JSONL, and for a lesson the moment it
+is paused at (a PNG) and, once the run is finished, the whole lesson as an HTML handout. Those two are
+enabled only when they can be made; the menu checks each time it opens.
 
 Rendering runs in a worker thread (NiceGUI's run.io_bound) so the page stays live; the renderer reports
 each frame, and a progress bar beside the button follows it (from the event loop: the worker only
@@ -15,31 +17,42 @@ from pathlib import Path
 
 from nicegui import run, ui
 
-from kvscope.frontend.client import Backend, BackendError
+from kvscope.frontend.client import Backend, BackendError, RunFeed
+from kvscope.frontend.lesson import lesson_steps
 
 VIEWS = {"timeline": "Timeline", "blocks": "Block pool", "batch": "Batch composition"}
-KINDS = {".png": "PNG", ".svg": "SVG", ".json": "Perfetto JSON", ".gif": "GIF"}
+KINDS = {".png": "PNG", ".svg": "SVG", ".json": "Perfetto JSON", ".gif": "GIF", ".html": "HTML"}
+LESSON_EXPORTS = {"moment": "this moment", "handout": "lesson handout"}
 
 
 def parse_jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def render_bytes(events: list[dict], view: str, suffix: str,
-                 progress: Callable[[float], None] | None = None) -> bytes:
-    """The picture (or Perfetto JSON) of one view as bytes, through a temporary file."""
+def render_bytes(events: list[dict], view: str, suffix: str, progress: Callable[[float], None] | None = None,
+                 moment: str | None = None) -> bytes:
+    """The picture (Perfetto JSON, handout) of one view as bytes, through a temporary file."""
     from kvscope.frontend.export import render  # matplotlib loads on the first export only
 
     with tempfile.TemporaryDirectory(prefix="kvscope-export-") as folder:
         out = Path(folder) / f"{view}{suffix}"
-        render(events, view, out, progress=progress)
+        render(events, view, out, moment=moment, progress=progress)
         return out.read_bytes()
 
 
+def handout_ready(feed: RunFeed) -> bool:
+    """A handout is made from a finished run whose scenario has a lesson."""
+    state = feed.state
+    return state is not None and state.finished and bool(lesson_steps(state.scenario))
+
+
 class ExportMenu:
-    def __init__(self, backend: Backend, run_id: str) -> None:
-        self.backend = backend
-        self.run_id = run_id
+    """`paused_at()` is the moment kind the page's lesson guide holds the run at, or None (the run column
+    owns the guide; the menu sits in the header)."""
+
+    def __init__(self, backend: Backend, feed: RunFeed, paused_at: Callable[[], str | None] = lambda: None) -> None:
+        self.backend, self.feed, self.paused_at = backend, feed, paused_at
+        self.run_id = feed.run_id
         self.last: tuple[str, int] | None = None  # (filename, size) of the last export, for tests
         self.busy = False
         with ui.row().classes("items-center gap-2 no-wrap").mark("export-status") as self.status:
@@ -51,7 +64,7 @@ class ExportMenu:
         self.status.set_visibility(False)
         button = ui.button(icon="download").props("flat round color=white data-kv=export").tooltip("export")
         with button.mark("export"):
-            with ui.menu().mark("export-menu"):
+            with ui.menu().mark("export-menu").on_value_change(self.refresh) as self.menu:
                 for view, title in VIEWS.items():
                     for suffix in (".png", ".svg"):
                         ui.menu_item(f"{title} {suffix[1:].upper()}",
@@ -61,6 +74,23 @@ class ExportMenu:
                 ui.menu_item("Run as GIF (block pool + timeline)", lambda: self.export("blocks", ".gif")) \
                     .mark("export-gif")
                 ui.menu_item("Trace JSONL", self.download_trace).mark("export-trace")
+                ui.separator()
+                self.moment_item = ui.menu_item("This moment (PNG)", self.export_moment).mark("export-moment")
+                self.handout_item = ui.menu_item("Handout (HTML)", lambda: self.export("handout", ".html")) \
+                    .mark("export-handout")
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Enable the lesson's exports that can be made now."""
+        self.moment_item.set_enabled(self.paused_at() is not None)
+        self.handout_item.set_enabled(handout_ready(self.feed))
+
+    async def export_moment(self) -> bytes | None:
+        kind = self.paused_at()
+        if kind is None:  # the run went on between opening the menu and the click
+            ui.notify("the lesson is no longer paused at a moment", type="warning")
+            return None
+        return await self.export("moment", ".png", kind)
 
     async def _trace(self) -> str | None:
         try:
@@ -69,30 +99,32 @@ class ExportMenu:
             ui.notify(str(e), type="negative")
             return None
 
-    def _file_name(self, view: str, suffix: str) -> str:
-        return f"kvscope-{self.run_id}-{ {'.json': 'perfetto', '.gif': 'run'}.get(suffix, view)}{suffix}"
+    def _file_name(self, view: str, suffix: str, moment: str | None = None) -> str:
+        what = f"moment-{moment}" if moment else {".json": "perfetto", ".gif": "run"}.get(suffix, view)
+        return f"kvscope-{self.run_id}-{what}{suffix}"
 
-    async def export(self, view: str, suffix: str) -> bytes | None:
+    async def export(self, view: str, suffix: str, moment: str | None = None) -> bytes | None:
         if self.busy:
             ui.notify("an export is still rendering", type="warning")
             return None
         text = await self._trace()
         if text is None:
             return None
-        what = "run GIF" if suffix == ".gif" else f"{VIEWS[view].lower()} {KINDS[suffix]}"
+        title = LESSON_EXPORTS.get(view) or VIEWS[view].lower()
+        what = "run GIF" if suffix == ".gif" else f"{title} {KINDS[suffix]}"
         self.busy = True
         self._show(f"rendering {what}", 0.0)
         loop = asyncio.get_running_loop()
         try:
             data = await run.io_bound(render_bytes, parse_jsonl(text), view, suffix,
-                                      lambda f: loop.call_soon_threadsafe(self.progress.set_value, round(f, 3)))
+                                      lambda f: loop.call_soon_threadsafe(self.progress.set_value, round(f, 3)), moment)
         except (ValueError, ImportError) as e:  # ExportError is a ValueError
             self.status.set_visibility(False)
             ui.notify(f"export failed: {e}", type="negative", multi_line=True)
             return None
         finally:
             self.busy = False
-        name = self._file_name(view, suffix)
+        name = self._file_name(view, suffix, moment)
         self._show(f"✓ {name} ({len(data) / 1e6:.1f} MB)" if len(data) > 1e5 else f"✓ {name}", 1.0)
         self.last = (name, len(data))
         ui.download(data, name)

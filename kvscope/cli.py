@@ -379,17 +379,20 @@ def cmd_export(args: argparse.Namespace) -> None:
     from kvscope.frontend.export import ExportError, check_options, parse_size, render
 
     out = Path(args.out)
+    view = "handout" if args.handout else "moment" if args.moment else args.view
     try:
-        check_options(args.view, out, args.x, args.stride)  # before reading what may be a long trace
+        check_options(view, out, args.x, args.stride, args.moment)  # before reading what may be a long trace
         size = parse_size(args.size)
-        render(read_trace(args.trace), args.view, out, x=args.x, step=args.step, stride=args.stride, size=size)
+        render(read_trace(args.trace), view, out, x=args.x, step=args.step, stride=args.stride, size=size,
+               moment=args.moment)
     except ExportError as e:
-        where = {"trace": args.trace, "view": f"--view {args.view}", "out": f"--out {args.out}",
+        where = {"trace": args.trace, "view": f"--view {view}", "out": f"--out {args.out}",
                  "x": f"--x {args.x}", "step": f"--step {args.step}", "stride": f"--stride {args.stride}",
-                 "size": f"--size {args.size}"}[e.field]
+                 "size": f"--size {args.size}", "moment": f"--moment {args.moment}"}[e.field]
         raise UserError(str(where), str(e.reason)) from None
-    what = {".json": "Perfetto trace of the timeline", ".gif": "block pool and timeline, animated"}
-    print(f"wrote {out} ({what.get(out.suffix.lower(), args.view)})")
+    what = {".json": "Perfetto trace of the timeline", ".gif": "block pool and timeline, animated",
+            ".html": "the lesson as a handout"}
+    print(f"wrote {out} ({what.get(out.suffix.lower(), view)})")
 
 
 def cmd_scenarios(args: argparse.Namespace) -> None:
@@ -562,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="draw a view of a trace as PNG/SVG, or the timeline as a Perfetto trace")
     e.add_argument("trace", help="a trace .jsonl file")
     e.add_argument("--out", required=True,
-                   help="FILE.png, FILE.svg, FILE.json (Chrome/Perfetto trace) or FILE.gif (block pool + timeline)")
+                   help="FILE.png, FILE.svg, FILE.json (Chrome/Perfetto trace), FILE.gif (block pool + timeline) or "
+                        "FILE.html (--handout)")
     e.add_argument("--view", default="timeline", help="timeline, blocks or batch (default timeline)")
     e.add_argument("--x", default="steps", help="timeline x axis: steps or seconds")
     e.add_argument("--step", type=int, default=None,
@@ -571,6 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GIF: a frame every N iterations (default: every one, sampled down to 80 frames)")
     e.add_argument("--size", default="1920x1080",
                    help="pixels, WIDTHxHEIGHT, or a width alone for 16:9 (default 1920x1080, a slide)")
+    e.add_argument("--moment", default=None,
+                   help="the lesson step that pauses at this moment (e.g. copy_on_write) as a picture, ringed and "
+                        "captioned as the lesson shows it")
+    e.add_argument("--handout", action="store_true",
+                   help="the whole lesson as one self-contained HTML file (--out FILE.html): each step's text, "
+                        "question, answer and picture")
     e.set_defaults(func=cmd_export)
 
     w = sub.add_parser("whatif", help="one iteration of a model shape on a GPU: FLOPs, bytes, time, bound")

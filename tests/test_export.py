@@ -14,11 +14,13 @@ from kvscope.cli import main
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.events.trace import TraceWriter, read_trace
 from kvscope.backend.run import ScenarioRun
-from kvscope.backend.scenario import Scenario
+from kvscope.backend.scenario import Scenario, load_scenario
 from kvscope.frontend.export import SLIDE_SIZE, VIEWS, render
-from kvscope.frontend.export.blocks import draw_blocks, pool_layout, used_blocks
-from kvscope.frontend.export.replayed import replay, segments
+from kvscope.frontend.export.figure import request_colors, slide_style
+from kvscope.frontend.export.blocks import draw_blocks, pool_area, pool_layout, used_blocks
+from kvscope.frontend.export.replayed import busiest_step, replay, segments
 from kvscope.frontend.export.timeline import PRUNED_COLOR, draw_timeline
+from kvscope.frontend.palette import BLOCK_COLORS
 
 BURST = {"count": 8, "arrival": {"process": "burst"}, "prompt_tokens": {"min": 16, "max": 40},
          "max_tokens": {"min": 12, "max": 30}, "shared_prefix": {"tokens": 16, "fraction": 0.5},
@@ -64,8 +66,7 @@ def test_each_view_is_a_full_hd_slide_with_many_colors(pressure, tmp_path, view)
 def test_no_text_on_a_slide_is_under_16_px_and_the_title_names_scenario_and_step(pressure, view):
     from matplotlib.text import Text
 
-    from kvscope.frontend.export.figure import slide_style
-    from kvscope.frontend.export.write import DRAW
+    from kvscope.frontend.export.draw import DRAW
 
     run = replay(pressure[1], 20)
     with slide_style():  # as render() draws
@@ -181,7 +182,7 @@ def test_a_2048_block_pool_is_cropped_to_the_rows_its_blocks_were_used_in(tmp_pa
     assert (pixels.shape[1], pixels.shape[0]) == SLIDE_SIZE and distinct_colors(pixels) >= 4
     run = replay(events, 3)
     used = used_blocks(run.events)
-    layout = pool_layout(2048, used)
+    layout = pool_layout(2048, used, pool_area(SLIDE_SIZE))
     used_rows = {b // layout.cols for b in used}
     assert used_rows <= set(layout.rows) <= {r + d for r in used_rows for d in (-1, 0, 1)}  # a row of margin
     cells = draw_blocks(run).axes[0].collections[0]
@@ -191,9 +192,71 @@ def test_a_2048_block_pool_is_cropped_to_the_rows_its_blocks_were_used_in(tmp_pa
 
 
 def test_rows_nobody_used_between_used_ones_are_left_out_with_a_line_between():
-    layout = pool_layout(2048, {0, 1, 2, 3, 700})
-    assert layout.cols == 32 and layout.rows == [0, 1, 20, 21, 22]  # 700 = row 21, column 28
-    assert pool_layout(24, set(range(24))).rows == [0, 1, 2]  # a full small pool: all of it
+    area = pool_area(SLIDE_SIZE)
+    layout = pool_layout(2048, {0, 1, 2, 3, 700}, area)
+    assert layout.cols == 8 and layout.rows == [0, 1, 86, 87, 88]  # 700 = row 87, column 4: 5 rows of large cells
+    assert pool_layout(24, set(range(24)), area).rows == [0, 1, 2]  # a full small pool: all of it
+
+
+def test_the_columns_are_those_that_fill_the_slide_with_the_largest_cells():
+    area = pool_area(SLIDE_SIZE)  # about 1382 × 778 px
+    assert pool_layout(64, {0, 1, 2, 3, 4}, area).cols == 4  # 3 rows of 4: not a band of 8 across an empty slide
+    assert pool_layout(64, {0, 1, 2, 3, 4}, pool_area(SLIDE_SIZE, strips=2)).cols == 8  # half the height: 2 rows of 8
+    assert pool_layout(4096, set(range(4096)), area).cols == 64  # every block of a large pool: cells of 18 × 12 px
+
+
+def of_colors(pixels: np.ndarray, colors: list[str]) -> np.ndarray:
+    """[height, width] True where a pixel has one of `colors`."""
+    return np.any([np.abs(pixels - np.array(to_rgb(c))).max(axis=-1) < 0.01 for c in colors], axis=0)
+
+
+def cells_extent(pixels: np.ndarray, colors: list[str]) -> tuple[float, float]:
+    """The share of the slide's width and height spanned by the pool's cells: pixels of the cell colours, in
+    columns and rows that hold many of them (a legend's swatches hold a few)."""
+    cell = of_colors(pixels, colors)
+    cols, rows = np.flatnonzero(cell.sum(axis=0) > 60), np.flatnonzero(cell.sum(axis=1) > 60)
+    return (cols[-1] - cols[0]) / pixels.shape[1], (rows[-1] - rows[0]) / pixels.shape[0]
+
+
+def test_the_block_pool_fills_the_slide_and_its_title_names_the_peak_it_defaults_to(pressure, tmp_path):
+    _, events = pressure
+    peak = busiest_step(events)
+    run = replay(events, peak)
+    with slide_style():
+        title = draw_blocks(run).get_suptitle()
+    assert f"step {peak} of {run.trace_last}, the peak" in title
+    pixels = read_png(render(events, "blocks", tmp_path / "blocks.png"))
+    cell_colors = [BLOCK_COLORS["free"], BLOCK_COLORS["cached"], *request_colors(run).values()]
+    width, height = cells_extent(pixels, cell_colors)
+    assert width > 0.6 and height > 0.65, (width, height)  # the grid, not its margins, fills the slide
+    with slide_style():
+        assert ", the peak" not in draw_blocks(replay(events, peak + 1)).get_suptitle()  # a step asked for
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel() -> list[dict]:
+    """The tensor-parallel scenario at two ranks (two processes, about 6 s)."""
+    events: list[dict] = []
+    bus = EventBus()
+    bus.subscribe(events.append)
+    run = ScenarioRun(load_scenario("tensor-parallel", ["engine.tensor_parallel=2"]), bus=bus)
+    run.run()
+    run.engine.close()
+    return events
+
+
+def test_a_tensor_parallel_pool_is_a_strip_per_rank_titled_with_what_it_holds(tensor_parallel, tmp_path):
+    run = replay(tensor_parallel, busiest_step(tensor_parallel))
+    with slide_style():
+        fig = draw_blocks(run)
+    strips = [ax for ax in fig.axes if ax.collections]
+    titles = [ax.get_title(loc="left").splitlines()[-1] for ax in strips]
+    assert [t.split(" · ")[0] for t in titles] == ["rank 0", "rank 1"]
+    assert "KV head 0" in titles[0] and "KV head 1" in titles[1]
+    pixels = read_png(render(tensor_parallel, "blocks", tmp_path / "tp.png"))
+    held = of_colors(pixels, list(request_colors(run).values()))
+    middle = pixels.shape[0] // 2
+    assert held[:middle].sum() > 20_000 and held[middle:].sum() > 20_000  # the same blocks held in both strips
 
 
 def test_the_beam_timeline_draws_the_beam_tree_forks_linked_and_pruned_beams_crossed(tmp_path, tiny_dir):

@@ -1,4 +1,4 @@
-"""The animated GIF for slides, and the block pool still at the busiest iteration."""
+"""The animated GIF for slides, and the block pool still at the busiest iteration, named as the peak."""
 
 from __future__ import annotations
 
@@ -88,6 +88,8 @@ def test_the_block_pool_still_defaults_to_the_busiest_iteration(pressure, tmp_pa
     default = read_png(render(events, "blocks", tmp_path / "default.png"))
     chosen = read_png(render(events, "blocks", tmp_path / "chosen.png", step=busiest))
     assert np.array_equal(default, chosen)
+    with Image.open(tmp_path / "default.png") as png:  # and it says so: not a step picked in silence
+        assert f"step {busiest} of {max(used)}, the peak" in png.info["Title"]
 
 
 def test_the_gif_replays_the_events_a_fixed_number_of_times_whatever_its_frames(pressure, tmp_path, monkeypatch):

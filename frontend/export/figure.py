@@ -50,21 +50,23 @@ def request_colors(run: ExportedRun) -> dict[str, str]:
     return {rid: request_color(run.history.rows.get(rid, i)) for i, rid in enumerate(run.order)}
 
 
-def title(run: ExportedRun, view: str) -> str:
-    """'Timeline · memory-pressure · step 30 of 73 · model demo': what a slide says it shows."""
-    return f"{view} · {run.scenario} · {step_label(run.last, run)} · model {run.model_name}"
+def title(run: ExportedRun, view: str, step_note: str = "") -> str:
+    """'Timeline · memory-pressure · step 30 of 73 · model demo': what a slide says it shows; `step_note`
+    says why that step ('the peak')."""
+    note = f", {step_note}" if step_note else ""
+    return f"{view} · {run.scenario} · {step_label(run.last, run)}{note} · model {run.model_name}"
 
 
 def step_label(step: int, run: ExportedRun) -> str:
     return f"step {step} of {run.trace_last}" + (" (end)" if step == run.trace_last else "")
 
 
-def frame(run: ExportedRun, view: str, subtitle: str, size: Size = SLIDE_SIZE, rows: int = 1,
+def frame(run: ExportedRun, view: str, subtitle: str, size: Size = SLIDE_SIZE, rows: int = 1, step_note: str = "",
           **kw: Any) -> tuple[Figure, list[Axes]]:
     """A slide with the view, run and step as its title and one line of facts under it."""
     fig = slide_figure(size)
     axes = fig.subplots(rows, 1, squeeze=False, **kw)[:, 0].tolist()
-    fig.suptitle(title(run, view), fontsize=TITLE_PT, fontweight="bold")
+    fig.suptitle(title(run, view, step_note), fontsize=TITLE_PT, fontweight="bold")
     axes[0].set_title(subtitle, fontsize=SUBTITLE_PT, loc="left", color="#444444")
     return fig, axes
 

@@ -94,13 +94,14 @@ class Slide:
                           x=0.01, ha="left")
         # What changes per frame is short text of its own: a text costs per glyph, in every frame.
         self.step = self.fig.text(0.99, 0.995, "", fontsize=TITLE_PT, fontweight="bold", ha="right", va="top")
-        layout = pool_layout(run.state.num_blocks, used_blocks(run.events))
+        area = (0.7 * size[0], 0.36 * size[1])
+        layout = pool_layout(run.state.num_blocks, used_blocks(run.events), area)
         # the title's second line is left blank for the counts, which change
         pool_ax.set_title(f"KV block pool: {shown_rows_note(layout)} × {run.state.cache.get('block_size', '?')} "
                           "tokens\n", fontsize=SUBTITLE_PT, loc="left", color="#444444")
         self.facts = pool_ax.text(0.0, 1.0, "", transform=pool_ax.transAxes, fontsize=SUBTITLE_PT, ha="left",
                                   va="bottom", color="#111111")
-        self.pool = PoolGrid(pool_ax, layout, (0.7 * size[0], 0.36 * size[1]), ids=False)
+        self.pool = PoolGrid(pool_ax, layout, area, ids=False)
         pool_legend(pool_ax, request_colors(run), run.order, None, max_rows=max(4, int(0.36 * size[1] / 27)))
         timeline_ax.set_title("Timeline", fontsize=SUBTITLE_PT, loc="left", color="#444444")
         self.timeline = TimelineArtists(timeline_ax, run, axis_px=0.45 * size[1])

@@ -29,6 +29,7 @@ class ExportedRun:
     last: int  # the last iteration
     first: int  # the first iteration (a trace that starts mid-run, the server's windowed /trace: not 0)
     trace_last: int  # the trace's last iteration (past `last` when replayed up to a step)
+    peak: int  # the trace's first iteration with the most KV blocks in use
 
     @property
     def scenario(self) -> str:
@@ -65,7 +66,7 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     if not iterations:
         raise ExportError("trace", "no iteration events to draw (recorded with engine.events=off?)")
     first, last = iterations[0]["step"], iterations[-1]["step"]
-    trace_last = last
+    trace_last, peak = last, busiest_step(iterations)
     if step is not None and not first <= step <= last:
         raise ExportError("step", f"{step} is outside the trace's iterations {first}..{last}")
     if step is not None:
@@ -81,7 +82,7 @@ def replay(events: list[Event], step: int | None = None) -> ExportedRun:
     order = [rid for rid, view in state.requests.items() if view.status != "rejected"]
     return ExportedRun(events, state, history, order, batches, ran,
                        {it["step"]: it["t"] - it["duration_s"] for it in iterations}, iterations[-1]["t"],
-                       iterations[-1]["step"], first, trace_last)
+                       iterations[-1]["step"], first, trace_last, peak)
 
 
 def busiest_step(events: list[Event]) -> int | None:
