@@ -129,6 +129,20 @@ class Backend:
         body = {"speed": speed, "paused": paused, "lesson": lesson}
         return (await self.request("POST", f"/api/library/{entry_id}/open", body))["run_id"]
 
+    async def save_pair(self, run_ids: tuple[str, str], name: str | None = None) -> dict:
+        """A compare page's two runs kept in the library as one pair."""
+        return await self.request("POST", "/api/library/pairs", {"runs": list(run_ids), "name": name})
+
+    async def delete_pair(self, pair_id: str) -> None:
+        await self.request("DELETE", f"/api/library/pairs/{pair_id}")
+
+    async def open_pair(self, pair_id: str, speed: float = 4.0, paused: bool = True,
+                        lesson: bool = False) -> tuple[str, str]:
+        """A saved pair's two runs as new replays; their ids, left then right."""
+        body = {"speed": speed, "paused": paused, "lesson": lesson}
+        left, right = (await self.request("POST", f"/api/library/pairs/{pair_id}/open", body))["run_ids"]
+        return left, right
+
 
 def _error_message(response: httpx.Response) -> str:
     try:

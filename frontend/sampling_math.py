@@ -1,13 +1,18 @@
 """The sampler's stages recomputed for the sampling view, exactly or from a token event's top tokens.
 
-Exact: given the token's whole raw (T=1) distribution (a served run keeps it, GET /api/runs/{id}/dist),
-every stage is computed over the full vocabulary. Approximate: a token event carries only the top
-tokens' raw probabilities (a replay, an evicted row), so the rest of the vocabulary is modelled as
-tokens no more likely than the least likely shown one (an upper bound on each), as many as the left
-over mass needs. Either way the shown tokens are reported one by one and everything else as one
-"tail" bucket. Under a grammar (structured outputs) the event's raw distribution is the one after
-the grammar's mask; the model's own comes first as the "model" stage, rebuilt from the mass the
-mask removed and the likeliest tokens it removed (the event's `dist.masked`). The rules are those
+Exact: given the token's whole raw (T=1) distribution, every stage is computed over the full
+vocabulary. The row comes from the token event itself when the run recorded it there
+(`dist.raw_probs_f32`: each sequence's first token, a grammar's forced ones; so a saved run and a
+replay are as exact as the live run for them), else from a served run that still keeps it (GET
+/api/runs/{id}/dist); and under a grammar that allowed no more tokens than the event shows, the
+shown ones are the whole distribution. Approximate otherwise (a replay's other tokens, an evicted
+row): the rest of the vocabulary is modelled as tokens no more likely than the least likely shown
+one (an upper bound on each), as many as the left over mass needs. What the view prints as fact
+is never modelled: the vocabulary's size, how many tokens are not shown, the mass they hold
+(1 - the shown ones' sum). Either way the shown tokens are reported one by one and everything else
+as one "tail" bucket. Under a grammar (structured outputs) the event's raw distribution is the one
+after the grammar's mask; the model's own comes first as the "model" stage, rebuilt from the mass
+the mask removed and the likeliest tokens it removed (the event's `dist.masked`). The rules are those
 of `backend/engine/sampler.py` (`truncation_mask`): temperature, then top-k (ties with the k-th
 token kept), then top-p judged on the top-k survivors renormalized, then min-p, the most likely
 token always kept, EOS protected unless `truncate_eos`. We reimplement them with numpy instead of
@@ -69,7 +74,7 @@ class Stages:
     masked: set[int] = field(default_factory=set)  # shown tokens the grammar's mask removed
     probs: dict[str, list[float]] = field(default_factory=dict)
     tail: dict[str, float] = field(default_factory=dict)  # mass of all tokens not shown, per stage
-    tail_count: int = 0  # how many vocabulary tokens the tail stands for (modelled when not exact)
+    tail_count: int = 0  # how many vocabulary tokens are not shown (a fact, exact or not)
     removed: dict[str, float] = field(default_factory=dict)  # per filter: share of the mass it was given that it cut
     exact: bool = False  # computed from the whole distribution, not the tail model
 
@@ -79,7 +84,8 @@ def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size:
     """Each stage's distribution over the shown tokens (sorted by raw probability; under a grammar by
     the model's, its masked tokens among them) plus the tail.
 
-    row: the whole raw distribution [vocab] (exact); None: the tail model (approximate)."""
+    row: the whole raw distribution [vocab] (exact); None: the tail model (approximate), unless the
+    top holds every token a grammar allowed (then it is the whole distribution)."""
     rows = sorted(top, key=lambda r: -r[2])
     if mask is not None:  # a masked token has no raw (after the mask) probability: 0 among the rows
         model_p = {int(r[0]): float(r[2]) * (1.0 - mask.mass) for r in rows}
@@ -87,12 +93,16 @@ def compute_stages(top: list[list], knobs: Knobs, eos_ids: set[int], vocab_size:
         model_p |= {int(t): float(p) for t, _, p in mask.top}
         rows.sort(key=lambda r: -model_p[int(r[0])])
     ids, texts = [int(r[0]) for r in rows], [r[1] for r in rows]
+    if row is None and mask is not None and whole_under_mask(rows, mask, vocab_size):
+        row = np.zeros(vocab_size)
+        row[ids] = [float(r[2]) for r in rows]
     if row is not None:
-        full, shown, tail_count = np.asarray(row, dtype=np.float64), np.array(ids, dtype=np.int64), len(row) - len(ids)
+        full, shown = np.asarray(row, dtype=np.float64), np.array(ids, dtype=np.int64)
         eos = [i for i in eos_ids if 0 <= i < len(row)]
     else:
-        full, tail_count = _modelled_row([max(float(r[2]), 0.0) for r in rows], vocab_size)
+        full = _modelled_row([max(float(r[2]), 0.0) for r in rows], vocab_size)
         shown, eos = np.arange(len(ids)), [i for i, t in enumerate(ids) if t in eos_ids]
+    tail_count = max(vocab_size - len(ids), 0)
     probs, removed = stage_probs(full, knobs, [] if knobs.truncate_eos else eos)
     out = Stages(ids, texts, tail_count=tail_count, removed=removed, exact=row is not None)
     for stage, p in probs.items():
@@ -120,13 +130,20 @@ def _model_stage(out: Stages, rows: list[list], mask: Mask) -> None:
     out.names, out.mask = GRAMMAR_STAGES, mask
 
 
-def _modelled_row(raw: list[float], vocab_size: int) -> tuple[np.ndarray, int]:
-    """The shown tokens' raw probabilities followed by the tail model; and how many tail tokens it holds."""
+def whole_under_mask(rows: list[list], mask: Mask, vocab_size: int) -> bool:
+    """Whether the shown tokens are every one the grammar allowed (as many with a probability as it
+    allowed): then they are the whole distribution after the mask, and every later stage is exact."""
+    allowed = {int(r[0]) for r in rows if float(r[2]) > 0.0}
+    return 0 < mask.num_allowed == len(allowed) and max(allowed) < vocab_size
+
+
+def _modelled_row(raw: list[float], vocab_size: int) -> np.ndarray:
+    """The shown tokens' raw probabilities followed by the tail model: as many tokens as the left over
+    mass needs, each as likely as the least likely shown one (never more than the vocabulary has)."""
     tail_mass = max(0.0, 1.0 - sum(raw))
     floor = min((p for p in raw if p > 0), default=1.0)
-    tail_count = min(max(vocab_size - len(raw), 0), math.ceil(tail_mass / floor)) if tail_mass > 1e-9 else 0
-    tail_each = tail_mass / tail_count if tail_count else 0.0
-    return np.array(raw + [tail_each] * tail_count, dtype=np.float64), tail_count
+    count = min(max(vocab_size - len(raw), 0), math.ceil(tail_mass / floor)) if tail_mass > 1e-9 else 0
+    return np.array(raw + [tail_mass / count if count else 0.0] * count, dtype=np.float64)
 
 
 def stage_probs(raw: np.ndarray, knobs: Knobs, protect: list[int]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
@@ -173,8 +190,14 @@ def _cumulative_masks(probs: np.ndarray, knobs: Knobs, protect: list[int]) -> li
 
 
 def decode_row(raw_probs_f32: str) -> np.ndarray:
-    """The dist route's row (base64 of little-endian float32) as float64 [V]."""
+    """A row as the dist route and a recorded token event carry it (base64 of little-endian float32) as float64 [V]."""
     return np.frombuffer(base64.b64decode(raw_probs_f32), dtype="<f4").astype(np.float64)
+
+
+def recorded_row(dist: dict) -> np.ndarray | None:
+    """The whole raw row a token event carries when its run recorded it (dist_rows.py RecordedRows)."""
+    text = dist.get("raw_probs_f32")
+    return decode_row(text) if text else None
 
 
 def knobs_of(dist: dict, sampling: dict | None = None) -> Knobs:

@@ -1,7 +1,8 @@
 """The landing page's run library: runs saved by the server (GET /api/library), to open, rename or delete.
 
 A lecturer runs the scenarios before class; each finished run is saved with its scenario and settings,
-and opens again as a replay, paused at its start, whose every view is the live run's. Each element
+and opens again as a replay, paused at its start, whose every view is the live run's. A compare page's
+two runs are saved as a pair (`SavePair`, on that page) and open again side by side. Each element
 carries its marker twice: `.mark` for the simulated user, `data-kv` for Chromium.
 """
 
@@ -35,12 +36,14 @@ def saved_facts(entry: dict[str, Any]) -> str:
 
 
 class SavedRuns:
-    """A card listing the library; `navigate(run_id)` opens the replay a saved run became."""
+    """A card listing the library; `navigate(run_id, compare)` opens the replay a saved run became, or a
+    pair's two side by side."""
 
-    def __init__(self, backend: Backend, navigate: Callable[[str], None]) -> None:
+    def __init__(self, backend: Backend, navigate: Callable[[str, str | None], None]) -> None:
         self.backend = backend
         self.navigate = navigate
         self.entries: list[dict[str, Any]] = []
+        self.pairs: list[dict[str, Any]] = []
         with ui.card().classes("kv-card w-full").props("flat bordered").mark("library").props("data-kv=library"):
             ui.label("Run library").classes("kv-card-title")
             self.body = ui.column().classes("w-full gap-1")
@@ -51,7 +54,7 @@ class SavedRuns:
         except BackendError as e:
             self._show_note(f"The run library could not be read: {e}")
             return
-        self.entries = listing["entries"]
+        self.entries, self.pairs = listing["entries"], listing.get("pairs", [])
         if not listing["enabled"]:
             self._show_note("This server keeps no library (started with --no-library): runs live in its memory.")
         elif not self.entries:
@@ -70,8 +73,26 @@ class SavedRuns:
             used = f"{size_text(listing['bytes'])} of {size_text(listing['max_bytes'])}"
             ui.label(f"Finished runs, saved on the server ({used}; the oldest go first). "
                      "Each opens paused at its start.").classes("kv-muted")
+            by_id = {e["id"]: e for e in self.entries}
+            for pair in self.pairs:
+                self._pair_row(pair, [by_id[run_id] for run_id in pair["runs"]])
             for entry in self.entries:
                 self._entry_row(entry)
+
+    def _pair_row(self, pair: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        with ui.row().classes("items-center gap-2 no-wrap w-full").mark("library-pair").props("data-kv=library-pair"):
+            ui.button(icon="compare", on_click=lambda p=pair: self.open_pair(p, runs)).props("flat round dense") \
+                .mark("library-pair-open").props("data-kv=library-pair-open") \
+                .tooltip("open both side by side, paused at their start")
+            with ui.column().classes("gap-0"):
+                ui.label(pair["name"]).classes("kv-run-link").mark("library-pair-name") \
+                    .props("data-kv=library-pair-name")
+                ui.label(f"compare pair · {runs[0]['name']} | {runs[1]['name']} · saved {saved_when(pair)}") \
+                    .classes("kv-muted")
+            ui.space()
+            ui.button(icon="delete", on_click=lambda p=pair: self._delete_pair(p)).props("flat round dense") \
+                .mark("library-pair-delete").props("data-kv=library-pair-delete") \
+                .tooltip("forget the pair (its two runs stay in the library)")
 
     def _entry_row(self, entry: dict[str, Any]) -> None:
         with ui.row().classes("items-center gap-2 no-wrap w-full").mark("library-entry").props("data-kv=library-entry"):
@@ -96,6 +117,22 @@ class SavedRuns:
             ui.notify(f"Could not open {entry['name']}: {e}", type="negative", multi_line=True)
             return
         self.navigate(run_id)
+
+    async def open_pair(self, pair: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        try:
+            left, right = await self.backend.open_pair(pair["id"], paused=True, lesson=any(r["lesson"] for r in runs))
+        except BackendError as e:
+            ui.notify(f"Could not open {pair['name']}: {e}", type="negative", multi_line=True)
+            return
+        self.navigate(left, right)
+
+    async def _delete_pair(self, pair: dict[str, Any]) -> None:
+        try:
+            await self.backend.delete_pair(pair["id"])
+        except BackendError as e:
+            ui.notify(str(e), type="negative")
+            return
+        await self.load()
 
     def _ask_name(self, entry: dict[str, Any]) -> None:
         with ui.dialog() as dialog, ui.card().classes("kv-card"):
@@ -132,3 +169,24 @@ class SavedRuns:
             return
         dialog.close()
         await self.load()
+
+
+class SavePair:
+    """The compare page's button that keeps its two runs in the library as a pair (once both have finished:
+    a run is saved when it finishes)."""
+
+    def __init__(self, backend: Backend, run_ids: tuple[str, str]) -> None:
+        self.backend, self.run_ids = backend, run_ids
+        with ui.row().classes("w-full justify-end").style("grid-column: 1 / -1"):  # across the compare grid
+            self.button = ui.button("Save pair to library", icon="bookmark_add", on_click=self.save) \
+                .props("flat dense no-caps size=sm").mark("save-pair").props("data-kv=save-pair") \
+                .tooltip("keep these two runs together in the run library, to open side by side later")
+
+    async def save(self) -> dict[str, Any] | None:
+        try:
+            pair = await self.backend.save_pair(self.run_ids)
+        except BackendError as e:
+            ui.notify(f"Could not save the pair: {e}", type="warning", multi_line=True)
+            return None
+        ui.notify(f"Saved to the run library as “{pair['name']}”", type="positive")
+        return pair

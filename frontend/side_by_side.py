@@ -24,6 +24,7 @@ from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.column import RunColumn, sync_zoom
 from kvscope.frontend.compare import AXES
 from kvscope.frontend.lesson import MOMENT_TITLES, LessonGuide
+from kvscope.frontend.saved_runs import SavePair
 from kvscope.frontend.new_run import MODELS
 from kvscope.frontend.views.block_pool import pool_bytes, pool_text
 from kvscope.frontend.views.live_text import LiveText
@@ -123,6 +124,7 @@ class SideBySide:
             self.hold_line = LiveText().classes("kv-side-diff").mark("side-hold") \
                 .style("font-weight:600;border-left:4px solid #f59e0b")
             self.hold_line.set_visibility(False)
+            self.save_pair = SavePair(backend, (feeds[0].run_id, feeds[1].run_id))
             self.columns: list[RunColumn] = []
             self.guides: list[LessonGuide] = []
             for i, feed in enumerate(feeds):

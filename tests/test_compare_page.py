@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import pytest
+
 from kvscope.backend.events.state import RunState
-from tests.server_helpers import settled_feed, until
-from tests.test_dashboard import Dash, backend_url, dash, nicegui_storage, synthetic_column, until_run  # noqa: F401
+from kvscope.backend.server.library import RunLibrary
+from kvscope.backend.server.limits import ServiceLimits
+from kvscope.backend.server.manager import RunManager
+from tests.server_helpers import live_server, settled_feed, until
+from tests.test_dashboard import (Dash, backend_url, dash, nicegui_storage, simulated, synthetic_column,  # noqa: F401
+                                  until_run)
 
 
 def cuts(events: list[dict], steps: tuple[int, ...]) -> list[int]:
@@ -97,3 +107,53 @@ async def test_a_lesson_compared_side_by_side_shows_both_cards_and_pauses_both_s
     await until(lambda: not side.held and not large.feed.pacing.paused)
     await until(lambda: small.paused_at == "recompute")
     await until(lambda: 1 in side.held or large.feed.state.finished)
+
+
+@pytest.fixture(scope="module")
+def library_url(tmp_path_factory) -> Iterator[str]:
+    """A backend that keeps a run library (the shared one keeps none)."""
+    manager = RunManager(library=RunLibrary(tmp_path_factory.mktemp("library")),
+                         limits=ServiceLimits(allow_paths=True))
+    with live_server(manager) as url:
+        yield url
+
+
+async def test_a_compare_page_saved_as_a_pair_reopens_side_by_side_from_the_library(
+        library_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    from tests.test_dashboard import small_scenario
+
+    async with simulated(library_url, tiny_dir) as dash:
+        a = await dash.backend.start_run(small_scenario(tiny_dir, count=2), speed=0)
+        b = await dash.backend.start_run(small_scenario(tiny_dir, count=2, block_size=4), speed=0)
+        for run_id in (a, b):
+            await until_run(dash.backend, run_id, lambda r: r["finished"])
+        saved = {e["id"] for e in (await dash.backend.library())["entries"]}
+        while not {a, b} <= saved:  # each is saved on its own thread as it finishes
+            await asyncio.sleep(0.05)
+            saved = {e["id"] for e in (await dash.backend.library())["entries"]}
+        page = await dash.open(f"/?run={a}&compare={b}")
+        dash.user.find(marker="save-pair").click()
+        await until_pairs(dash, 1)
+        [pair] = (await dash.backend.library())["pairs"]
+        assert pair["runs"] == [a, b] and pair["name"] == "small: block_size=8 vs block_size=4"
+
+        home = await dash.open("/")
+        await until(lambda: home.saved is not None and home.saved.pairs)
+        await dash.user.should_see(pair["name"], marker="library-pair-name")
+        dash.user.find(marker="library-pair-open").click()
+        await until(lambda: dash.last is not home and dash.last.side_by_side is not None)
+        left, right = (f.run_id for f in dash.last.side_by_side.feeds)
+        runs = {r["run_id"]: r for r in await dash.backend.runs()}
+        assert runs[left]["kind"] == runs[right]["kind"] == "replay" and page is not dash.last
+        await until(lambda: all(f.state is not None for f in dash.last.side_by_side.feeds))
+        await until(lambda: dash.last.side_by_side.titles_now == ("block size: 8", "block size: 4"))
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
+    assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
+
+
+async def until_pairs(dash: Dash, count: int) -> None:
+    for _ in range(2400):
+        if len((await dash.backend.library())["pairs"]) == count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the library did not list {count} pair(s)")

@@ -77,7 +77,7 @@ def test_the_tail_stands_for_the_tokens_not_shown():
     top = [[1, "a", 0.5, 0.6], [2, "b", 0.2, 0.4]]  # 0.3 of the mass is elsewhere in a 1000-token vocab
     stages = compute_stages(top, Knobs(temperature=1.0, top_k=2), {0}, vocab_size=1000)
     assert stages.tail["raw"] == pytest.approx(0.3)
-    assert stages.tail_count == 2  # at most 0.2 each
+    assert stages.tail_count == 998  # the vocabulary less the shown: a fact (the model spreads 0.3 over 2)
     assert stages.tail["top_k"] == 0.0 and sum(stages.probs["top_k"]) == pytest.approx(1.0)
     assert sum(stages.probs["temperature"]) + stages.tail["temperature"] == pytest.approx(1.0)
 

@@ -123,6 +123,7 @@ EXAMPLES: dict[str, dict] = {
             "top_p": 0.9,
             "min_p": 0.0,
             "masked": [[9, "z", 0.2]],
+            "raw_probs_f32": "AAAAPw==",  # the whole row of a recorded token (base64 float32: [0.5])
         },
         "top_logprobs": [[42, "x", -0.69], [7, "y", -1.2]],
         "num_allowed": 12,

@@ -191,7 +191,8 @@ def test_bad_library_requests_are_4xx_naming_the_field(tiny_dir, folder):
         sneaky = client.request("DELETE", f"/api/library/{run_id}", content="x", headers={"content-type": "text/plain"})
         assert sneaky.status_code == 415  # only a DELETE without a body skips the JSON check
     with in_process(RunManager(default_model=tiny_dir)) as client:  # no library
-        assert client.get("/api/library").json() == {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
+        assert client.get("/api/library").json() == {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": [],
+                                                     "pairs": []}
         assert client.post(f"/api/library/{run_id}/open", json={}).status_code == 404
 
 
@@ -320,3 +321,110 @@ def test_serve_flags_choose_the_folder_or_none(tmp_path, monkeypatch):
     chosen = _library(argparse.Namespace(**{**flags, "library": str(tmp_path / "mine"), "library_max_mb": 5.0}))
     assert chosen.folder == tmp_path / "mine" and chosen.max_bytes == 5 * MB
     assert _library(argparse.Namespace(**{**flags, "no_library": True})) is None
+
+
+# ---- compare pairs --------------------------------------------------------------------------------------
+
+
+def header_trace(run_id: str, **engine) -> str:
+    """fake_trace with a header a reducer reads: the scenario, the engine's config, the model."""
+    header = {"type": "header", "seq": 0, "step": -1, "t": 0.0, "run_id": run_id, "schema_version": 1,
+              "scenario": {"name": "shared-prefix"}, "config": {"block_size": 16, "num_blocks": 64, **engine},
+              "model": {"name": "demo"}, "cache": {"num_blocks": 64, "block_size": 16, "bytes_per_block": 1}}
+    return json.dumps(header) + "\n" + fake_trace(run_id).split("\n", 1)[1]
+
+
+def test_a_pair_names_its_two_entries_by_what_differs_and_goes_with_either(tmp_path, ticking):
+    library = RunLibrary(tmp_path)
+    library.save(header_trace("a1", block_size=8, num_blocks=128), **facts("a1"))
+    library.save(header_trace("b2", block_size=32, num_blocks=32), **facts("b2"))
+    library.save(fake_trace("c3"), **facts("c3"))  # no header a reducer reads: named by the runs' names
+    pair = library.save_pair(("a1", "b2"))
+    assert pair.runs == ("a1", "b2")
+    assert pair.name == "shared-prefix: block_size=8, num_blocks=128 vs block_size=32, num_blocks=32"
+    named = library.save_pair(("c3", "a1"), "Week 3: blocks")
+    unnamed = library.save_pair(("a1", "c3"))
+    assert unnamed.name == "shared-prefix vs shared-prefix"
+    assert RunLibrary(tmp_path).pairs() == [unnamed, named, pair]  # a restart lists them, newest first
+    library.delete("b2")  # a pair shows both runs or nothing
+    assert library.pairs() == [unnamed, named] and not (tmp_path / "pairs" / f"{pair.id}.json").exists()
+    library.delete_pair(named.id)
+    assert library.pairs() == [unnamed] and [e.id for e in library.entries()] == ["c3", "a1"]  # the runs stay
+    with pytest.raises(LibraryError) as e:
+        library.save_pair(("a1", "zz9"))
+    assert e.value.field == "runs" and "is not a saved run" in str(e.value)
+    with pytest.raises(LibraryError) as e:
+        library.get_pair(named.id)
+    assert e.value.missing
+
+
+def test_at_most_max_pairs_are_kept_the_oldest_going_first(tmp_path, ticking, monkeypatch):
+    monkeypatch.setattr(library_module, "MAX_PAIRS", 2)
+    library = RunLibrary(tmp_path)
+    for rid in ("a1", "b2"):
+        library.save(fake_trace(rid), **facts(rid))
+    made = [library.save_pair(("a1", "b2"), f"pair {i}") for i in range(3)]
+    assert [p.name for p in library.pairs()] == ["pair 2", "pair 1"] and made[0] not in library.pairs()
+
+
+def test_a_compare_pair_saved_on_one_server_reopens_side_by_side_on_the_next(tiny_dir, folder):
+    first = served(tiny_dir, folder)
+    with in_process(first) as client:
+        a, b = finished_run(client, tiny_dir), finished_run(client, tiny_dir, {"engine.block_size": 8})
+        replay = client.post(f"/api/library/{a}/open", json={}).json()["run_id"]
+        saved = client.post("/api/library/pairs", json={"runs": [replay, b]})  # a replay stands for its saved run
+        assert saved.status_code == 201 and saved.json()["runs"] == [a, b], saved.json()
+        paused = client.post("/api/runs", json={"scenario": scenario(tiny_dir), "paused": True}).json()["run_id"]
+        refused = client.post("/api/library/pairs", json={"runs": [a, paused]})
+        assert refused.status_code == 400 and refused.json()["field"] == "runs"
+        assert "saved when it finishes" in refused.json()["error"]
+    second = served(tiny_dir, folder)
+    with in_process(second) as client:
+        [pair] = client.get("/api/library").json()["pairs"]
+        assert pair["id"] == saved.json()["id"] and pair["runs"] == [a, b]
+        opened = client.post(f"/api/library/pairs/{pair['id']}/open", json={})
+        assert opened.status_code == 201
+        left, right = opened.json()["run_ids"]
+        assert [second.get(r).kind for r in (left, right)] == ["replay", "replay"]
+        assert (second.opened_from[second.get(left)], second.opened_from[second.get(right)]) == (a, b)
+        for replay_id, entry_id in ((left, a), (right, b)):  # each replays its run's saved trace
+            assert parse_trace(second.get(replay_id).trace_jsonl()) == parse_trace(second.saved().trace_text(entry_id))
+        assert client.post("/api/library/pairs/feedfeedfeed/open", json={}).status_code == 404
+        assert client.delete(f"/api/library/pairs/{pair['id']}").status_code == 204
+        listed = client.get("/api/library").json()
+        assert listed["pairs"] == [] and {e["id"] for e in listed["entries"]} >= {a, b}
+
+
+# ---- exact sampling after a restart ---------------------------------------------------------------------
+
+
+def test_a_reopened_runs_what_if_equals_the_live_runs_for_its_recorded_tokens(tiny_dir, folder):
+    """The other bar was 83% live and 96% reopened (#38): a saved trace had only the top tokens. The tokens a
+    run records whole (each sequence's first) are exact after a restart, to the live numbers."""
+    import numpy as np
+
+    from kvscope.frontend.sampling_math import Knobs, compute_stages, decode_row, recorded_row
+    from kvscope.frontend.views.sampling import exactness_text
+
+    first = served(tiny_dir, folder)
+    with in_process(first) as client:
+        run_id = finished_run(client, tiny_dir)
+        vocab = client.get(f"/api/runs/{run_id}").json()["model"]["vocab_size"]
+        tokens = [e for e in parse_trace(client.get(f"/api/runs/{run_id}/trace").text) if e["type"] == "token"]
+        live = {(t["request_id"], t["position"]): decode_row(client.get(
+            f"/api/runs/{run_id}/dist", params={"request_id": t["request_id"], "seq_id": t["seq_id"],
+                                                 "position": t["position"]}).json()["raw_probs_f32"]) for t in tokens}
+    second = served(tiny_dir, folder)
+    with in_process(second) as client:
+        replay_id = client.post(f"/api/library/{run_id}/open", json={}).json()["run_id"]
+        reopened = [e for e in parse_trace(client.get(f"/api/runs/{replay_id}/trace").text) if e["type"] == "token"]
+    recorded = [t for t in reopened if recorded_row(t["dist"]) is not None]
+    assert {t["request_id"] for t in recorded} == {f"r{i}" for i in range(4)}  # each request's first token
+    for token in recorded:
+        for knobs in (Knobs(1.9), Knobs(0.7, 5, 0.8, 0.05), Knobs(1.3, 0, 0.9, 0.0)):
+            theirs = compute_stages(token["dist"]["top"], knobs, {0}, vocab, live[token["request_id"], token["position"]])
+            mine = compute_stages(token["dist"]["top"], knobs, {0}, vocab, recorded_row(token["dist"]))
+            for stage in theirs.probs:
+                assert np.allclose(mine.probs[stage], theirs.probs[stage], atol=1e-6, rtol=0)
+                assert mine.tail[stage] == pytest.approx(theirs.tail[stage], abs=1e-6)
+            assert exactness_text(mine, 10, False, False).startswith("exact")

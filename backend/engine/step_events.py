@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from kvscope.backend.config import EngineConfig
 from kvscope.backend.engine.block_manager import BlockManager
-from kvscope.backend.engine.dist_rows import DistRows
+from kvscope.backend.engine.dist_rows import DistRows, RecordedRows, row_bytes, row_text
 from kvscope.backend.engine.metrics import KVSnapshot
 from kvscope.backend.engine.request_output import (Arrived, BlockChange, Drafted, EngineOutput, Finished, Forked,
                                                    Preempted, Rejected, SeqEnded, Token, Verified)
 from kvscope.backend.engine.scheduler_output import SchedulerOutput
 from kvscope.backend.events.bus import EventBus
+from kvscope.backend.events.moments import mask_forced
 from kvscope.backend.model.tokenizer import Tokenizer
 
 
@@ -25,6 +26,8 @@ class StepEvents:
         self.bus, self.config, self.tokenizer = bus, config, tokenizer
         self._token_text: dict[int, str] = {}
         self.rows: DistRows | None = None  # a served run attaches one: each dist token's whole raw row
+        self.recorded = RecordedRows()  # the tokens whose event carries its whole raw row (dist_rows.py)
+        self._prompt_len: dict[str, int] = {}  # live requests: a token at this position is a sequence's first
         self._builders = {Arrived: self._arrived, Rejected: self._rejected, Forked: self._forked,
                           SeqEnded: self._seq_end, Preempted: self._preempt, Finished: self._finished,
                           Token: self._token, BlockChange: self._block, Drafted: self._drafted,
@@ -32,9 +35,9 @@ class StepEvents:
 
     def observing(self) -> tuple[int, bool]:
         """What the step must hand back for the events: top-N distribution rows per token (0: none), and
-        whole raw rows (a served run's what-if)."""
+        whole raw rows (the what-if's: recorded in some events, kept by a served run)."""
         dist = self.bus.wants_dist
-        return (self.config.dist_top_n if dist else 0), dist and self.rows is not None
+        return (self.config.dist_top_n if dist else 0), dist
 
     def token_text(self, token: int) -> str:
         text = self._token_text.get(token)
@@ -49,10 +52,12 @@ class StepEvents:
     # ---- requests and sequences -------------------------------------------------------------------
 
     def _arrived(self, a: Arrived) -> None:
+        self._prompt_len[a.request_id] = a.num_prompt_tokens
         self.bus.emit("request_arrived", request_id=a.request_id, seq_id=a.seq_id, prompt_token_ids=a.prompt_token_ids,
                       prompt_text=a.prompt_text, sampling=a.sampling.model_dump(), max_tokens=a.max_tokens)
 
     def _rejected(self, r: Rejected) -> None:
+        self._prompt_len.pop(r.request_id, None)
         self.bus.emit("request_rejected", request_id=r.request_id, field=r.field, reason=r.reason)
 
     def _forked(self, f: Forked) -> None:
@@ -67,6 +72,7 @@ class StepEvents:
                       mode="recompute")
 
     def _finished(self, f: Finished) -> None:
+        self._prompt_len.pop(f.request_id, None)
         best = f.outputs[0]
         self.bus.emit("request_finished", request_id=f.request_id, seq_id=best["seq_id"], finish_reason=f.finish_reason,
                       reason=f.reason, output_token_ids=best["output_token_ids"], output_text=best["output_text"],
@@ -116,15 +122,29 @@ class StepEvents:
         if t.dist is not None:
             fields["dist"] = {"top": [[tok, self.token_text(tok), raw, final] for tok, raw, final in t.dist],
                               "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p}
-            if self.rows is not None and t.raw_probs is not None:
-                self.rows.put(t.request_id, t.seq_id, t.position, t.raw_probs)
         if t.top_logprobs is not None:
             fields["top_logprobs"] = [[tok, self.token_text(tok), lp] for tok, lp in t.top_logprobs]
         if t.grammar is not None:
             fields["num_allowed"], fields["masked_mass"] = t.grammar.num_allowed, t.grammar.masked_mass
             if "dist" in fields:  # the tokens the mask took from the model: the view's first stage
                 fields["dist"]["masked"] = [[tok, self.token_text(tok), prob] for tok, prob in t.grammar.masked_top]
+        if "dist" in fields and t.raw_probs is not None:
+            self._keep_row(t, fields)
         self.bus.emit("token", **fields)
+
+    def _keep_row(self, t: Token, fields: dict) -> None:
+        """The token's whole raw row: to the served run's store, and into its event when it is one to record."""
+        # the top rows hold every token a grammar allowed when it allowed no more than they are: no row needed
+        whole = t.grammar is not None and t.grammar.num_allowed <= self.config.dist_top_n
+        first = not whole and t.position == self._prompt_len.get(t.request_id)
+        forced = not whole and t.grammar is not None and mask_forced(fields)
+        if self.rows is None and not (first or forced):
+            return  # nothing wants this row: skip the copy
+        row = row_bytes(t.raw_probs)
+        if self.rows is not None:
+            self.rows.put(t.request_id, t.seq_id, t.position, row)
+        if self.recorded.take(first, forced, len(row)):
+            fields["dist"]["raw_probs_f32"] = row_text(row)
 
     # ---- speculative decoding ---------------------------------------------------------------------
 

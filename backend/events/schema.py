@@ -86,6 +86,9 @@ class TokenDist(_Exact):
     # under a grammar: the likeliest tokens its mask removed, [token_id, text, the model's prob before the mask]
     # (top's raw_prob is after the mask, renormalised over the tokens it allowed)
     masked: list[tuple[int, str, float]] | None = None
+    # the whole raw row, base64 of little-endian float32 [vocab_size], for the tokens a run records it for
+    # (each sequence's first, a grammar's forced ones: backend/engine/dist_rows.py RecordedRows)
+    raw_probs_f32: str | None = None
 
 
 class SpecResult(_Exact):

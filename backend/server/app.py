@@ -9,7 +9,6 @@ may produce a 5xx. Routes that start, control or add to runs need the bearer tok
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import secrets
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -24,6 +23,7 @@ from litestar.response import File
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from kvscope.backend.engine.admission import parse_sampling
+from kvscope.backend.engine.dist_rows import row_text
 from kvscope.backend.errors import KvscopeError, pydantic_reason
 from kvscope.backend.events.trace import parse_trace
 from kvscope.backend.model.chat import encode_chat
@@ -124,6 +124,16 @@ class OpenSaved(_Body):
 
 class RenameSaved(_Body):
     name: str = Field(min_length=1, max_length=MAX_NAME)
+
+
+RunId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class SavePair(_Body):
+    runs: tuple[RunId, RunId] = Field(description="the compare page's two runs, left then right: ids on this "
+                                                  "server (a replay of a saved run stands for it) or in the library")
+    name: str | None = Field(default=None, min_length=1, max_length=MAX_NAME,
+                             description="default: the scenario and the settings that differ")
 
 
 # ---- guards and errors --------------------------------------------------------------------------------
@@ -334,7 +344,7 @@ def token_dist(request: Request, run_id: FromPath[str],
         raise NotFoundException(f"run {run_id!r} keeps no distribution for request {request_id!r} seq {seq_id} "
                                 f"position {position} (a replay, an evicted row, or no such token)")
     return {"request_id": request_id, "seq_id": seq_id, "position": position, "vocab_size": len(row) // 4,
-            "raw_probs_f32": base64.b64encode(row).decode("ascii")}
+            "raw_probs_f32": row_text(row)}
 
 
 @get("/metrics", sync_to_thread=True)  # reads each API run's reducer under its lock
@@ -351,10 +361,10 @@ def library_list(request: Request) -> dict:
     """The saved runs, newest first, and the folder's bytes against its limit (--library-max-mb)."""
     library = request.app.state.manager.library
     if library is None:
-        return {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": []}
+        return {"enabled": False, "bytes": 0, "max_bytes": 0, "entries": [], "pairs": []}
     entries = library.entries()
     return {"enabled": True, "bytes": sum(e.trace_bytes for e in entries), "max_bytes": library.max_bytes,
-            "entries": [e.model_dump() for e in entries]}
+            "entries": [e.model_dump() for e in entries], "pairs": [p.model_dump() for p in library.pairs()]}
 
 
 # Not on a thread: with three sync handlers on one path, Litestar 2.25 answered this GET with its
@@ -378,6 +388,24 @@ def library_delete(request: Request, entry_id: FromPath[str]) -> None:
 def library_open(request: Request, entry_id: FromPath[str], data: JSONBody[OpenSaved]) -> dict:
     run = request.app.state.manager.open_saved(entry_id, data.speed, data.paused, data.lesson)
     return {"run_id": run.run_id, "kind": run.kind}
+
+
+@post("/api/library/pairs", guards=[require_token], sync_to_thread=True, status_code=201)
+def library_save_pair(request: Request, data: JSONBody[SavePair]) -> dict:
+    """A compare page's two runs, kept in the library as one pair (both must be saved runs: finished)."""
+    return request.app.state.manager.save_pair(data.runs, data.name).model_dump()
+
+
+@delete("/api/library/pairs/{pair_id:str}", guards=[require_token], sync_to_thread=True, status_code=204)
+def library_delete_pair(request: Request, pair_id: FromPath[str]) -> None:
+    request.app.state.manager.saved().delete_pair(pair_id)
+
+
+@post("/api/library/pairs/{pair_id:str}/open", guards=[require_token], sync_to_thread=True, status_code=201)
+def library_open_pair(request: Request, pair_id: FromPath[str], data: JSONBody[OpenSaved]) -> dict:
+    """Both runs as replays, for the compare page `/?run=A&compare=B`."""
+    runs = request.app.state.manager.open_pair(pair_id, data.speed, data.paused, data.lesson)
+    return {"run_ids": [run.run_id for run in runs]}
 
 
 # ---- the application ------------------------------------------------------------------------------------
@@ -408,7 +436,8 @@ def create_app(manager: RunManager | None = None, token: str | None = None, max_
     app = Litestar(
         route_handlers=[health, limits_held, scenarios, models, scenario, list_runs, start_run, run_snapshot,
                         close_run, control, add_request, run_trace, token_dist, library_list, library_entry,
-                        library_rename, library_delete, library_open, prometheus_metrics, run_socket, *openai_routes,
+                        library_rename, library_delete, library_open, library_save_pair, library_delete_pair,
+                        library_open_pair, prometheus_metrics, run_socket, *openai_routes,
                         *responses_routes, *probe_routes],
         exception_handlers={KvscopeError: user_error, RunClosed: closed_error, LibraryError: library_error,
                             RunBusy: busy_error, ClientGone: client_left,

@@ -26,6 +26,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,7 +42,7 @@ from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, app
 from kvscope.backend.server.api_run import ApiRun, api_engine
 from kvscope.backend.server.engine_run import EngineRun, ServedScenario
 from kvscope.backend.server.grammar_compiles import GrammarCompiles
-from kvscope.backend.server.library import LibraryError, RunLibrary, run_facts
+from kvscope.backend.server.library import LibraryError, Pair, RunLibrary, run_facts
 from kvscope.backend.server.memory import give_back_memory_soon
 from kvscope.backend.server.limits import (MB, ServiceLimits, WeightMemoryError, WeightNeed, draft_model,
                                            kv_cache_bytes, model_config, weight_needs)
@@ -110,6 +111,8 @@ class RunManager:
         self.weights = weights or WEIGHTS  # the weight copies, held by run id
         self.needs: dict[str, Sequence[WeightNeed]] = {}  # run id -> the weight copies it asked for
         self.replays = ReplayCopies()  # the replays' parsed traces, held by run id
+        # a replay opened from the library -> its entry (a compare pair names entries); gone with the replay
+        self.opened_from: weakref.WeakKeyDictionary[ServedRun, str] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._api_lock = threading.Lock()  # one API run, however many first requests race to create it
         self._watchdog: threading.Thread | None = None  # started with the first run
@@ -195,7 +198,31 @@ class RunManager:
                 raise
 
         key = (f"library {entry_id}", entry.created, entry.trace_bytes)  # saved again: another copy
-        return self._start_replay(key, entry.trace_bytes, events, speed, paused, lesson)
+        run = self._start_replay(key, entry.trace_bytes, events, speed, paused, lesson)
+        self.opened_from[run] = entry_id
+        return run
+
+    def save_pair(self, run_ids: tuple[str, str], name: str | None = None) -> Pair:
+        """Two runs of a compare page kept together in the library. A run is named by its id on this server or
+        in the library (a saved run's entry has its run's id); a replay opened from the library stands for its
+        entry."""
+        return self.saved().save_pair((self._entry_id(run_ids[0]), self._entry_id(run_ids[1])), name)
+
+    def _entry_id(self, run_id: str) -> str:
+        run = self.get(run_id)
+        return self.opened_from.get(run, run_id) if run is not None else run_id
+
+    def open_pair(self, pair_id: str, speed: float = DEFAULT_SPEED, paused: bool = False,
+                  lesson: bool = False) -> tuple[ServedRun, ServedRun]:
+        """Both runs of a saved pair as replays; if the second cannot open (the replays' memory), the first is
+        closed again."""
+        first, second = self.saved().get_pair(pair_id).runs
+        left = self.open_saved(first, speed, paused, lesson)
+        try:
+            return left, self.open_saved(second, speed, paused, lesson)
+        except Exception:
+            self.close(left.run_id)
+            raise
 
     def _saved_when_done(self, run: ServedScenario, overrides: dict[str, Any]) -> ServedScenario:
         """Subscribed before the run starts, so that even an unpaced run's end is seen."""

@@ -12,7 +12,7 @@ from nicegui.events import GenericEventArguments
 from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.frontend.grammar_position import position_text
 from kvscope.frontend.sampling_math import (STAGE_LABELS, STAGES, Knobs, Mask, Stages, compute_stages, decode_row,
-                                            knobs_of)
+                                            knobs_of, recorded_row)
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import TOKEN_MARK_COLORS
 from kvscope.frontend.views.base import FeedView, legend, legend_html, view_card
@@ -35,8 +35,11 @@ sets `truncate_eos`. Move the sliders to see what other settings would have done
 black ticks are the engine's own final probabilities for the settings the request really used.
 The chart names each filter with the share of the mass it removed, and the line under it says it in
 words. The event records only the top tokens; the rest of the vocabulary is the last bar ("other").
-While the server still keeps the token's whole distribution every stage is computed over all of it
-(*exact*); otherwise (a replay, an old token) the rest is modelled and the view says *approximate*.
+When the token's whole distribution is at hand every stage is computed over all of it (*exact*): the
+run records it for each sequence's first token and each token a grammar forced (so a saved run or a
+replay has it too), and a live server keeps it for recent tokens. Otherwise the later stages model
+how the rest of the vocabulary shares the mass not shown, and the view says *approximate* (the count
+of the other tokens and the mass they hold are facts; what the filters leave of it is modelled, "~").
 The **log** scale shows the small probabilities a flat distribution spreads over (on by default
 when no token reaches a quarter).
 
@@ -84,8 +87,7 @@ def axis_labels(stages: Stages, chosen: int, eos: set[int]) -> list[dict]:
         name = "EOS" if token_id in eos else token_label(text)
         mark = "▶ " if token_id == chosen else "✕ " if token_id in stages.masked else ""
         labels.append({"value": mark + name, "textStyle": style})
-    count = f"{stages.tail_count:,}" if stages.exact else f"~{stages.tail_count:,}"
-    labels.append({"value": f"other ({count})", "textStyle": {"color": "#888"}})
+    labels.append({"value": f"other ({stages.tail_count:,})", "textStyle": {"color": "#888"}})
     return labels
 
 
@@ -104,8 +106,9 @@ def cuts_text(stages: Stages, knobs: Knobs) -> str:
         parts.insert(0, f"the grammar allowed {allowed:,} token{'' if allowed == 1 else 's'} and removed "
                         f"{share(stages.mask.mass)} of the model's mass")
     first = stages.names[0]  # raw, or the model's own before a grammar's mask
-    tail = (f"other ({stages.tail_count:,} tokens): {stages.tail[first]:.0%} {first} → "
-            f"{stages.tail['min_p']:.0%} final")
+    # the first stage's tail is a fact (1 - the shown tokens' sum); the final one is modelled unless exact
+    final = f"{stages.tail['min_p']:.1%}" if stages.exact else f"~{stages.tail['min_p']:.1%} (modelled)"
+    tail = f"other: {stages.tail_count:,} tokens holding {stages.tail[first]:.1%} {first} → {final} final"
     return " · ".join([*parts, tail])
 
 
@@ -117,8 +120,23 @@ def exactness_text(stages: Stages, recorded: int, fetching: bool, penalised: boo
         return f"exact: every stage over the whole distribution ({len(stages.token_ids) + stages.tail_count:,} tokens)"
     if fetching:
         return "fetching the whole distribution…"
-    return (f"approximate: only the top {recorded} tokens were recorded; the other {stages.tail_count:,} "
-            "are modelled (no more likely than the last shown)")
+    return (f"approximate: only the top {recorded} tokens were recorded; the later stages model how the other "
+            f"{stages.tail_count:,} tokens share their {stages.tail[stages.names[0]]:.1%} (none more likely than "
+            "the last shown)")
+
+
+def chosen_text(stages: Stages, token_id: int) -> str:
+    """The chosen token's probability as its bars show it: the first stage's (under a grammar the model's own,
+    then after the mask; the event's logprob is the latter, which the model's bar is not)."""
+    i = stages.token_ids.index(token_id)  # the event's top always holds the chosen token
+    if stages.mask is None:
+        return f"raw p = {prob_text(stages.probs['raw'][i])}"
+    return f"model p = {prob_text(stages.probs['model'][i])}, after the mask {prob_text(stages.probs['masked'][i])}"
+
+
+def prob_text(p: float) -> str:
+    """Three decimals, or two significant digits below 0.01 (a masked favourite leaves 0.00062, not 0.001)."""
+    return f"{p:.3f}" if p >= 0.01 or p == 0.0 else f"{p:.2g}"
 
 
 def penalised(sampling: dict) -> bool:
@@ -308,13 +326,13 @@ class SamplingView(FeedView):
             self.what_if = None  # setting the sliders is not a what-if
         eos = set(self.feed.state.model.get("eos_token_ids") or [])
         key = self._row_key(token)
-        row = self._row(key)
+        row = self._row(key, dist)
         mask = Mask(token["masked_mass"], dist.get("masked") or [], token["num_allowed"]) \
             if token.get("num_allowed") is not None else None
         self.legend.set_content(legend_html(LEGEND + (MASK_LEGEND if mask else [])))
         stages = compute_stages(dist["top"], knobs, eos, self.feed.state.model.get("vocab_size", 0), row, mask)
         self.stages = stages
-        self.caption.set(self._caption(token, knobs, actual))
+        self.caption.set(self._caption(token, stages, knobs, actual))
         self.cuts.set(cuts_text(stages, knobs))
         recorded = self.feed.state.config.get("dist_top_n") or len(dist["top"])
         self.exactness.set(exactness_text(stages, recorded, key in self.fetching, bool(view and penalised(view.sampling))))
@@ -341,9 +359,13 @@ class SamplingView(FeedView):
     def _row_key(self, token: dict) -> RowKey:
         return self.feed.run_id, token["request_id"], token["seq_id"], token["position"]
 
-    def _row(self, key: RowKey) -> np.ndarray | None:
-        """The token's whole raw distribution when fetched; else None, and a fetch starts (once)."""
+    def _row(self, key: RowKey, dist: dict) -> np.ndarray | None:
+        """The token's whole raw distribution: recorded in its event, or fetched from a run that keeps it; else
+        None, and a fetch starts (once)."""
         if key in self.rows:
+            return self.rows[key]
+        if dist.get("raw_probs_f32"):
+            self._keep(key, recorded_row(dist))
             return self.rows[key]
         if key not in self.fetching and self.feed.backend is not None and self.feed.kind != "replay":
             self.fetching.add(key)
@@ -355,17 +377,20 @@ class SamplingView(FeedView):
             answer = await self.feed.backend.token_dist(*key)
         finally:
             self.fetching.discard(key)
-        self.rows[key] = decode_row(answer["raw_probs_f32"]) if answer else None
-        while len(self.rows) > ROWS_KEPT:
-            self.rows.popitem(last=False)
+        self._keep(key, decode_row(answer["raw_probs_f32"]) if answer else None)
         self.invalidate()
 
-    def _caption(self, token: dict, knobs: Knobs, actual: Knobs) -> str:
+    def _keep(self, key: RowKey, row: np.ndarray | None) -> None:
+        self.rows[key] = row
+        while len(self.rows) > ROWS_KEPT:
+            self.rows.popitem(last=False)
+
+    def _caption(self, token: dict, stages: Stages, knobs: Knobs, actual: Knobs) -> str:
         what_if = "what-if " if knobs != actual else ""
         settings = "greedy" if knobs.greedy else (f"T={knobs.temperature:g} top-k={knobs.top_k} "
                                                   f"top-p={knobs.top_p:g} min-p={knobs.min_p:g}")
         return (f"{self._who(token)} · position {token['position']} · chose {token_label(token['text'])!r} "
-                f"(raw p = {2.718281828 ** token['logprob']:.3f}) · {what_if}{settings}")
+                f"({chosen_text(stages, token['token_id'])}) · {what_if}{settings}")
 
     def _who(self, token: dict) -> str:
         """The request, and which of its sequences when it has several."""
