@@ -55,9 +55,11 @@ class ExportMenu:
         self.run_id = feed.run_id
         self.last: tuple[str, int] | None = None  # (filename, size) of the last export, for tests
         self.busy = False
-        with ui.row().classes("items-center gap-2 no-wrap").mark("export-status") as self.status:
-            self.status_label = ui.label().classes("text-white text-body2").props("data-kv=export-status-label") \
-                .mark("export-status-label")
+        # one line that gives way, however long the file's name: the header never wraps, and in projector mode at
+        # 1280 px the export button beside it would be pushed off the screen (the whole name shows on hover)
+        with ui.row().classes("items-center gap-2 no-wrap min-w-0").mark("export-status") as self.status:
+            self.status_label = ui.label().classes("text-white text-body2 ellipsis").style("max-width: 14rem") \
+                .props("data-kv=export-status-label").mark("export-status-label")
             self.progress = ui.linear_progress(value=0, show_value=False, size="10px", color="amber-5") \
                 .props("track-color=blue-grey-8 rounded data-kv=export-progress") \
                 .classes("w-40").mark("export-progress")
@@ -133,7 +135,9 @@ class ExportMenu:
     def _show(self, label: str, value: float) -> None:
         """The status beside the button stays after an export: it names the file the browser got."""
         self.status_label.set_text(label)
+        self.status_label.props["title"] = label
         self.progress.set_value(value)
+        self.progress.set_visibility(value < 1.0)  # done: the file's name says so, in the room the bar took
         self.status.set_visibility(True)
 
     async def download_trace(self) -> None:

@@ -11,8 +11,9 @@ with the first choice, and at the moment that reveals it the walk steps back ("p
 is asked again), answers the other way (the right choice after a wrong pick, a wrong one after a right
 pick) and sees the verdict flip; a lesson without a question steps back once from its first moment.
 A screenshot of every moment goes to KVSCOPE_WALK_DIR (default: a temporary folder),
-`<scenario>-<mode>-<n>-<moment>.png`, for a person to look through, and the last projector walk writes
-a handout there; with KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also written, at
+`<scenario>-<mode>-<n>-<moment>.png`, for a person to look through; the projector walk of EXPORTED also
+exports its first moment (a 16:9 PNG) and, at the end, its handout from the page's export menu, as the
+browser downloads them, into the same folder. With KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also written, at
 1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
 
 The servers, the browser and the page-error check are tests/test_browser.py's fixtures.
@@ -44,6 +45,7 @@ DOCS_DIR = ROOT / "docs" / "images" / "scenarios"
 MODES = {"projector": {"width": 1280, "height": 720},  # a projector's: what a class sees
          "normal": {"width": 1920, "height": 1080}}  # a lecturer's own screen
 TITLE_KINDS = {title: kind for kind, title in MOMENT_TITLES.items()}
+EXPORTED = "parallel-sampling"  # its first moment rings blocks in copy-on-write orange; it asks a question
 IN_SIGHT = """(selector) => {
     const card = document.querySelector(selector);
     if (!card) return null;
@@ -254,9 +256,30 @@ def walk(page, backend_url: str, run_id: str, name: str, steps: list[dict], walk
             stepped_back = True
         walked.append(kind)
         screenshot(page, walk_dir, name, len(walked) - 1, kind)
+        if name == EXPORTED and page.evaluate("kvscope.projector()") and (len(walked) == 2 or kind == "finished"):
+            export_from_the_menu(page, walk_dir, name, steps, kind)
     assert question is None, f"{name}: a question asked was never revealed"
     assert not page.locator("[data-kv=lesson-continue]").is_visible(), "continue at the end of the lesson"
     return walked
+
+
+def export_from_the_menu(page, walk_dir: Path, name: str, steps: list[dict], kind: str) -> None:
+    """What a lecturer takes to the next class: the moment the lesson is paused at as a slide, and once the run
+    is finished its handout, each downloaded from the header's export menu."""
+    item, out = ("Handout (HTML)", walk_dir / f"{name}-handout.html") if kind == "finished" else \
+        ("This moment (PNG)", walk_dir / f"{name}-moment-{kind}.png")
+    page.locator("[data-kv=export]").click()
+    with page.expect_download(timeout=WAIT_S * 3000) as download:
+        page.locator(".q-menu").get_by_text(item, exact=True).click()
+    download.value.save_as(out)
+    if kind != "finished":
+        assert Image.open(out).size == (1920, 1080), f"{name}: the moment's slide is not 16:9 at 1920x1080"
+        return
+    handout = out.read_text(encoding="utf-8")
+    pictures = sum(step["at"] != "start" for step in steps)  # the start step has no moment to draw
+    assert handout.count("<img") == pictures, f"{name}: the handout has {handout.count('<img')} pictures"
+    assert "<script" not in handout and "{" not in re.sub(r"<style>.*?</style>", "", handout, flags=re.S), \
+        f"{name}: a script, or a placeholder left unfilled, in the handout"
 
 
 def step_back_and_answer_the_other_way(page, name: str, first: str) -> None:
