@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 from nicegui import ui
 
-from kvscope.backend.events.history import Column
+from kvscope.backend.events.history import Column, RunHistory
 from kvscope.backend.events.state import RunState
 from kvscope.backend.perf.cost_model import TP_DEGREES, Deployment
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import HARDWARE_NAMES, THIS_MACHINE, HardwareProfile, get_hardware, profile_from
 from kvscope.backend.perf.machine_cache import read_cache
-from kvscope.backend.perf.model_run import ModelledStep, RequestSteps, as_measured, model_step, run_deployment
+from kvscope.backend.perf.model_run import (ModelledLatency, ModelledStep, RequestSteps, as_measured, model_step,
+                                            modelled_latency, run_deployment)
 from kvscope.frontend.client import RunFeed
 
 DEFAULT_HARDWARE = "h100"
@@ -65,6 +66,12 @@ class ModelledRun:
     def roofline_steps(self) -> dict[int, ModelledStep]:
         """The steps the roofline draws: as they ran where measured, else as priced."""
         return self.as_ran if self.measured else self.steps
+
+    def latency(self, state: RunState, history: RunHistory) -> ModelledLatency:
+        """The run's mean TTFT, TPOT and tokens/s with its iterations priced here."""
+        tokens = sum(history.tokens_at.get(step, 0) for step in self.steps)  # on record: none after a snapshot
+        known_from = history.columns[0].step if history.columns else 0
+        return modelled_latency(list(self.steps.values()), request_steps(state), tokens, known_from)
 
     def clock(self, col: Column) -> tuple[float, float]:
         """(modelled seconds at the column's end, its modelled duration), as the timeline places it."""

@@ -5,7 +5,7 @@ one setting: "3,072 bytes per token" is true of the GQA column and false of the 
 text names what a compare axis changes as a placeholder (`{kv_bytes_per_token}`) and every reader fills
 it from its own run's header: the lesson card (frontend/lesson.py), the exported slides and the handout
 (frontend/export/). The names are backend/scenario.py's LESSON_FIELDS, which refuses a text naming
-another at load; the values are here. docs/scenarios.md lists them.
+another at load; the values are here. docs/scenarios.md#lesson-placeholders lists them.
 """
 
 from __future__ import annotations

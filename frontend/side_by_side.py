@@ -2,8 +2,13 @@
 
 The titles come from a diff of the two runs' header settings (backend/events/compare.py), never
 from what the compare form asked for, so a pair opened from a link or two replays is titled just
-as truthfully. The per-iteration charts of both columns share one x range, the longer run's
-iterations so far: a run that needs more iterations visibly reaches further right.
+as truthfully. The row of differences leads with both runs priced on each column's modelled hardware
+(frontend/hardware.py), then the settings' bytes and counts, and last the engine times measured on this
+CPU: a shared machine's wall clock can say the opposite of the lesson. The titles and that row stay
+under the page header while the columns scroll; a pair that differs in block size gets a figure of
+what the size costs in bookkeeping (views/block_cost.py). The per-iteration charts of both columns
+share one x range, the longer run's iterations so far: a run that needs more iterations visibly
+reaches further right.
 
 A lesson scenario's pair is taught together: each column has its run's lesson card, and when one run
 stops at a moment its lesson explains, the other is held where it is (a line above the columns says
@@ -20,12 +25,15 @@ from nicegui import ui
 
 from kvscope.backend.events.compare import Row, compare_rows, setting_differences
 from kvscope.backend.events.record import RunRecord
+from kvscope.backend.perf.hardware import THIS_MACHINE
 from kvscope.frontend.client import Backend, BackendError, RunFeed
 from kvscope.frontend.column import RunColumn, sync_zoom
 from kvscope.frontend.compare import AXES
+from kvscope.frontend.hardware import HardwareChoice, ModelledRun
 from kvscope.frontend.lesson import MOMENT_TITLES, LessonGuide
 from kvscope.frontend.saved_runs import SavePair
 from kvscope.frontend.new_run import MODELS
+from kvscope.frontend.views.block_cost import BlockCostFigure
 from kvscope.frontend.views.block_pool import pool_bytes, pool_text
 from kvscope.frontend.views.live_text import LiveText
 
@@ -67,18 +75,53 @@ def side_titles(a: RunRecord, b: RunRecord) -> tuple[str, str]:
 def figure_text(value: float | None, unit: str) -> str:
     if value is None:
         return "–"
+    if unit and abs(value) < 10:  # a modelled GPU time is a fraction of a millisecond: keep 3 digits
+        return f"{value:.3g} {unit}"
     return f"{value:,.1f} {unit}" if unit else f"{value:,.0f}"
 
 
+def significant(value: float | None, digits: int = 4) -> float | None:
+    """Rounded to a few significant digits, so that two equal figures compare equal (and are not bold)."""
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
+def hardware_name(choice: HardwareChoice) -> str:
+    """The column's hardware in a few letters, for the row's labels ("H100", "2 × A100-80GB")."""
+    name = "this machine" if choice.name == THIS_MACHINE else choice.name.upper()
+    return f"{choice.tp} × {name}" if choice.tp > 1 else name
+
+
+def modelled_rows(records: tuple[RunRecord, RunRecord], runs: list[ModelledRun | None],
+                  hardware: tuple[str, str]) -> list[Row]:
+    """The headline: each run priced on its column's hardware (None where it cannot be modelled yet)."""
+    where = hardware[0] if hardware[0] == hardware[1] else " / ".join(hardware)
+    latency = [run.latency(r.state, r.history) if run is not None else None for r, run in zip(records, runs)]
+
+    def ms(seconds: list[float | None]) -> list[float | None]:
+        return [significant(s * 1e3) if s is not None else None for s in seconds]
+
+    return [
+        Row(f"tokens/s (modelled, {where})", *(significant(x.tokens_per_s) if x else None for x in latency)),
+        Row(f"mean TTFT (modelled, {where})", *ms([x.ttft_s if x else None for x in latency]), "ms"),
+        Row(f"mean TPOT (modelled, {where})", *ms([x.tpot_s if x else None for x in latency]), "ms"),
+        Row(f"time for the run (modelled, {where})", *ms([run.total_s if run and run.steps else None
+                                                          for run in runs]), "ms"),
+    ]
+
+
 def differences_html(rows: list[Row], titles: tuple[str, str]) -> str:
-    """The row of differences: a figure per column, a line per run; figures that differ in bold."""
-    head = "".join(f"<th>{html.escape(r.label)}</th>" for r in rows)
+    """The row of differences: a column per figure in which the runs differ (in bold), a line per run; the
+    figures they share in one line under it (a dozen equal columns pushed the differing ones off a
+    projector's width)."""
+    differ, same = [r for r in rows if r.a != r.b], [r for r in rows if r.a == r.b]
+    head = "".join(f"<th>{html.escape(r.label)}</th>" for r in differ)
     lines = []
     for i, title in enumerate(titles):
-        cells = "".join(f'<td class="{"kv-differs" if r.a != r.b else ""}">'
-                        f"{figure_text((r.a, r.b)[i], r.unit)}</td>" for r in rows)
+        cells = "".join(f'<td class="kv-differs">{figure_text((r.a, r.b)[i], r.unit)}</td>' for r in differ)
         lines.append(f'<tr><th class="kv-side-run">{html.escape(title)}</th>{cells}</tr>')
-    return f'<table class="kv-side-table"><tr><th></th>{head}</tr>{"".join(lines)}</table>'
+    shared = " · ".join(f"{html.escape(r.label)} {figure_text(r.a, r.unit)}" for r in same)
+    return (f'<table class="kv-side-table"><tr><th></th>{head}</tr>{"".join(lines)}</table>'
+            + (f'<div class="kv-side-same" data-kv="side-same">the same in both: {shared}</div>' if same else ""))
 
 
 def scale_notes(a: RunRecord, b: RunRecord) -> tuple[str, str]:
@@ -118,12 +161,15 @@ class SideBySide:
         self.sent: dict[int, tuple] = {}  # chart id -> the x range it was last given
         self.rooflines_sent: list[tuple] = [(), ()]  # per column: what it last got of the other's points
         with ui.element("div").classes("kv-compare w-full"):
-            self.titles = [LiveText(f.run_id).classes("kv-side-title").mark(f"side-title-{i}")
-                           for i, f in enumerate(feeds)]
-            self.differences = LiveText(html=True).classes("kv-side-diff").mark("side-differences")
+            # titles and differences stay under the page header while the columns scroll (kvscope.css)
+            with ui.element("div").classes("kv-compare-sticky").mark("side-sticky"):
+                self.titles = [LiveText(f.run_id).classes("kv-side-title").mark(f"side-title-{i}")
+                               for i, f in enumerate(feeds)]
+                self.differences = LiveText(html=True).classes("kv-side-diff").mark("side-differences")
             self.hold_line = LiveText().classes("kv-side-diff").mark("side-hold") \
                 .style("font-weight:600;border-left:4px solid #f59e0b")
             self.hold_line.set_visibility(False)
+            self.block_cost = BlockCostFigure()  # a card across both columns, when the block sizes differ
             self.save_pair = SavePair(backend, (feeds[0].run_id, feeds[1].run_id))
             self.columns: list[RunColumn] = []
             self.guides: list[LessonGuide] = []
@@ -196,7 +242,11 @@ class SideBySide:
         titles = self.titles_now = side_titles(*records)
         for label, title in zip(self.titles, titles):
             label.set(title)
-        self.differences.set(differences_html(compare_rows(*records), titles))
+        runs = [c.hardware.modelled() for c in self.columns]
+        hardware = (hardware_name(self.columns[0].hardware), hardware_name(self.columns[1].hardware))
+        rows = modelled_rows((records[0], records[1]), runs, hardware) + compare_rows(*records)
+        self.differences.set(differences_html(rows, titles))
+        self.block_cost.show((records[0], records[1]), titles)
         for column, note in zip(self.columns, scale_notes(*records)):
             column.views["blocks"].set_scale_note(note)
         self._share_x(shared_x(records))

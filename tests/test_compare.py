@@ -50,7 +50,7 @@ def test_without_prefix_caching_every_prompt_token_is_computed_and_with_it_the_h
     assert peak_on < peak_off  # shared prefix blocks are held once
     assert rows["iterations"] == (on.state.step + 1, off.state.step + 1)
     assert rows["finished requests"] == (10, 10) and rows["preemptions"] == (0, 0)
-    ttft, tpot = rows["mean TTFT (engine)"], rows["mean TPOT (engine)"]
+    ttft, tpot = rows["mean TTFT (measured on this CPU)"], rows["mean TPOT (measured on this CPU)"]
     assert all(v is not None and v > 0 for v in (*ttft, *tpot))
 
 
@@ -68,7 +68,7 @@ def test_a_run_without_a_kv_cache_compares_with_no_kv_and_the_bytes_lead(tiny_di
     blocks_on = figures["peak KV blocks"][0]
     assert blocks_on > 0 and figures["peak KV blocks"][1] == 0
     assert figures["peak KV"] == (round(blocks_on * per_block / 2**20, 2), 0)
-    assert all(t is not None and t > 0 for t in figures["tokens/s (engine)"])
+    assert all(t is not None and t > 0 for t in figures["tokens/s (measured on this CPU)"])
 
 
 def test_the_only_setting_that_differs_names_both_titles(caching):
@@ -93,7 +93,7 @@ def test_a_run_that_has_not_started_compares_as_empty():
     empty = RunRecord()
     rows = rows_of(empty, empty)
     assert rows["iterations"] == (0, 0) and rows["prefill tokens computed"] == (0, 0)
-    assert rows["mean TTFT (engine)"] == (None, None)
+    assert rows["mean TTFT (measured on this CPU)"] == (None, None)
 
 
 
@@ -104,7 +104,7 @@ def test_the_row_of_differences_bolds_what_differs_and_both_columns_share_the_lo
     assert '<th class="kv-side-run">prefix caching: off</th>' in table
     off_tokens = rows_of(on, off)["prefill tokens computed"][1]
     assert f'<td class="kv-differs">{off_tokens:,}</td>' in table  # the lesson's figure, in bold
-    assert '<td class="">10</td>' in table  # finished requests: the same in both
+    assert "finished requests 10" in table.split("the same in both:")[1]  # one line, not a column per figure
     early = RunRecord.from_events(e for e in on_events if e["step"] <= 5)
     assert early.state.step == 5 < off.state.step
     assert shared_x([early, off]) == {"min": -0.5, "max": off.state.step + 0.5}
@@ -154,8 +154,9 @@ def test_tokens_per_s_is_the_whole_runs_engine_time_so_continuous_batching_reads
     assert iterations[0] > iterations[1]
     tokens = [sum(len(e["output_token_ids"]) for e in events if e["type"] == "request_finished") for events in cases]
     assert tokens[0] == tokens[1] > 0  # ignore_eos: the same work
-    assert rows["tokens/s (engine)"] == tuple(round(t / (0.01 * n), 1) for t, n in zip(tokens, iterations))
-    assert rows["tokens/s (engine)"][1] > rows["tokens/s (engine)"][0]
+    measured = rows["tokens/s (measured on this CPU)"]
+    assert measured == tuple(round(t / (0.01 * n), 1) for t, n in zip(tokens, iterations))
+    assert measured[1] > measured[0]
 
 
 def _cases(tiny_dir: str, batching: str) -> tuple[dict, ...]:
@@ -166,3 +167,67 @@ def _cases(tiny_dir: str, batching: str) -> tuple[dict, ...]:
                                                         f"model={tiny_dir}"]),
                 bus=bus).run()
     return tuple(events)
+
+
+def modelled_on_h100(record: RunRecord):
+    from kvscope.backend.perf.hardware import get_hardware
+    from kvscope.backend.perf.model_run import run_deployment
+    from kvscope.frontend.hardware import ModelledRun, run_header
+
+    dep, shaped = run_deployment(run_header(record.state), get_hardware("h100"))
+    run = ModelledRun(dep, shaped.source)
+    run.extend(record.history.columns)
+    return run
+
+
+def test_the_row_of_differences_leads_with_the_modelled_gpu_and_ends_with_the_cpu_it_measured(tiny_dir):
+    """static 169 tok/s against continuous 150 (#38): the headline was this shared CPU's wall clock. The
+    row leads with both runs priced on the columns' hardware, continuous ahead, and the measured times
+    come last, saying where they were measured."""
+    from kvscope.frontend.side_by_side import modelled_rows, significant
+
+    static, continuous = (RunRecord.from_events(_cases(tiny_dir, b)) for b in ("static", "continuous"))
+    runs = [modelled_on_h100(r) for r in (static, continuous)]
+    rows = modelled_rows((static, continuous), runs, ("H100", "H100")) + compare_rows(static, continuous)
+    labels = [r.label for r in rows]
+    assert labels[:4] == ["tokens/s (modelled, H100)", "mean TTFT (modelled, H100)", "mean TPOT (modelled, H100)",
+                          "time for the run (modelled, H100)"]
+    assert labels[-4:] == [f"{name} (measured on this CPU)" for name in
+                           ("tokens/s", "mean TTFT", "mean TPOT", "median decode step")]
+    figures = {r.label: (r.a, r.b) for r in rows}
+    tokens_per_s, run_ms = figures["tokens/s (modelled, H100)"], figures["time for the run (modelled, H100)"]
+    assert 0 < tokens_per_s[0] < tokens_per_s[1] and run_ms[0] > run_ms[1] > 0  # continuous ahead
+    assert run_ms == tuple(significant(r.total_s * 1e3) for r in runs)
+    table = differences_html(rows, side_titles(static, continuous))
+    columns, same = table.split("the same in both:")
+    assert columns.index("tokens/s (modelled, H100)") < columns.index("iterations") < columns.index("measured on this CPU")
+    assert "weights 1.2 MiB" in same  # equal in both: one line under the table, not a column
+    assert f'<td class="kv-differs">{tokens_per_s[1]:,.0f}</td>' in table  # the headline figure, in bold
+    other = modelled_rows((static, continuous), [runs[0], None], ("H100", "A100 80GB"))
+    assert other[0].label == "tokens/s (modelled, H100 / A100 80GB)" and other[0].b is None  # not priced yet
+
+
+def test_block_size_1_against_16_costs_16_times_the_entries_hashes_and_gathers(tiny_dir):
+    """Block size 16 vs 1 at the same bytes: one block per token means a table entry, a hash and a gather
+    per token where 16-token blocks need one per 16 tokens."""
+    from kvscope.backend.events.compare import block_costs
+    from kvscope.frontend.views.block_cost import block_sizes_differ
+
+    big, small = (RunRecord.from_events(_trace(tiny_dir, f"engine.block_size={size}", f"engine.num_blocks={n}"))
+                  for size, n in ((16, 256), (1, 4096)))
+    costs = [block_costs(r) for r in (big, small)]
+    for record, cost, size in zip((big, small), costs, (16, 1)):
+        cells = [c for col in record.history.columns for c in col.scheduled]
+        longest: dict[str, int] = {}
+        for c in cells:
+            longest[c.request_id] = max(longest.get(c.request_id, 0), c.context_len)
+        decodes = [c.context_len for c in cells if c.kind == "decode"]
+        assert cost.gathers == sum(-(-n // size) for n in decodes) and cost.decode_rows == len(decodes) > 0
+        assert cost.hashed_blocks == sum(n // size for n in longest.values())
+        assert cost.table_entries == max(sum(-(-c.context_len // size) for c in col.scheduled)
+                                         for col in record.history.columns)
+    assert costs[1].gathers > 10 * costs[0].gathers and costs[1].hashed_blocks > 14 * costs[0].hashed_blocks
+    assert costs[1].table_entries > 10 * costs[0].table_entries
+    assert block_sizes_differ(big, small) and not block_sizes_differ(big, big)
+    off = RunRecord.from_events(_trace(tiny_dir, "engine.prefix_caching=false"))
+    assert block_costs(off).hashed_blocks is None  # nothing is hashed with prefix caching off

@@ -1,10 +1,14 @@
-"""Compare and KV usage on the page, under NiceGUI's simulated user against a real backend."""
+"""Compare and KV usage on the page, under NiceGUI's simulated user against a real backend; and the
+compare page in a real browser (headless Chromium; tests/test_browser.py's `page` fails a test on any
+page error or console error)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +16,8 @@ from kvscope.backend.events.state import RunState
 from kvscope.backend.server.library import RunLibrary
 from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
-from tests.server_helpers import live_server, settled_feed, until
+from tests.server_helpers import live_server, settled_feed, until, wait_for
+from tests.test_browser import CHROMIUM, api, browser, dashboard_url, page, scenario, start, wait_at_rest  # noqa: F401
 from tests.test_dashboard import (Dash, backend_url, dash, nicegui_storage, simulated, synthetic_column,  # noqa: F401
                                   until_run)
 
@@ -157,3 +162,88 @@ async def until_pairs(dash: Dash, count: int) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"the library did not list {count} pair(s)")
+
+
+# ---- in a real browser ------------------------------------------------------------------------------
+
+in_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed")
+# KVSCOPE_COMPARE_SHOTS=FOLDER: write the screenshots there to look at (never into the tree by default)
+SHOTS = Path(os.environ.get("KVSCOPE_COMPARE_SHOTS", "/nonexistent"))
+
+
+def shot(page, name: str) -> None:
+    if SHOTS.is_dir():
+        page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=False)
+
+
+def open_pair(page, dashboard_url: str, ids: list[str]) -> None:
+    page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
+    page.locator(".kv-side-table").wait_for()
+
+
+@in_chromium
+def test_each_lesson_card_side_by_side_is_filled_from_its_own_run(page, backend_url, dashboard_url):
+    """attention-variants, MHA against GQA: one lesson told twice, each card with its own run's bytes per
+    token (the GQA figure on both cards was true of one column only). The block-cost figure is for a
+    block-size pair only."""
+    ids = [api(backend_url, "/api/runs", {"scenario": "attention-variants", "speed": 1, "paused": True,
+                                          "lesson": True, "overrides": {"model": model}})["run_id"]
+           for model in ("demo-mha", "demo")]
+    open_pair(page, dashboard_url, ids)
+    cards = page.locator("[data-kv=lesson-text]")
+    wait_for(lambda: cards.count() == 2 and all("bytes per token" in t for t in cards.all_inner_texts()),
+             "both lesson cards show their first step")
+    mha, gqa = cards.all_inner_texts()
+    assert "here 12,288 bytes per token" in mha and "MHA: 8 query heads; the cache keeps 8 KV heads of 32" in mha
+    assert "here 3,072 bytes per token" in gqa and "GQA: 8 query heads; the cache keeps 2 KV heads of 32" in gqa
+    assert not page.locator("[data-kv=block-cost]").is_visible()
+    shot(page, "lesson-mha-gqa-1280" if page.viewport_size["width"] == 1280 else "lesson-mha-gqa-1600")
+
+
+def block_size_pair(backend_url: str) -> list[str]:
+    """Block size 16 against 1 at the same bytes (the compare form's default), finished."""
+    runs = []
+    for size, blocks in ((16, 64), (1, 1024)):
+        run = scenario("demo", f"size-{size}", blocks, 4, 4, (16, 32), (8, 16), {"process": "burst"})
+        run["engine"]["block_size"] = size
+        runs.append(start(backend_url, run, speed=0, paused=False))
+    wait_for(lambda: all(api(backend_url, f"/api/runs/{r}")["finished"] for r in runs), "the runs did not finish")
+    return runs
+
+
+@in_chromium
+def test_block_size_16_against_1_draws_what_tiny_blocks_cost(page, backend_url, dashboard_url):
+    open_pair(page, dashboard_url, block_size_pair(backend_url))
+    figure = page.locator("[data-kv=block-cost]")
+    figure.wait_for()
+    bars = """(el) => getElement(el.id.slice(1)).chart.getOption().series.map((s) => s.data)"""
+    wait_for(lambda: len(figure.evaluate(bars)) == 2, "the figure has a bar series per run")
+    big, small = figure.evaluate(bars)
+    assert all(b > 0 for b in big) and all(s > 10 * b for s, b in zip(small, big))  # entries, hashes, gathers
+    assert "blocks hashed" in page.locator("[data-kv=block-cost-hashes]").inner_text()
+    figure.scroll_into_view_if_needed()
+    wait_at_rest(page, "the figure drawn")
+    shot(page, "block-cost")
+
+
+@in_chromium
+def test_the_titles_and_differences_stay_in_sight_while_the_columns_scroll_in_projector_mode(
+        page, backend_url, dashboard_url):
+    page.set_viewport_size({"width": 1280, "height": 720})
+    open_pair(page, dashboard_url, block_size_pair(backend_url))
+    page.locator("[data-kv=projector]").click()
+    page.wait_for_function("document.documentElement.classList.contains('kv-projector')")
+    page.mouse.wheel(0, 1500)
+    page.wait_for_function("window.scrollY > 1000")
+    wait_at_rest(page, "scrolled down")
+    header = page.locator(".q-header").bounding_box()
+    boxes = [page.locator(s).bounding_box() for s in (".kv-side-title >> nth=0", ".kv-side-title >> nth=1",
+                                                       ".kv-side-table")]
+    for box in boxes:
+        assert box["y"] >= header["y"] + header["height"] - 1 and box["y"] + box["height"] <= 720, (header, boxes)
+    sticky = page.locator(".kv-compare-sticky").evaluate("(el) => [el.offsetHeight, el.scrollHeight]")
+    assert sticky[0] <= 720 / 3 + 1 and sticky[1] <= sticky[0]  # compact, and both runs' rows shown whole
+    shot(page, "sticky-projector-1280")
+    page.set_viewport_size({"width": 1920, "height": 1080})
+    wait_at_rest(page, "at 1920x1080")
+    shot(page, "sticky-projector-1920")

@@ -6,7 +6,7 @@ stops it at every moment anyway) and walked step by step with the lesson's "cont
 the start's included: no page error; every view the step names outlined (`kv-focus`); the first of
 them, then each other one brought by "next view", wholly in the window beside the docked lesson card,
 which is whole and covers none of it; the blocks the moment concerns ringed in the colour of what
-happened to them; a question's choices and its status line whole on the card. A question is answered
+happened to them, and the other requests' blocks faded only when the moment is about one request; a question's choices and its status line whole on the card. A question is answered
 with the first choice, and at the moment that reveals it the walk steps back ("previous": the question
 is asked again), answers the other way (the right choice after a wrong pick, a wrong one after a right
 pick) and sees the verdict flip; a lesson without a question steps back once from its first moment.
@@ -159,6 +159,11 @@ def check_the_step(page, backend_url: str, run_id: str, step: dict, errors: list
              f"{kind}: blocks {blocks} not ringed")
     if blocks:
         assert canvas.get_attribute("data-ring-color") == ring_color(kind), f"{kind}: the ring's colour"
+    # the other requests fade only for a step about one request (or whose view shows one: sampling)
+    about = moments[kind].request_ids
+    about_one = bool(about) and (len(about) == 1 or "sampling" in views)
+    wait_for(lambda: (canvas.get_attribute("data-dimmed") == "others") == about_one,
+             f"{kind}: the other requests' blocks {'do not fade' if about_one else 'fade'} ({len(about)} concerned)")
 
 
 def trace_events(backend_url: str, run_id: str) -> list[dict]:  # noqa: F811

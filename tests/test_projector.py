@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.frontend.palette import ring_color
+from kvscope.frontend.palette import SLOT_COLORS, ring_color
 from tests.server_helpers import wait_for
 from tests.test_browser import (COMPONENT, MEASURE, PROJECTOR_PX, SHOTS, api, backend_url, browser,  # noqa: F401
                                 dashboard_url, laid_out, measure_when, page, pytestmark, wait_at_rest)
@@ -72,18 +72,34 @@ DOM_OVERLAPS = """() => {
     return out;
 }"""
 
+# The beam marks' boxes ([x0, y0, x1, y1] by mark) and the timeline's plot, in the chart's pixels.
 MARKS = """() => {
-    const el = document.querySelector('[data-kv=timeline]');
-    const sizes = {};
+    const chart = getElement(document.querySelector('[data-kv=timeline]').id.slice(1)).chart;
+    const marks = {};
     const visit = (e) => {
         if (['fork', 'prune', 'finished'].includes(e.name)) {
             const r = e.getBoundingRect();
-            (sizes[e.name] = sizes[e.name] || []).push(Math.min(r.width, r.height));
+            (marks[e.name] = marks[e.name] || []).push([r.x, r.y, r.x + r.width, r.y + r.height]);
         }
         if (e.isGroup) for (const k of e.children()) visit(k);
     };
-    for (const root of getElement(el.id.slice(1)).chart.getZr().storage.getRoots()) visit(root);
-    return sizes;
+    for (const root of chart.getZr().storage.getRoots()) visit(root);
+    const g = chart.getModel().getComponent('grid', 0).coordinateSystem.getRect();
+    return {marks, plot: [g.x, g.y, g.x + g.width, g.y + g.height]};
+}"""
+# The x ranges of the batch chart's slot strip: the rectangles drawn in the slot colours.
+SLOT_RUNS = """(fills) => {
+    const chart = getElement(document.querySelector('[data-kv=batch]').id.slice(1)).chart;
+    const runs = [];
+    const visit = (e) => {
+        if (e.type === 'rect' && e.style && fills.includes(e.style.fill)) {
+            const r = e.getBoundingRect();
+            runs.push([r.x, r.x + r.width]);
+        }
+        if (e.isGroup) for (const k of e.children()) visit(k);
+    };
+    for (const root of chart.getZr().storage.getRoots()) visit(root);
+    return {runs};
 }"""
 
 
@@ -150,10 +166,31 @@ def test_projector_mode_draws_beam_marks_16px_across(page, backend_url, dashboar
     run_id = finished_run(backend_url, "beam-search")
     in_projector_mode(page, *SIZES[0])
     page.goto(f"{dashboard_url}/?run={run_id}")
-    page.wait_for_function(f"() => ({MARKS})().prune")
-    marks = page.evaluate(MARKS)
+    page.wait_for_function(f"() => ({MARKS})().marks.prune")
+    drawn = page.evaluate(MARKS)
+    marks, (left, top, right, bottom) = drawn["marks"], drawn["plot"]
     assert set(marks) == {"fork", "prune", "finished"}
-    assert min(min(sizes) for sizes in marks.values()) >= PROJECTOR_PX, marks
+    assert min(min(x1 - x0, y1 - y0) for boxes in marks.values() for x0, y0, x1, y1 in boxes) >= PROJECTOR_PX, marks
+    cut = [(name, box) for name, boxes in marks.items() for box in boxes
+           if box[0] < left - 1 or box[2] > right + 1 or box[1] < top - 1 or box[3] > bottom + 1]
+    assert not cut, f"marks cut at the edge of the plot {drawn['plot']}: {cut}"
+
+
+def test_the_slot_strip_draws_no_gap_where_every_iteration_held_its_slots(page, backend_url, dashboard_url):
+    """Each iteration's slots, used or idle, are drawn: the strip is one unbroken band across the plot."""
+    run_id = finished_run(backend_url, "continuous-batching")
+    page.set_viewport_size({"width": SIZES[0][0], "height": SIZES[0][1]})
+    page.goto(f"{dashboard_url}/?run={run_id}")
+    fills = [SLOT_COLORS["used"], SLOT_COLORS["idle"]]
+    page.wait_for_function(f"() => ({SLOT_RUNS})({fills!r}).runs.length > 1")
+    strip = page.evaluate(SLOT_RUNS, fills)
+    runs = sorted(strip["runs"])
+    reach, gaps = runs[0][1], []
+    for x0, x1 in runs[1:]:
+        if x0 > reach + 0.5:
+            gaps.append((round(reach, 1), round(x0, 1)))
+        reach = max(reach, x1)
+    assert not gaps, f"the slot strip has gaps (px) where the run held its slots: {gaps[:5]}"
 
 
 def test_a_lesson_ring_is_16px_across_when_2048_blocks_make_the_cells_tiny(page, backend_url, dashboard_url):

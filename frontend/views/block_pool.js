@@ -67,6 +67,7 @@ export default {
       this.cells = { state: Uint8Array.from(full.state), color: Int16Array.from(full.color),
                      marks: Uint8Array.from(full.marks) };
       this.dimOthers = !!full.focus;
+      if (this.$refs.canvas) this.$refs.canvas.dataset.dimmed = this.dimOthers ? "others" : ""; // for a test
       this.bytesPerBlock = full.bytes_per_block || 0;
       this.flashes.clear();
       this.layout();

@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 
 
-from kvscope.backend.perf.model_run import ModelledLatency, modelled_latency
+from kvscope.backend.perf.model_run import ModelledLatency
 from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.backend.events.history import Finish, MetricPoint
-from kvscope.frontend.hardware import HardwareChoice, request_steps
+from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.views.base import FeedView, view_card
 from kvscope.frontend.views.block_pool import blocks_in_use
 from kvscope.frontend.views.charts import make_chart
@@ -259,8 +259,4 @@ class MetricsView(FeedView):
         if state is None or run is None:
             self.modelled.set(self.hardware.problem() or "")
             return
-        history = self.feed.history
-        tokens = sum(history.tokens_at.get(step, 0) for step in run.steps)  # on record: none after a snapshot
-        known_from = history.columns[0].step if history.columns else 0
-        latency = modelled_latency(list(run.steps.values()), request_steps(state), tokens, known_from)
-        self.modelled.set(modelled_text(latency, self.hardware.label, state.simulated))
+        self.modelled.set(modelled_text(run.latency(state, self.feed.history), self.hardware.label, state.simulated))
