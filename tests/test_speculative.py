@@ -185,6 +185,7 @@ def test_speculative_sampling_has_the_target_distribution(setting, demo, draft, 
         assert chi_square_pvalue(a, b) > 0.01, f"output token {position + 2} differs from the target's"
 
 
+@pytest.mark.slow  # the statistical test's own power, checked once it changes, not on every run (~25 s)
 @pytest.mark.parametrize("setting", ["T1", "T1-grammar"])
 def test_the_distribution_test_catches_a_wrong_rule(setting, demo, draft, direct_samples, monkeypatch):
     def accept_whatever_p_allows(p, q, drafts, uniforms, greedy):
