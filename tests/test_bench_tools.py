@@ -75,7 +75,9 @@ def by_id(served: list[ServedRequest]) -> dict[str, tuple[int, int]]:
     return {r.request_id: (r.prompt_tokens, r.output_tokens) for r in served}
 
 
-@pytest.mark.parametrize(("profile", "requests"), [("synchronous", 6), ("constant,rate=2", 10)])
+# synchronous (one request at a time, ~30 s) is slow; the constant rate, whose requests overlap, stays in CI
+@pytest.mark.parametrize(("profile", "requests"), [pytest.param("synchronous", 6, marks=pytest.mark.slow),
+                                                   ("constant,rate=2", 10)])
 def test_guidellm_finishes_without_errors_and_reports_the_tokens_the_engine_served(
         guidellm, base, tokenizer, tmp_path, profile, requests) -> None:
     out = tmp_path / "benchmarks.json"

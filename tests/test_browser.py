@@ -538,37 +538,6 @@ def test_the_sampling_view_shows_a_grammars_mask_as_its_first_stage(page, backen
     page.screenshot(path=f"{SHOTS or tmp_path}/sampling-grammar.png", full_page=True)
 
 
-def test_a_lesson_question_is_answered_then_revealed_and_marked_at_its_moment(page, backend_url, dashboard_url,
-                                                                             tiny_dir, tmp_path):
-    """memory-pressure asks at its start which request is preempted first; the room's pick is clicked,
-    continue runs to the first preemption, and the card marks the answer and the pick."""
-    page.set_viewport_size({"width": 1280, "height": 720})
-    run_id = api(backend_url, "/api/runs", {"scenario": "memory-pressure", "speed": 0, "paused": True,
-                                            "lesson": True, "overrides": {"model": tiny_dir}})["run_id"]
-    page.goto(f"{dashboard_url}/?run={run_id}")
-    choices = page.locator("[data-kv=lesson-question] [data-kv=question-choice]")
-    choices.first.wait_for()
-    requests = list(api(backend_url, f"/api/runs/{run_id}")["requests"])
-    assert [choices.nth(i).get_attribute("data-choice") for i in range(choices.count())] == requests
-    box = choices.first.bounding_box()
-    assert box["height"] >= 40 and page.evaluate("(el) => parseFloat(getComputedStyle(el).fontSize)",
-                                                  choices.first.element_handle()) >= 18  # readable from the back
-    pick = page.locator("[data-kv=question-choice][data-choice=g0]")
-    pick.click()
-    page.wait_for_function("(el) => el.dataset.mark === 'picked'", arg=pick.element_handle())
-    page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question.png")
-
-    page.locator("[data-kv=lesson-continue]").click()
-    wait_for(lambda: api(backend_url, f"/api/runs/{run_id}")["num_preemptions"] >= 1, "no preemption")
-    right = page.locator("[data-kv=question-choice][data-mark=right]")
-    right.wait_for()
-    victim = right.get_attribute("data-choice")
-    assert api(backend_url, f"/api/runs/{run_id}")["requests"][victim]["status"] == "preempted"
-    assert victim != "g0" and pick.get_attribute("data-mark") == "wrong"
-    assert page.locator("[data-kv=question-status]").inner_text().endswith("was wrong.")
-    page.screenshot(path=f"{SHOTS or tmp_path}/lesson-question-revealed.png")
-
-
 def test_exporting_a_gif_shows_a_progress_bar_that_fills_and_the_slide_downloads(page, backend_url, dashboard_url,
                                                                                 tiny_dir, tmp_path):
     from PIL import Image

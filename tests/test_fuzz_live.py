@@ -7,10 +7,10 @@ from kvscope.backend.server.guards import MAX_JSON_DEPTH
 from kvscope.backend.server.manager import RunManager
 from tests.server_helpers import in_process
 
-# 240 cases (split evenly over the route families: each gets 240 // families) take about 80 s on a quiet 2-core
+# 130 cases (split evenly over the route families: each gets 130 // families) take about 40 s on a quiet 2-core
 # machine, the hostile classes' and the store case about 15 s each more; the time limit only
 # guards a hang (a loaded machine takes longer but draws the same cases). `python -m bench.fuzz` runs longer.
-CI_CASES, CI_STORE_CASES, CI_SECONDS = 240, 1, 900
+CI_CASES, CI_STORE_CASES, CI_SECONDS = 130, 1, 900
 
 
 HOSTILE = ["hostile: stranding grammar", "hostile: huge grammar", "hostile: nested tool history",

@@ -1,20 +1,22 @@
 """A recorded walk of every scenario's lesson, as a lecturer gives it, in headless Chromium.
 
-Each scenario is opened from the landing page (picked in the drawer, started unpaced: lesson mode
-stops it at every moment anyway) and walked step by step with the lesson's "continue" button to its
-`finished` step, twice: in projector mode at 1280x720 and in normal mode at 1920x1080. At each step,
-the start's included: no page error; every view the step names outlined (`kv-focus`); the first of
-them, then each other one brought by "next view", wholly in the window beside the docked lesson card,
-which is whole and covers none of it; the blocks the moment concerns ringed in the colour of what
-happened to them, and the other requests' blocks faded only when the moment is about one request; a question's choices and its status line whole on the card. A question is answered
-with the first choice, and at the moment that reveals it the walk steps back ("previous": the question
-is asked again), answers the other way (the right choice after a wrong pick, a wrong one after a right
-pick) and sees the verdict flip; a lesson without a question steps back once from its first moment.
+Each scenario is walked step by step with the lesson's "continue" button to its `finished` step, twice:
+in projector mode at 1280x720, opened from the landing page (picked in the drawer, started unpaced:
+lesson mode stops it at every moment anyway), and in normal mode at 1920x1080, a run started before
+class opened by its address. At each step, the start's included: no page error; every view the step
+names outlined (`kv-focus`); the first of them, then each other one brought by "next view", wholly in
+the window beside the docked lesson card, which is whole and covers none of it; the blocks the moment
+concerns ringed in the colour of what happened to them, and the other requests' blocks faded only when
+the moment is about one request; a question's choices (40 px tall, 18 px type) and its status line
+whole on the card. A question is answered with the first choice; in the projector walk, at the moment
+that reveals it the walk steps back ("previous": the question is asked again), answers the other way
+(the right choice after a wrong pick, a wrong one after a right pick) and sees the verdict flip, and a
+lesson without a question steps back once from its first moment.
 A screenshot of every moment goes to KVSCOPE_WALK_DIR (default: a temporary folder),
 `<scenario>-<mode>-<n>-<moment>.png`, for a person to look through; the projector walk of EXPORTED also
 exports its first moment (a 16:9 PNG) and, at the end, its handout from the page's export menu, as the
-browser downloads them, into the same folder. With KVSCOPE_WALK_DOCS=1 the first moment of each scenario is also written, at
-1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
+browser downloads them, into the same folder. With KVSCOPE_WALK_DOCS=1 the first moment of each
+scenario is also written, at 1280x720, to docs/images/scenarios/<scenario>.png (docs/testing.md).
 
 The servers, the browser and the page-error check are tests/test_browser.py's fixtures.
 """
@@ -181,8 +183,10 @@ def asked(page) -> bool:
 
 
 def pick(page, index: int) -> str:
-    """The room's pick: the index-th choice; its value."""
+    """The room's pick: the index-th choice (a button readable from the back of the room); its value."""
     choice = page.locator(CHOICES).nth(index)
+    height, font = choice.evaluate("(el) => [el.getBoundingClientRect().height, parseFloat(getComputedStyle(el).fontSize)]")
+    assert height >= 40 and font >= 18, f"a choice {height:.0f} px tall in {font:.0f} px type"
     choice.click()
     wait_for(lambda: choice.get_attribute("data-mark") == "picked", "the pick was not marked")
     return choice.get_attribute("data-choice")
@@ -208,6 +212,13 @@ def screenshot(page, walk_dir: Path, name: str, index: int, kind: str) -> None:
     loss for flat UI)."""
     mode = "projector" if page.evaluate("kvscope.projector()") else "normal"
     page.mouse.move(page.viewport_size["width"] - 2, 2)  # no tooltip in the picture
+    # a smooth scroll ("next view") still under way draws the fixed header displaced in the picture
+    last = None
+    for _ in range(40):  # ~2.5 s at most; a smooth scroll takes well under one
+        if (y := page.evaluate("scrollY")) == last:
+            break
+        last = y
+        page.wait_for_timeout(60)
     if index == 1 and mode == "projector" and os.environ.get("KVSCOPE_WALK_DOCS") == "1":
         DOCS_DIR.mkdir(parents=True, exist_ok=True)
         Image.open(io.BytesIO(page.screenshot())).quantize(256).save(DOCS_DIR / f"{name}.png", optimize=True)
@@ -224,9 +235,13 @@ def test_walk_every_lesson_step_of(name, mode, page, backend_url, dashboard_url,
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
     page.set_viewport_size(MODES[mode])
-    run_id = start_from_the_landing_page(page, dashboard_url, name, mode)
+    if mode == "projector":  # a lecturer starts it from the landing page
+        run_id = start_from_the_landing_page(page, dashboard_url, name, mode)
+    else:  # one started before class, opened by its address
+        run_id = api(backend_url, "/api/runs", {"scenario": name, "speed": 0, "paused": True, "lesson": True})["run_id"]
+        page.goto(f"{dashboard_url}/?run={run_id}")
     steps = [step.model_dump() for step in scenario.lesson]  # every lesson pauses mid-run (tests/test_scenarios.py)
-    walked = walk(page, backend_url, run_id, name, steps, walk_dir, errors)
+    walked = walk(page, backend_url, run_id, name, steps, walk_dir, errors, step_back=mode == "projector")
     assert sorted(walked) == sorted(step["at"] for step in steps), f"{name}: walked {walked}, the lesson has {steps}"
     events = trace_events(backend_url, run_id)
     first = next(i for i, e in enumerate(events) if e["type"] in ("control", "iteration"))
@@ -235,13 +250,15 @@ def test_walk_every_lesson_step_of(name, mode, page, backend_url, dashboard_url,
 
 
 def walk(page, backend_url: str, run_id: str, name: str, steps: list[dict], walk_dir: Path,  # noqa: F811
-         errors: list[str]) -> list[str]:
-    """A lesson in lesson mode: held on its first step, then every moment with continue, to the end."""
+         errors: list[str], step_back: bool) -> list[str]:
+    """A lesson in lesson mode: held on its first step, then every moment with continue, to the end; with
+    `step_back` (once per scenario: the card's behaviour is the same at any size), a question is answered
+    both ways and a lesson without one steps back once."""
     page.locator("[data-kv=lesson-continue]").wait_for()
     assert api(backend_url, f"/api/runs/{run_id}")["step"] == -1
     assert moment_kind(progress(page)) == "start"
     check_the_step(page, backend_url, run_id, steps[0], errors)
-    walked, question, stepped_back = ["start"], None, False
+    walked, question, stepped_back = ["start"], None, not step_back
     while walked[-1] != "finished":
         if asked(page):
             question = pick(page, 0)
@@ -251,7 +268,8 @@ def walk(page, backend_url: str, run_id: str, name: str, steps: list[dict], walk
         assert step["at"] == kind, f"{name}: {text!r} shows step {step}"
         check_the_step(page, backend_url, run_id, step, errors)  # waits for the outline, the scroll and the ring
         if question is not None and verdict(page) is not None:
-            step_back_and_answer_the_other_way(page, name, question)  # from a question's reveal
+            if step_back:
+                step_back_and_answer_the_other_way(page, name, question)  # from a question's reveal
             question, stepped_back = None, True
         elif not stepped_back and kind != "finished":
             go_on(page, name, "lesson-previous")

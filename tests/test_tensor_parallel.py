@@ -116,7 +116,7 @@ def test_speculative_with_the_draft_model_on_rank_0(demo, draft):
     assert engine.spec_stats.num_verifies > 0
 
 
-@pytest.mark.parametrize("weights", ["float32", "native"])
+@pytest.mark.parametrize("weights", [pytest.param("float32", marks=pytest.mark.slow), "native"])  # the same shards
 def test_smollm2_at_tp3_equals_tp1(weights):
     """SmolLM2 has 9 heads and 3 KV heads: 2 ranks cannot share them, 3 can (one KV head each).
 

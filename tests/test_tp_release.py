@@ -76,11 +76,11 @@ def finish(served: TestClient, **engine) -> str:
     return run_id
 
 
-def test_fifteen_finished_tensor_parallel_runs_leave_no_rank_port_thread_or_shared_memory_behind(served):
+def test_eight_finished_tensor_parallel_runs_leave_no_rank_port_thread_or_shared_memory_behind(served):
     ports, shm = listening_ports(), shared_memory()
     assert not group_threads()
     runs = []
-    for _ in range(15):
+    for _ in range(8):
         runs.append(finish(served))
         eventually(lambda: not rank_pids(os.getpid()), "its rank stopped as it finished", RELEASE_S)
     assert not any(served.get(f"/api/runs/{r}").json()["failed"] for r in runs)
