@@ -22,7 +22,7 @@ from kvscope.frontend.lesson import lesson_steps
 
 VIEWS = {"timeline": "Timeline", "blocks": "Block pool", "batch": "Batch composition"}
 KINDS = {".png": "PNG", ".svg": "SVG", ".json": "Perfetto JSON", ".gif": "GIF", ".html": "HTML"}
-LESSON_EXPORTS = {"moment": "this moment", "handout": "lesson handout"}
+LESSON_TITLES = {"moment": "this moment", "handout": "lesson handout"}  # the status line's words
 
 
 def parse_jsonl(text: str) -> list[dict]:
@@ -112,7 +112,7 @@ class ExportMenu:
         text = await self._trace()
         if text is None:
             return None
-        title = LESSON_EXPORTS.get(view) or VIEWS[view].lower()
+        title = LESSON_TITLES.get(view) or VIEWS[view].lower()
         what = "run GIF" if suffix == ".gif" else f"{title} {KINDS[suffix]}"
         self.busy = True
         self._show(f"rendering {what}", 0.0)
