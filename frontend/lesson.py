@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nicegui import ui
+from nicegui import background_tasks, ui
 
 from kvscope.backend.events.moments import VIEWS, Moment, step_views
 from kvscope.frontend.client import Backend, BackendError, RunFeed
@@ -201,12 +201,14 @@ class LessonGuide:
         if stop.moment.kind != "finished":  # the server paused it there; a replay records no control event
             self.feed.pacing.paused = True
 
-    async def _on_mode(self) -> None:
-        """The switch: the run's lesson mode, for everyone watching it."""
+    def _on_mode(self) -> None:
+        """The switch: the run's lesson mode, for everyone watching it. Not a coroutine: NiceGUI runs an async
+        handler as a later task, and a tick before it would set the switch back from the pacing not yet
+        changed."""
         if self.feed.state is None or self.feed.pacing.lesson == self.mode.value:  # set from the run's own pacing
             return
         self.feed.pacing.lesson = self.mode.value  # at once: the tick keeps the switch on the pacing
-        await self._control("lesson", 1 if self.mode.value else 0)
+        background_tasks.create(self._control("lesson", 1 if self.mode.value else 0), name="lesson mode")
 
     async def resume(self) -> None:
         """'continue': a step walked back from, the next step waiting at the same moment, or the run again."""
