@@ -290,6 +290,11 @@ class EngineConfig(BaseModel):
                                  description="run decode-only steps through one torch.compile'd graph of the whole "
                                              "model (attention_backend torch, one rank): fewer, fused ops per step "
                                              "for a compile paid once per process (docs/engine.md#compiled-decode)")
+    batch_invariant: bool = Field(default=False,
+                                  description="a request's tokens and log-probabilities never depend on what else is "
+                                              "in the batch or the cache: each query token is a forward of its own "
+                                              "(one-row kernels), at a cost in throughput "
+                                              "(docs/engine.md#batch-invariant-mode)")
     tensor_parallel_timeout_s: float = Field(default=60.0, gt=0, le=3600,
                                              description="how long a collective waits for a rank before the run "
                                                          "fails naming it")

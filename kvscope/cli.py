@@ -38,6 +38,8 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
 WEIGHTS_CHOICES = ("native", "float32")
 COMPILE_HELP = ("decode steps through one torch.compile'd graph of the model: faster steps after a compile "
                 "of a minute or two on first use (docs/engine.md#compiled-decode)")
+INVARIANT_HELP = ("each request's tokens and log-probabilities the same, bit for bit, whatever else is in its batch or "
+                  "the cache: every query token runs as a forward of its own, slower (docs/engine.md#batch-invariant-mode)")
 WEIGHTS_HELP = ("a GGUF file's weights: native runs its Q4/Q8 blocks through torch's int4/int8 kernels (default); "
                 "float32 de-quantizes them at load, the reference (docs/quantization.md)")
 ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
@@ -45,7 +47,7 @@ ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
                 "engine.weights": "--weights",
                 "engine.kv_cache_dtype": "--kv-cache-dtype", "engine.tensor_parallel": "--tensor-parallel",
-                "engine.compile_decode": "--compile-decode",
+                "engine.compile_decode": "--compile-decode", "engine.batch_invariant": "--batch-invariant",
                 "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
 TP_HELP = ("shard the model over N ranks, processes on torch.distributed (gloo on CPU, NCCL on CUDA); N must divide "
            "the attention heads; under torchrun give the same N as its ranks (docs/engine.md#tensor-parallelism)")
@@ -72,7 +74,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     try:
         config = EngineConfig(max_model_len=context, num_blocks=None, events="off", speculative=speculative,
                               weight_quant=args.weight_quant, kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
-                              tensor_parallel=args.tensor_parallel, compile_decode=args.compile_decode)
+                              tensor_parallel=args.tensor_parallel, compile_decode=args.compile_decode,
+                              batch_invariant=args.batch_invariant)
     except ValidationError as e:  # only flags reach the config: name the one that was wrong
         error = validation_error(e, "engine")
         raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
@@ -181,6 +184,7 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
     from kvscope.backend.model.quant import weight_bytes
     from kvscope.backend.model.sharding import check_tensor_parallel
     from kvscope.backend.run import cached_model
+    from kvscope.backend.server.api_run import ApiEngineFlags
     from kvscope.backend.server.manager import RunManager
 
     model, weights = args.model or "demo", getattr(args, "weights", "native")
@@ -196,8 +200,8 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
             check_tensor_parallel(loaded.config, tp)
         except KvscopeError as e:
             raise UserError(f"--tensor-parallel {tp}", e.reason) from None
-    manager = RunManager(default_model=model, library=_library(args), api_weights=weights, api_tensor_parallel=tp,
-                         api_compile_decode=getattr(args, "compile_decode", False))
+    flags = ApiEngineFlags(weights, tp, getattr(args, "compile_decode", False), getattr(args, "batch_invariant", False))
+    manager = RunManager(default_model=model, library=_library(args), api_flags=flags)
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
@@ -315,7 +319,8 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     tp = [] if args.tensor_parallel is None else [("engine.tensor_parallel", args.tensor_parallel,
                                                    f"--tensor-parallel {args.tensor_parallel}")]
-    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args) + tp)
+    invariant = [("engine.batch_invariant", True, "--batch-invariant")] if args.batch_invariant else []
+    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args) + tp + invariant)
     if args.simulate and scenario.simulate is None:
         raise UserError("--simulate", f"needs --model-shape ({args.scenario} has no simulate section)")
     bus = EventBus(level=scenario.engine.events)
@@ -470,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
     g.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
+    g.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
     g.set_defaults(func=cmd_generate)
 
     for name, helptext in (("serve", "start the backend (and the dashboard)"),
@@ -487,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
             v.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
             v.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
             v.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
+            v.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")
@@ -550,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a field, e.g. engine.block_size=8 (value parsed as YAML)")
     r.add_argument("--tensor-parallel", type=int, metavar="N", help=TP_HELP + "; the same as --set engine.tensor_parallel=N")
+    r.add_argument("--batch-invariant", action="store_true",
+                   help=INVARIANT_HELP + "; the same as --set engine.batch_invariant=true")
     r.add_argument("--simulate", action="store_true",
                    help="no weights: the scheduler runs, each iteration is priced by the roofline cost model")
     r.add_argument("--model-shape", help="simulate: e.g. llama-3-8b, llama-3-70b, deepseek-v2-lite")

@@ -28,6 +28,7 @@ MODES = {
     # decode-only steps through torch.compile's graph (runner.py), the others eager, in one run
     "compiled-decode": dict(compile_decode=True),
     "compiled-decode-preemption": dict(compile_decode=True, block_size=4, num_blocks=30, max_num_batched_tokens=64),
+    "batch-invariant": dict(batch_invariant=True, block_size=4, num_blocks=30, max_num_batched_tokens=7),
 }
 
 

@@ -152,13 +152,15 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
         try:
             runner, cache = start_tensor_parallel(loaded.model, {"num_blocks": num_blocks, "block_size": config.block_size,
                                                                  "dtype": dtype, "kv_dtype": config.kv_cache_dtype},
-                                                  attention_backend, device, world, config.tensor_parallel_timeout_s)
+                                                  attention_backend, device, world, config.tensor_parallel_timeout_s,
+                                                  config.batch_invariant)
         except KvscopeError as e:  # a quantization group a rank's slice would cut
             raise RequestError(e.field, e.reason) from None
         return Runtime(cache, runner, str(device), attention_backend, weights, header={"tensor_parallel": runner.layout},
                        iteration_fields=runner.allreduce_fields, close=runner.close)
     cache = KVCache(loaded.config, num_blocks, config.block_size, dtype, device, config.kv_cache_dtype)
-    runner = ModelRunner(loaded.model.to(device), cache, attention_backend, compile=config.compile_decode)
+    runner = ModelRunner(loaded.model.to(device), cache, attention_backend, compile=config.compile_decode,
+                         batch_invariant=config.batch_invariant)
     return Runtime(cache, runner, str(device), attention_backend, weights, compile_s=runner.compile_s)
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.backend.engine.kv_cache import KVCache
-from kvscope.backend.engine.step_input import StepInput
+from kvscope.backend.engine.step_input import StepInput, token_inputs
 from kvscope.backend.model.attention import causal_attention
 from kvscope.backend.model.joined import join_projections
 from kvscope.backend.model.transformer import CausalLM
@@ -205,8 +205,9 @@ BACKENDS = {"torch": PagedTorchBackend, "triton": PagedTritonBackend}
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, attention: Literal["torch", "triton"] = "torch",
-                 compile: bool = False) -> None:
+                 compile: bool = False, batch_invariant: bool = False) -> None:
         self.model, self.cache = model, cache
+        self.batch_invariant = batch_invariant  # EngineConfig.batch_invariant: see `invariant_logits`
         join_projections(model)  # Q, K, V and gate, up as one matmul each: fewer ops per step (joined.py)
         self.backend = BACKENDS[attention]
         # Decode-only steps through one compiled graph (EngineConfig.compile_decode: torch backend only,
@@ -231,7 +232,24 @@ class ModelRunner:
     @torch.no_grad()
     def logits(self, inp: StepInput) -> torch.Tensor:
         """The forward alone: logits [len(inp.logit_rows), vocab], a row per sampling sequence, k + 1 per verify."""
+        if self.batch_invariant:
+            return self.invariant_logits(inp)
         return self.model.logits(self.forward(inp)[inp.logit_rows])
+
+    def invariant_logits(self, inp: StepInput) -> torch.Tensor:
+        """`logits`, each query token a forward of its own. A matmul's rows are not independent of each other
+        on a CPU or a GPU: the library picks its blocking, vector width and split of the sum by the number of
+        rows, so one token's row of x @ W changes in its last bits with the batch around it (a one-row product
+        and the same row in a product of 64 differ in most of their 576 outputs on this project's CPU), and
+        attention sums over a padded width set by the longest row. Here every token runs with one row and a
+        block table exactly as long as its context, and every logits row is a product of one row: the same
+        shapes, so the same order of every sum, whatever else was scheduled or cached."""
+        rows = []  # [1, vocab] each
+        for one in token_inputs(inp, self.cache.block_size):
+            hidden = self.forward(one)  # [1, hidden]
+            if one.logit_rows:
+                rows.append(self.model.logits(hidden))
+        return torch.cat(rows) if rows else self.model.logits(hidden[:0])
 
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:

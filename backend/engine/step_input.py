@@ -112,6 +112,26 @@ def step_input(rows: list[RowTokens], block_copies: list[tuple[int, int]], block
                      keep_raw=keep_raw)
 
 
+def token_inputs(inp: StepInput, block_size: int) -> list[StepInput]:
+    """The step's forward as one StepInput per query token, in batch order (batch-invariant mode, runner.py).
+
+    Each attends to exactly its own context (a block table no longer than that context), so its kernels see
+    the same shapes whatever else was scheduled with it: a prefill chunk, a decode step, a recompute after
+    preemption or a prefix-cache hit all compute a token alike. A row's tokens stay in order, each writing its
+    K/V before the next reads it. The block copies go with the first; nothing samples here."""
+    out, sampled = [], set(inp.logit_rows)
+    for row in range(inp.num_rows):
+        for t in range(inp.query_starts[row], inp.query_starts[row + 1]):
+            context = inp.positions[t] + 1
+            out.append(StepInput(
+                request_ids=[inp.request_ids[row]], seq_ids=[inp.seq_ids[row]], phases=[inp.phases[row]],
+                query_starts=[0, 1], context_lens=[context],
+                block_tables=[inp.block_tables[row][:-(-context // block_size)]],
+                input_ids=[inp.input_ids[t]], positions=[inp.positions[t]], slot_mapping=[inp.slot_mapping[t]],
+                logit_rows=[0] if t in sampled else [], block_copies=[] if out else list(inp.block_copies)))
+    return out
+
+
 # ---- the draft pass of speculative decoding -------------------------------------------------------
 
 @dataclass(frozen=True)

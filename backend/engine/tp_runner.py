@@ -84,8 +84,9 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: the same forward as every worker's, after posting them the step's input."""
 
     def __init__(self, model: CausalLM, cache: KVCache, attention: str, group: TPGroup, ranks: Ranks,
-                 layout: dict) -> None:
-        super().__init__(model, cache, attention)
+                 layout: dict, batch_invariant: bool = False) -> None:
+        # batch-invariant: rank 0 posts each token's forward as a step of its own, so every rank runs one row
+        super().__init__(model, cache, attention, batch_invariant=batch_invariant)
         self.group, self.ranks, self.layout = group, ranks, layout
         self.failure: str | None = None
         self._busy = threading.Lock()  # held through a forward: a close from another thread must not pull the group
@@ -153,7 +154,8 @@ def _close(group: TPGroup, ranks: Ranks) -> None:
 
 
 def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, device: torch.device,
-                          world: int, timeout_s: float) -> tuple[TensorParallelRunner, KVCache]:
+                          world: int, timeout_s: float, batch_invariant: bool = False,
+                          ) -> tuple[TensorParallelRunner, KVCache]:
     """Shard `model` over `world` ranks, start them, and return rank 0's runner and KV cache.
 
     cache_args: KVCache's arguments but the config (num_blocks, block_size, dtype, kv_dtype)."""
@@ -183,7 +185,7 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
               "timeout_s": timeout_s, "embedding": "replicated", "lm_head": "rank 0",
               "kv_heads_replicated": plans[0].kv_replicated,
               "ranks": [_rank_layout(plans[0], own, config, cache_args), *layout_ranks]}
-    return TensorParallelRunner(own, cache, attention, group, ranks, layout), cache
+    return TensorParallelRunner(own, cache, attention, group, ranks, layout, batch_invariant), cache
 
 
 def _worker_spec(shard: CausalLM, plan: ShardPlan, cache_args: dict, attention: str) -> tuple[bytes, bytes]:

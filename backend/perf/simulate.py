@@ -111,6 +111,9 @@ def check_engine(config: EngineConfig) -> None:
     if config.compile_decode:
         raise PerfError("engine.compile_decode", "simulate mode runs no model: there is no forward to compile "
                                                  "(the cost model prices each step as it is)")
+    if config.batch_invariant:
+        raise PerfError("engine.batch_invariant", "simulate mode runs no model: it computes no logits whose bits "
+                                                  "could depend on the batch")
 
 
 def simulated_sampling(params: SamplingParams) -> SamplingParams:

@@ -9,6 +9,7 @@ RunState.serves_api), so that its views show the engine's own clock per request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvscope.backend.config import EngineConfig
@@ -24,14 +25,24 @@ from kvscope.backend.server.runs import Retention
 API_KV_CACHE_MB = 256.0
 
 
-def api_engine(model: str, events: str = "full", weights: str = "native", tensor_parallel: int = 1,
-               compile_decode: bool = False) -> EngineConfig:
+@dataclass(frozen=True)
+class ApiEngineFlags:
+    """`kvscope serve`'s engine flags: every API run is built with them (`api_engine`)."""
+
+    weights: str = "native"  # --weights: how a GGUF file's weights run
+    tensor_parallel: int = 1  # --tensor-parallel
+    compile_decode: bool = False  # --compile-decode
+    batch_invariant: bool = False  # --batch-invariant
+
+
+def api_engine(model: str, events: str = "full", flags: ApiEngineFlags = ApiEngineFlags()) -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
-    shared = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "events": events, "tensor_parallel": tensor_parallel,
-              "compile_decode": compile_decode}
+    shared = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "events": events,
+              "tensor_parallel": flags.tensor_parallel, "compile_decode": flags.compile_decode,
+              "batch_invariant": flags.batch_invariant}
     if model in SHIPPED_MODELS:
         return EngineConfig(num_blocks=1024, **shared)
-    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, weights=weights, **shared)
+    return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, weights=flags.weights, **shared)
 
 
 def api_header_scenario(model: str, seed: int) -> dict[str, Any]:

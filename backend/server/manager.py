@@ -39,7 +39,7 @@ from kvscope.backend.model.weights import WeightCache, WeightKey
 from kvscope.backend.run import WEIGHTS
 from kvscope.backend.scenario import (NAME_PATTERN, SCENARIOS_DIR, Scenario, apply_overrides, check_available,
                               load_scenario, validate)
-from kvscope.backend.server.api_run import ApiRun, api_engine
+from kvscope.backend.server.api_run import ApiEngineFlags, ApiRun, api_engine
 from kvscope.backend.server.engine_run import EngineRun, ServedScenario
 from kvscope.backend.server.grammar_compiles import GrammarCompiles
 from kvscope.backend.server.library import LibraryError, Pair, RunLibrary, run_facts
@@ -97,12 +97,9 @@ def describe_copy(need: WeightNeed) -> str:
 class RunManager:
     def __init__(self, default_model: str = "demo", watcher_queue_limit: int | None = None,
                  limits: ServiceLimits | None = None, weights: WeightCache | None = None,
-                 library: RunLibrary | None = None, api_weights: str = "native", api_tensor_parallel: int = 1,
-                 api_compile_decode: bool = False) -> None:
+                 library: RunLibrary | None = None, api_flags: ApiEngineFlags = ApiEngineFlags()) -> None:
         self.default_model = default_model
-        self.api_weights = api_weights  # `kvscope serve --weights`: how the API runs load a GGUF file
-        self.api_tensor_parallel = api_tensor_parallel  # `kvscope serve --tensor-parallel`: the API runs' ranks
-        self.api_compile_decode = api_compile_decode  # `kvscope serve --compile-decode`
+        self.api_flags = api_flags  # `kvscope serve`'s engine flags, which every API run gets
         self.library = library  # finished runs saved to disk; None: none kept (tests, --no-library)
         self.watcher_queue_limit = watcher_queue_limit
         self.limits = limits or ServiceLimits()
@@ -316,8 +313,7 @@ class RunManager:
 
     def api_config(self, model: str) -> EngineConfig:
         """The engine settings of `model`'s API run (/v1/models reports its max_model_len before it loads)."""
-        return api_engine(model, self.limits.api_events, self.api_weights, self.api_tensor_parallel,
-                          self.api_compile_decode)
+        return api_engine(model, self.limits.api_events, self.api_flags)
 
     def _start_api_run(self, model: str, run_id: str) -> ApiRun:
         config = self.api_config(model)
@@ -341,7 +337,7 @@ class RunManager:
         items = [(key, value, f"overrides {key}={json.dumps(value)}") for key, value in (overrides or {}).items()]
         resolved = validate(base, source, apply_overrides(base, items))
         self._check_models(resolved)
-        ranks, most = resolved.engine.tensor_parallel, max(self.limits.max_tensor_parallel, self.api_tensor_parallel)
+        ranks, most = resolved.engine.tensor_parallel, max(self.limits.max_tensor_parallel, self.api_flags.tensor_parallel)
         if ranks > most:  # checked before any process is started
             raise RunError("engine.tensor_parallel", f"{ranks} ranks; this server starts at most {most} for a run "
                                                      "(--max-tensor-parallel)")

@@ -38,8 +38,10 @@ async def health_probe(request: Request) -> Response:
 
 
 @get("/version")
-async def server_version() -> dict[str, str]:
-    return {"version": installed_version()}
+async def server_version(request: Request) -> dict[str, str | bool]:
+    """vLLM's `{version}`, and whether the API runs are batch-invariant (`kvscope serve --batch-invariant`): a
+    client comparing log-probabilities across requests needs to know."""
+    return {"version": installed_version(), "batch_invariant": request.app.state.manager.api_flags.batch_invariant}
 
 
 class TokenizeBody(StrictBody):
