@@ -50,6 +50,8 @@ AXES = {
     "spec_num_tokens": Axis("draft tokens k", "engine.speculative.num_tokens", {}, 1, 8),
     "arrival_rate": Axis("arrival rate", "generate.arrival.rate_per_step", {}, 0.05, 1.0),
     "compile_decode": Axis("decode step", "engine.compile_decode", {False: "eager", True: "compiled"}, False, True),
+    "batch_invariant": Axis("batch invariance", "engine.batch_invariant", {False: "default", True: "batch-invariant"},
+                            False, True),
 }  # fmt: skip
 SPEC_VALUES = {"off": None, "draft": SPEC_DRAFT, "ngram": SPEC_NGRAM}
 # A GGUF model's weights three ways (docs/quantization.md): de-quantized to float32; those floats quantized

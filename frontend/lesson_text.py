@@ -112,6 +112,7 @@ FIELDS: dict[str, Callable[[Header], str | None]] = {
     "speculative": speculative,
     "weights_mib": weights_mib,
     "ranks": ranks,
+    "batch_invariant": lambda h: on_off(dig(h, "config", "batch_invariant")),
 }
 
 

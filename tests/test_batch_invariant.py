@@ -126,3 +126,4 @@ def test_two_ranks_keep_the_bits_of_their_own_degree(tiny: LoadedModel) -> None:
     crowded, engine, _ = served(tiny, EngineConfig(**config, max_num_batched_tokens=16), crowd(tiny, 12, 2))
     engine.close()
     assert crowded == alone_bits
+

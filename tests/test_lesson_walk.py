@@ -279,6 +279,9 @@ def walk(page, backend_url: str, run_id: str, name: str, steps: list[dict], walk
             stepped_back = True
         walked.append(kind)
         screenshot(page, walk_dir, name, len(walked) - 1, kind)
+        if name == "nondeterminism" and kind == "finished":  # the lesson's point, in the sampling view's strip
+            strip = page.locator("[data-kv=twin-caption]")
+            assert strip.is_visible() and "against alone" in strip.inner_text(), "no |Δ| strip for the last copy"
         if name == EXPORTED and page.evaluate("kvscope.projector()") and (len(walked) == 2 or kind == "finished"):
             export_from_the_menu(page, walk_dir, name, steps, kind)
     assert question is None, f"{name}: a question asked was never revealed"

@@ -34,6 +34,7 @@ LESSONS |= {"roofline"}
 LESSONS |= {"structured-output"}
 LESSONS |= {"quantized-weights"}
 LESSONS |= {"tensor-parallel"}
+LESSONS |= {"nondeterminism"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -662,3 +663,40 @@ def test_roofline_decode_turns_compute_bound_with_the_batch_and_int8_kv_moves_th
         return min(len(it["batch"]) for it in decodes(trace) if it["bound"] == "compute")
 
     assert knee(int8) < knee(base)
+
+
+def test_the_nondeterminism_lesson_parts_its_copies_by_default_and_never_when_invariant():
+    """The scenario's three copies of one chat on SmolLM2, as the sampling view's strip compares them: by default
+    "crowd" and "cached" differ from "alone" (the lesson's premise), with the mode on they keep every bit; "alone"
+    computes its whole prompt as one chunk, "crowd" only what follows its cached blocks, beside other prefills."""
+    from kvscope.backend.events.history import RunHistory
+    from kvscope.backend.events.state import RunState
+    from kvscope.frontend.views.twin_delta import caption, twin_deltas, twin_of
+
+    if missing_package(SMOLLM2):
+        pytest.skip(missing_package(SMOLLM2))
+    strips = {}
+    for invariant in (False, True):
+        scenario = load_scenario("nondeterminism", [f"engine.batch_invariant={str(invariant).lower()}"])
+        events: list[dict] = []
+        bus = EventBus()
+        bus.subscribe(events.append)
+        ScenarioRun(scenario, bus).run()
+        state, history = RunState(), RunHistory()
+        for e in events:
+            state.apply(e)
+            history.apply(e, state)
+        assert state.config["batch_invariant"] is invariant and twin_of(state, "alone") == "crowd"
+        strips[invariant] = {rid: twin_deltas(state, history, rid) for rid in ("crowd", "cached")}
+        cached = {e["request_id"]: e["num_cached_prompt_tokens"] for e in events if e["type"] == "request_finished"}
+        assert cached["alone"] == 0 and cached["crowd"] >= 32 and cached["cached"] >= 32
+        rows = [{b["request_id"]: b["num_query_tokens"] for b in e["batch"]} for e in events if e["type"] == "iteration"]
+        assert rows[0] == {"alone": state.requests["alone"].prompt_len}
+        crowd = next(r for r in rows if "crowd" in r)
+        assert crowd["crowd"] == state.requests["crowd"].prompt_len - cached["crowd"] and len(crowd) > 1
+    for rid in ("crowd", "cached"):
+        default, invariant = strips[False][rid], strips[True][rid]
+        assert default.twin == invariant.twin == "alone"
+        assert any(d > 0 for d in default.deltas), f"{rid}: the default mode kept every bit: no lesson to teach"
+        assert invariant.flip is None and len(invariant.deltas) == 12 and set(invariant.deltas) == {0.0}
+        assert caption(rid, invariant).endswith("the same token and the same bits at all 12 tokens.")

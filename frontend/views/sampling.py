@@ -19,6 +19,7 @@ from kvscope.frontend.views.base import FeedView, legend, legend_html, view_card
 from kvscope.frontend.views.charts import make_chart, probability_bars
 from kvscope.frontend.views.live_text import LiveText
 from kvscope.frontend.views.sequences import SeqLine, is_beam, seq_line, seq_lines, token_label, tokens_html
+from kvscope.frontend.views.twin_delta import TwinStrip
 
 EXPLANATION = """
 The model gives a probability to every token of the vocabulary (**raw**, the softmax at T = 1).
@@ -56,6 +57,12 @@ the model's own distribution, **after the grammar's mask** what is left of it (t
 share it removed; a masked token is marked ✕ and greyed), and every later stage works on that. The
 line under the chart says how many tokens the grammar allowed and where the output stands in it
 (for JSON, the path of the value being written).
+
+When the run served the same prompt with the same settings before (the nondeterminism lesson), a
+strip under the tokens compares this request with that first one, token by token: |Δ log-probability|
+on a log scale (grey at the floor: the same bits), and the first token that came out different. In
+the default mode the numbers move with the batch around a request and with what the cache held; with
+`engine.batch_invariant` they cannot (docs/engine.md#batch-invariant-mode).
 """
 
 # grey: the model's own distribution (raw, or "model" before a grammar's mask)
@@ -176,6 +183,7 @@ class SamplingView(FeedView):
             self.strip = LiveText(html=True).classes("kv-token-strip w-full").mark("token-strip") \
                 .props("data-kv=token-strip")
             self.strip.on("click", self._on_token_click, js_handler=CLICK_JS)
+            self.twin = TwinStrip()
             self.legend = legend(LEGEND)
             options = probability_bars()
             options["grid"]["left"] = 64  # room for the log axis's 0.0001 and the axis name beside it
@@ -277,6 +285,8 @@ class SamplingView(FeedView):
         self.shown = key
         lines = seq_lines(self.feed.state, self.feed.history, rid) if rid else []
         self._strip(lines, seq, index)
+        if (twin := self.twin.option(self.feed.state, self.feed.history, rid)) is not None:
+            self.push(self.twin.chart, twin, replace_series=True)
         self._picker(lines, seq)
         self._grammar(rid, index)
         if token is not None and token.get("dist"):
