@@ -81,12 +81,14 @@ def caption(rid: str, d: TwinDeltas) -> str:
 
 
 def chart_option(d: TwinDeltas) -> dict[str, Any]:
-    """Bars of |Δ| per token on a log axis; identical bits grey at the floor, the flip in the chosen token's colour."""
-    def bar(i: int, x: float) -> dict:
+    """A dot of |Δ| per token on a log axis (points: ECharts grows a log axis's bars down from its top); identical
+    bits grey at the floor, the flip in the chosen token's colour."""
+    def dot(i: int, x: float) -> dict:
         color = TOKEN_MARK_COLORS["chosen"] if i == d.flip else SAME_COLOR if x == 0 else DIFF_COLOR
         return {"value": max(x, FLOOR), "itemStyle": {"color": color}}
     return {"xAxis": {"data": [f"{i + 1} {t!r}" for i, t in enumerate(d.texts)]},
-            "series": [{"type": "bar", "name": "|Δ log-prob|", "data": [bar(i, x) for i, x in enumerate(d.deltas)]}]}
+            "series": [{"type": "scatter", "name": "|Δ log-prob|", "symbolSize": 11,
+                        "data": [dot(i, x) for i, x in enumerate(d.deltas)]}]}
 
 
 class TwinStrip:
@@ -99,9 +101,11 @@ class TwinStrip:
                 "grid": {"left": 72, "right": 12, "top": 8, "bottom": 44},
                 "tooltip": {"trigger": "axis"},
                 "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 30, "fontSize": 11}},
-                "yAxis": {"type": "log", "min": FLOOR, "name": "|Δ log-prob|", "nameLocation": "middle", "nameGap": 56,
-                          "axisLabel": {"formatter": "{value}"}},
-                "series": []}, "120px", "twin-chart")
+                # a label every third decade (the floor "same", 1e-6, 1e-3, 1): nine decades in 140 px
+                "yAxis": {"type": "log", "min": FLOOR, "max": 1, "interval": 3, "name": "|Δ log-prob|",
+                          "nameLocation": "middle", "nameGap": 44,
+                          "axisLabel": {":formatter": "(v) => v <= 1e-9 ? 'same' : v >= 1 ? '1' : v.toExponential(0)"}},
+                "series": []}, "140px", "twin-chart")
         self.box.set_visibility(False)
 
     def option(self, state: RunState, history: RunHistory, rid: str | None) -> dict[str, Any] | None:
