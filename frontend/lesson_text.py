@@ -113,6 +113,7 @@ FIELDS: dict[str, Callable[[Header], str | None]] = {
     "weights_mib": weights_mib,
     "ranks": ranks,
     "batch_invariant": lambda h: on_off(dig(h, "config", "batch_invariant")),
+    "hidden_size": lambda h: count(dig(h, "model", "config", "hidden_size")),
 }
 
 

@@ -55,7 +55,8 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
                             "embedding": "replicated", "lm_head": "rank 0", "kv_heads_replicated": False,
                             "ranks": [{"rank": r, "heads": [4 * r, 4 * r + 4], "kv_heads": [r, r + 1],
                                        "intermediate": [384 * r, 384 * r + 384], "weight_bytes": 1000,
-                                       "kv_bytes_per_token": 256, "kv_bytes": 256 * block_size * num_blocks}
+                                       "kv_bytes_per_token": 256, "kv_bytes": 256 * block_size * num_blocks,
+                                       "host": f"box ({'127.0.0.1' if r == 0 else '10.0.0.2'})"}
                                       for r in range(2)]},
     }
 

@@ -43,6 +43,7 @@ STORE_TIMEOUT = timedelta(seconds=60)  # connecting to the store
 STARTUP = timedelta(minutes=30)  # a rank waiting for its shard while rank 0 builds the others
 LOOPBACK = "127.0.0.1"
 REASON_CHARS = 300  # what rank 0 repeats of a worker's reason for stopping
+HOST_CHARS = 120  # what the header keeps of a rank's host label
 
 
 class RankFailed(RuntimeError):
@@ -76,6 +77,13 @@ class Link:
         if self.interfaces:
             return [dist.ProcessGroupGloo.create_device(interface=name) for name in self.interfaces]
         return [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+
+
+def host_label(link: Link) -> str:
+    """Where a rank runs, as the header lists it: the machine's name and the address (or the interfaces) its
+    collectives use. Ranks kvscope spawned share one; ranks torchrun put on other hosts differ at least in
+    the address (network namespaces of one machine share its name)."""
+    return f"{socket.gethostname()} ({','.join(link.interfaces) if link.interfaces else link.host})"[:HOST_CHARS]
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -130,6 +138,7 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float,
                  secret: RunSecret, link: Link = Link()) -> None:
         self.store, self.rank, self.world, self.device, self.secret = store, rank, world, device, secret
+        self.host = host_label(link)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()

@@ -36,8 +36,8 @@ from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_dtype_name
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.engine.tp_auth import Refused, RunSecret, SecretMissing
-from kvscope.backend.engine.tp_group import (LOOPBACK, Link, RankFailed, TPGroup, local_store, torchrun_env,
-                                             torchrun_link, torchrun_store)
+from kvscope.backend.engine.tp_group import (HOST_CHARS, LOOPBACK, Link, RankFailed, TPGroup, local_store,
+                                             torchrun_env, torchrun_link, torchrun_store)
 from kvscope.backend.engine.tp_wire import Session, WorkerSpec, encode_session, encode_step
 from kvscope.backend.engine.tp_worker import GROUP_FAILED, REFUSED
 from kvscope.backend.errors import KvscopeError
@@ -175,7 +175,7 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
     own = shard_model(model, plans[0], codes).to(device)
     del codes
     try:  # the first step's time is the step's, not a worker still unpacking its shard
-        _wait_for(group.store, "ready", group.secret, ranks, world, JOIN_TIMEOUT_S, "get ready", group)
+        hosts = _wait_for(group.store, "ready", group.secret, ranks, world, JOIN_TIMEOUT_S, "get ready", group)
     except RankFailed:
         _close(group, ranks)
         raise
@@ -185,6 +185,8 @@ def start_tensor_parallel(model: CausalLM, cache_args: dict, attention: str, dev
               "timeout_s": timeout_s, "embedding": "replicated", "lm_head": "rank 0",
               "kv_heads_replicated": plans[0].kv_replicated,
               "ranks": [_rank_layout(plans[0], own, config, cache_args), *layout_ranks]}
+    for rank, host in zip(layout["ranks"], [group.host, *hosts], strict=True):
+        rank["host"] = host
     return TensorParallelRunner(own, cache, attention, group, ranks, layout, batch_invariant), cache
 
 
@@ -274,11 +276,13 @@ def _end_sessions(runs: dist.Store, secret: RunSecret) -> None:
 
 
 def _wait_for(store: dist.Store, prefix: str, secret: RunSecret, ranks: Ranks, world: int, timeout_s: float,
-              what: str, group: TPGroup | None = None) -> None:
+              what: str, group: TPGroup | None = None) -> list[str]:
     """Until every worker set f"{prefix}/{rank}", signed by that rank: a rank that exits first (a broken
     install, no memory, a message it refused: `group` has its reason) or never comes is named now, not
-    after a collective's timeout; a value another process wrote there fails the start."""
+    after a collective's timeout; a value another process wrote there fails the start. Returns what each
+    worker said there, in rank order, as printable text of at most HOST_CHARS (a ready rank: where it runs)."""
     deadline = time.monotonic() + timeout_s
+    said = []
     for r in range(1, world):
         key = f"{prefix}/{r}"
         while not store.check([key]):
@@ -290,6 +294,8 @@ def _wait_for(store: dist.Store, prefix: str, secret: RunSecret, ranks: Ranks, w
                 raise RankFailed(f"tensor-parallel rank {r} did not {what} within {timeout_s:g} s")
             time.sleep(JOIN_POLL_S)
         try:
-            secret.open(key, store.get(key))
+            body = secret.open(key, store.get(key))
         except Refused as e:
             raise RankFailed(f"tensor-parallel rank {r} could not {what}: {e}") from None
+        said.append("".join(c for c in body.decode("utf-8", "replace") if c.isprintable())[:HOST_CHARS])
+    return said

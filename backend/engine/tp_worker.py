@@ -98,7 +98,7 @@ def run_session(store: dist.Store, rank: int, world: int, session: Session, secr
     try:
         group = TPGroup(store, rank, world, device, session.timeout_s, secret, link)
         runner, pool = receive_shard(group, device)
-        group.store.set(f"ready/{rank}", secret.sign(f"ready/{rank}", b""))
+        group.store.set(f"ready/{rank}", secret.sign(f"ready/{rank}", group.host.encode()))  # where it runs
         serve_steps(group, runner, pool)
     except (Refused, ShardError) as e:  # a message this rank will not act on: rank 0 reports why
         if group is not None:

@@ -126,6 +126,8 @@ class RankInfo(_Exact):
     weight_bytes: int
     kv_bytes_per_token: int
     kv_bytes: int  # its KV pool: every rank has num_blocks blocks of its own heads
+    # where it ran: the machine's name and its collectives' address, "box (10.0.0.2)"; null in older traces
+    host: str | None = None
 
 
 class TensorParallelInfo(_Exact):

@@ -241,10 +241,10 @@ def strip_titles(state: RunState) -> list[str]:
     """One title per block-pool strip: a strip per tensor-parallel rank, as on the page; one untitled strip."""
     if not state.ranks:
         return [""]
-    from kvscope.frontend.views.block_pool import rank_title  # the page's words; NiceGUI loads for a TP run only
+    from kvscope.frontend.views.block_pool import on_hosts, rank_title  # the page's words; NiceGUI loads for TP only
 
     replicated = bool((state.tensor_parallel or {}).get("kv_heads_replicated"))
-    return [rank_title(rank, state.cache.get("block_size", 0), replicated) for rank in state.ranks]
+    return [rank_title(rank, state.cache.get("block_size", 0), replicated, on_hosts(state)) for rank in state.ranks]
 
 
 def pool_area(size: Size, strips: int = 1) -> tuple[float, float]:

@@ -79,11 +79,18 @@ def pool_text(state: RunState) -> str:
     return f"{ranks} × {human(pool_bytes(state))} (a pool per rank)" if ranks else human(pool_bytes(state))
 
 
-def rank_title(rank: dict, block_size: int, replicated: bool) -> str:
-    """A rank's strip title: the heads it computes, the KV heads its pool holds, and that pool's bytes."""
+def rank_title(rank: dict, block_size: int, replicated: bool, hosts: bool = False) -> str:
+    """A rank's strip title: the heads it computes, the KV heads its pool holds, and that pool's bytes; with
+    `hosts` (the ranks ran on more than one host), where it ran."""
     kv = span_text("KV head", rank["kv_heads"]) + (" (replicated)" if replicated else "")
-    return (f"rank {rank['rank']} · {span_text('query head', rank['heads'])} · {kv} · "
+    where = f" · on {rank['host']}" if hosts and rank.get("host") else ""
+    return (f"rank {rank['rank']}{where} · {span_text('query head', rank['heads'])} · {kv} · "
             f"{human(rank['kv_bytes_per_token'] * block_size)} per block, {human(rank['kv_bytes'])} in all")
+
+
+def on_hosts(state: RunState) -> bool:
+    """Whether the run's ranks ran on more than one host (torchrun across machines)."""
+    return len({rank.get("host") for rank in state.ranks}) > 1
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
@@ -168,7 +175,7 @@ class BlockPoolView(FeedView):
             self.canvases = self._build_strips(state.ranks)
         replicated = bool((state.tensor_parallel or {}).get("kv_heads_replicated"))
         for title, rank in zip(self.rank_titles, state.ranks):
-            title.set_text(rank_title(rank, state.cache.get("block_size", 0), replicated))
+            title.set_text(rank_title(rank, state.cache.get("block_size", 0), replicated, on_hosts(state)))
 
     def ring(self, blocks: list[int], color: str | None = None) -> None:
         """Lesson mode's lasting rings, on every rank's strip (the same blocks on each), in `color` (default:
