@@ -101,10 +101,11 @@ class TwinStrip:
                 "grid": {"left": 72, "right": 12, "top": 8, "bottom": 44},
                 "tooltip": {"trigger": "axis"},
                 "xAxis": {"type": "category", "data": [], "axisLabel": {"interval": 0, "rotate": 30, "fontSize": 11}},
-                # a label every third decade (the floor "same", 1e-6, 1e-3, 1): nine decades in 140 px
-                "yAxis": {"type": "log", "min": FLOOR, "max": 1, "interval": 3, "name": "|Δ log-prob|",
+                # a label every third decade (the floor "same", 1e-6, 1e-3, 1, ...) in 140 px; no top: at a flip
+                # the two log-probabilities may lie several nats apart
+                "yAxis": {"type": "log", "min": FLOOR, "interval": 3, "name": "|Δ log-prob|",
                           "nameLocation": "middle", "nameGap": 44,
-                          "axisLabel": {":formatter": "(v) => v <= 1e-9 ? 'same' : v >= 1 ? '1' : v.toExponential(0)"}},
+                          "axisLabel": {":formatter": "(v) => v <= 1e-9 ? 'same' : v === 1 ? '1' : v.toExponential(0)"}},
                 "series": []}, "140px", "twin-chart")
         self.box.set_visibility(False)
 
