@@ -58,16 +58,21 @@ IN_SIGHT = """(selector) => {
             whole: box.top >= below - 1 && box.bottom <= window.innerHeight + 1 && box.left >= -1
                    && box.right <= window.innerWidth + 1};
 }"""
-# Each of the card's question parts (choices, status line) inside the card's visible box and the window
+# Each of the card's question parts (choices, status line) inside the card's visible box and the window, and
+# each choice's words inside its button
 ON_THE_CARD = """() => {
     const card = document.querySelector('.kv-lesson-card').getBoundingClientRect();
     const parts = [...document.querySelectorAll('.kv-lesson-card [data-kv=question-choice], '
                                                 + '.kv-lesson-card [data-kv=question-status]')]
         .filter((el) => el.offsetParent !== null);
+    const cut = (el) => {  // a choice's words wider or taller than the box the button gives them
+        const words = el.querySelector('.q-btn__content');
+        return words && (words.scrollWidth > words.clientWidth + 1 || words.scrollHeight > words.clientHeight + 1);
+    };
     return parts.filter((el) => {
         const b = el.getBoundingClientRect();
         return b.top < card.top - 1 || b.bottom > Math.min(card.bottom, window.innerHeight) + 1
-            || b.left < card.left - 1 || b.right > card.right + 1;
+            || b.left < card.left - 1 || b.right > card.right + 1 || cut(el);
     }).map((el) => el.innerText);
 }"""
 
