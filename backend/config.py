@@ -249,6 +249,17 @@ class SpeculativeConfig(BaseModel):
     num_tokens: int = Field(default=4, ge=1, le=16)
 
 
+class DisaggregationConfig(BaseModel):
+    """Prefill and decode on instances of their own (docs/engine.md#disaggregated-prefill-and-decode)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefill_instances: int = Field(default=1, ge=1, le=8, description="instances that run prompts only")
+    decode_instances: int = Field(default=1, ge=1, le=8, description="instances that run decodes only")
+    router: Literal["round_robin", "least_loaded"] = Field(
+        default="round_robin", description="how a new request picks its prefill instance, and a prefilled "
+                                           "one its decode instance")
+
+
 class EngineConfig(BaseModel):
     """Every knob of the engine; a scenario's `engine:` section. Unknown fields are an error."""
 
@@ -295,6 +306,10 @@ class EngineConfig(BaseModel):
                                               "in the batch or the cache: each query token is a forward of its own "
                                               "(one-row kernels), at a cost in throughput "
                                               "(docs/engine.md#batch-invariant-mode)")
+    disaggregation: DisaggregationConfig | None = Field(
+        default=None, description="prefill and decode on separate instances, each with its own KV cache and "
+                                  "scheduler, the prompt's blocks sent from one to the other over torch.distributed; "
+                                  "num_blocks is then each instance's")
     tensor_parallel_timeout_s: float = Field(default=60.0, gt=0, le=3600,
                                              description="how long a collective waits for a rank before the run "
                                                          "fails naming it")

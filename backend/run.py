@@ -12,7 +12,8 @@ from collections import deque
 from dataclasses import replace
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.engine.engine import Engine, Runtime
+from kvscope.backend.engine.disaggregated import build_engine
+from kvscope.backend.engine.engine import Runtime
 from kvscope.backend.engine.request import RequestError
 from kvscope.backend.events.bus import EventBus
 from kvscope.backend.model.loader import LoadedModel, WeightsMode
@@ -45,7 +46,7 @@ class ScenarioRun:
             check_available(scenario)
             self.loaded, config, runtime = (shared.model(scenario.model, scenario.engine.weights) if shared else loaded,
                                             scenario.engine, None)
-        self.engine = Engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime, shared=shared)
+        self.engine = build_engine(self.loaded, config, bus, seed=scenario.seed, runtime=runtime, shared=shared)
         self.bus = self.engine.bus
         planned = plan_requests(scenario, self.loaded)
         if runtime is not None:
@@ -117,8 +118,8 @@ class ScenarioRun:
             "e2e_s": _stats([r.times.e2e() for r in done]),
             "kv_usage_mean": usage,
             "kv_waste_mean": waste,
-            "prefix_hit_rate": self.engine.blocks.prefix_hit_rate,
-            "num_preemptions": self.engine.scheduler.num_preemptions,
+            "prefix_hit_rate": self.engine.prefix_hit_rate,
+            "num_preemptions": self.engine.num_preemptions,
             "peak_kv_blocks_saved_by_sharing": m.peak_blocks_saved_by_sharing,
             "speculative": self.engine.spec_stats.summary() if self.engine.config.speculative else None,
             "per_request": {r.request_id: {"finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),

@@ -42,15 +42,37 @@ INVARIANT_HELP = ("each request's tokens and log-probabilities the same, bit for
                   "the cache: every query token runs as a forward of its own, slower (docs/engine.md#batch-invariant-mode)")
 WEIGHTS_HELP = ("a GGUF file's weights: native runs its Q4/Q8 blocks through torch's int4/int8 kernels (default); "
                 "float32 de-quantizes them at load, the reference (docs/quantization.md)")
+DISAGGREGATION_FLAGS = {"engine.disaggregation.prefill_instances": "--prefill-instances",
+                        "engine.disaggregation.decode_instances": "--decode-instances",
+                        "engine.disaggregation.router": "--router"}
 ENGINE_FLAGS = {"engine.speculative": "--speculative", "engine.speculative.draft_model": "--speculative",
                 "engine.speculative.num_tokens": "--num-draft-tokens",
                 "engine.weight_quant": "--weight-quant", "engine.quant_group_size": "--weight-quant",
                 "engine.weights": "--weights",
                 "engine.kv_cache_dtype": "--kv-cache-dtype", "engine.tensor_parallel": "--tensor-parallel",
                 "engine.compile_decode": "--compile-decode", "engine.batch_invariant": "--batch-invariant",
-                "sampling.n": "--n", "sampling.beam_width": "--beam-width"}
+                "sampling.n": "--n", "sampling.beam_width": "--beam-width", **DISAGGREGATION_FLAGS}
 TP_HELP = ("shard the model over N ranks, processes on torch.distributed (gloo on CPU, NCCL on CUDA); N must divide "
            "the attention heads; under torchrun give the same N as its ranks (docs/engine.md#tensor-parallelism)")
+
+
+def add_disaggregation_flags(parser: argparse.ArgumentParser, also: str = "") -> None:
+    """--prefill-instances, --decode-instances, --router: any of them runs prefill and decode on instances
+    of their own (1 of each unless given)."""
+    doc = "docs/engine.md#disaggregated-prefill-and-decode"
+    parser.add_argument("--prefill-instances", type=int, metavar="N",
+                        help=f"prefill and decode on separate instances: N that run prompts ({doc}){also}")
+    parser.add_argument("--decode-instances", type=int, metavar="N",
+                        help=f"prefill and decode on separate instances: N that run decodes{also}")
+    parser.add_argument("--router", choices=("round_robin", "least_loaded"),
+                        help=f"how a request picks its prefill and its decode instance (default round_robin){also}")
+
+
+def disaggregation_of(args: argparse.Namespace) -> dict | None:
+    """engine.disaggregation from the flags; None when none was given."""
+    given = {"prefill_instances": args.prefill_instances, "decode_instances": args.decode_instances,
+             "router": args.router}
+    return {k: v for k, v in given.items() if v is not None} or None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -320,7 +342,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     tp = [] if args.tensor_parallel is None else [("engine.tensor_parallel", args.tensor_parallel,
                                                    f"--tensor-parallel {args.tensor_parallel}")]
     invariant = [("engine.batch_invariant", True, "--batch-invariant")] if args.batch_invariant else []
-    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args) + tp + invariant)
+    split = [(f"engine.disaggregation.{k}", v, f"--{k.replace('_', '-')}")
+             for k, v in (disaggregation_of(args) or {}).items()]
+    scenario = load_scenario(args.scenario, args.set or [], simulate_flags(args) + tp + invariant + split)
     if args.simulate and scenario.simulate is None:
         raise UserError("--simulate", f"needs --model-shape ({args.scenario} has no simulate section)")
     bus = EventBus(level=scenario.engine.events)
@@ -494,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
             v.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
             v.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
             v.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
+            add_disaggregation_flags(v, "; every API run's")
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",
                        help="off loopback, let anyone watch runs (websocket, trace, snapshot) without the token")
@@ -559,6 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tensor-parallel", type=int, metavar="N", help=TP_HELP + "; the same as --set engine.tensor_parallel=N")
     r.add_argument("--batch-invariant", action="store_true",
                    help=INVARIANT_HELP + "; the same as --set engine.batch_invariant=true")
+    add_disaggregation_flags(r, "; the same as --set engine.disaggregation.<field>=VALUE")
     r.add_argument("--simulate", action="store_true",
                    help="no weights: the scheduler runs, each iteration is priced by the roofline cost model")
     r.add_argument("--model-shape", help="simulate: e.g. llama-3-8b, llama-3-70b, deepseek-v2-lite")

@@ -104,6 +104,11 @@ class BlockManager:
         """Tokens matched by the prefix cache / tokens looked up, over all `match_prefix` calls."""
         return self._hit_tokens / self._lookup_tokens if self._lookup_tokens else 0.0
 
+    @property
+    def prefix_counts(self) -> tuple[int, int]:
+        """(tokens matched, tokens looked up): the hit rate's parts, to add up over several pools."""
+        return self._hit_tokens, self._lookup_tokens
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_count[block_id]
 
@@ -292,6 +297,28 @@ class BlockManager:
     def _emit_alloc(self, seq: Sequence, block: int, logical_index: int) -> None:
         self._emit("block_alloc", block_id=block, seq_id=seq.seq_id, request_id=seq.request_id,
                    logical_index=logical_index)
+
+    def adopt(self, tables: list[tuple[Sequence, list[int]]]) -> dict[int, int] | None:
+        """Blocks here for sequences arriving with their computed KV from another pool (disaggregated
+        prefill): each distinct block of theirs there gets one free block here, held by as many of them
+        as held it there (a prompt block a request's forks share stays shared, and is copied on write
+        as it would have been). Returns their block -> its block here, for the caller to copy the
+        contents over; None (and no change) if too few blocks are free."""
+        distinct = list(dict.fromkeys(block for _, table in tables for block in table))
+        if not self.can_allocate(len(distinct)):
+            return None
+        here: dict[int, int] = {}
+        for seq, table in tables:
+            assert not self.num_blocks_of(seq.seq_id), "adopt expects sequences without blocks here"
+            for block in table:
+                if block in here:
+                    self._share(seq, here[block], "transfer")
+                else:
+                    here[block] = self._take_free_block()
+                    self._table(seq).append(here[block])
+                    self._emit_alloc(seq, here[block], self.num_blocks_of(seq.seq_id) - 1)
+            self.commit_computed(seq)
+        return here
 
     # ---- release --------------------------------------------------------------------------------
 

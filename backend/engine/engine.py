@@ -26,6 +26,7 @@ import torch
 from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
 from kvscope.backend.engine.admission import prepare
 from kvscope.backend.engine.block_manager import BlockManager
+from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.engine.executor import Executor, Forward
 from kvscope.backend.engine.grammar import Grammars
 from kvscope.backend.engine.kv_cache import DTYPE_NAMES, KVCache, kv_dtype_name, kv_formula, num_blocks_for_budget
@@ -34,7 +35,8 @@ from kvscope.backend.engine.request import Request, RequestError
 from kvscope.backend.engine.request_output import Arrived, EngineOutput, Finished, Forked, Rejected, Sink, Token, ignore
 from kvscope.backend.engine.runner import ModelRunner
 from kvscope.backend.engine.sampling_params import SamplingParams
-from kvscope.backend.engine.scheduler import Scheduler
+from kvscope.backend.engine.scheduler import Moving, Numbering, Role, Scheduler
+from kvscope.backend.engine.scheduler_output import SchedulerOutput
 from kvscope.backend.engine.sequence import Sequence
 from kvscope.backend.engine.speculative import DraftModelProposer, make_proposer
 from kvscope.backend.engine.step_events import StepEvents
@@ -165,6 +167,13 @@ def load_runtime(loaded: LoadedModel, config: EngineConfig, shared: WeightCache 
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    duration_s: float  # the whole step so far: scheduling and executing
+    execute_s: float  # the executor's part of it
+    ended: float  # the clock when the batch's results were in
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """What a server decides by (admission, shutdown, its gauges): counted by the engine itself, never read
     from the events, which may be off. A snapshot replaced whole after every step, add and abort, so that
@@ -186,7 +195,11 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, bus: EventBus | None = None, seed: int = 0,
                  draft: LoadedModel | None = None, runtime: Runtime | None = None,
-                 shared: WeightCache | None = None) -> None:
+                 shared: WeightCache | None = None, role: Role = "both", numbering: Numbering | None = None,
+                 block_offset: int = 0) -> None:
+        """role, numbering, block_offset: an instance of a disaggregated engine (disaggregated.py): what it
+        runs, the sequence ids and arrival numbers its instances share, and where its blocks' numbers
+        start in the events."""
         if config.speculative is not None and not config.kv_cache:
             raise RequestError("engine.speculative", "speculative decoding verifies against the KV cache: "
                                                      "it needs kv_cache: true")
@@ -198,11 +211,11 @@ class Engine:
         self.device, self.attention_backend = self.runtime.device, self.runtime.attention_backend
         self.weights = self.runtime.weights
         tokenizer, vocab_size = loaded.tokenizer, loaded.config.vocab_size
-        self.scheduler = Scheduler(config, self.cache.num_blocks, tokenizer, seed, self.clock)
+        self.scheduler = Scheduler(config, self.cache.num_blocks, tokenizer, seed, self.clock, role, numbering)
         proposer = make_proposer(config, vocab_size, draft, self.cache, self.attention_backend,
                                  shared.model if shared else load_model) if config.speculative else None
         self.executor = Executor(self.runtime.runner, proposer)
-        self.events = StepEvents(self.bus, config, tokenizer)
+        self.events = StepEvents(self.bus, config, tokenizer, block_offset)
         self.grammars = Grammars(tokenizer, vocab_size, tokenizer.eos_token_ids)
         self.metrics = MetricsTracker()
         self.step_no = 0
@@ -214,6 +227,20 @@ class Engine:
     def step(self) -> None:
         """One iteration: schedule -> execute -> update -> emit (then the drafts for the next one)."""
         self.bus.step = self.step_no
+        plan, out, timed = self.plan_and_execute()
+        self.events.iteration(plan, timed.duration_s, timed.execute_s, self.runtime.iteration_fields())
+        self.update(plan, out, timed.ended)
+        s = self.scheduler
+        self.events.metrics(self.metrics.tokens_per_s(), self.metrics.observe_kv(s.live_sequences(), s.blocks),
+                            s.blocks.prefix_hit_rate, s.num_preemptions, len(s.running), len(s.waiting),
+                            s.spec_stats.summary() if self.config.speculative else {})
+        self.step_no += 1
+
+    # A disaggregated engine (disaggregated.py) runs each of its instances through these two stages, and
+    # writes the iteration and metrics events of all of them itself.
+
+    def plan_and_execute(self) -> tuple[SchedulerOutput, StepOutput, StepTimes]:
+        """Schedule (its block changes go out as events) and run the batch; nothing is state yet."""
         started = self.clock()
         plan = self.scheduler.schedule(started)
         self._emit(plan.outputs)
@@ -221,20 +248,21 @@ class Engine:
         out = self.executor.execute(self.scheduler.step_input(plan, *self.events.observing())) if plan.rows \
             else StepOutput([])
         now = self.clock()
-        self.events.iteration(plan, now - started, now - executing, self.runtime.iteration_fields())
+        return plan, out, StepTimes(now - started, now - executing, now)
+
+    def update(self, plan: SchedulerOutput, out: StepOutput, now: float) -> int:
+        """The step's results become state and events (then the drafts for the next step); returns the
+        tokens it appended."""
         outputs = self.scheduler.update_from_output(plan, out)
         self._emit(outputs)
         if self.config.speculative:
             drafts = self.scheduler.schedule_drafts()
             proposed = self.executor.propose(drafts) if drafts.rows else DraftOutput()
             self._emit(self.scheduler.update_from_drafts(drafts, proposed))
-        self.metrics.on_iteration(now, plan.num_prefill_tokens, sum(isinstance(o, Token) for o in outputs))
-        s = self.scheduler
-        kv = self.metrics.observe_kv(s.live_sequences(), s.blocks)
-        self.events.metrics(self.metrics.tokens_per_s(), kv, s.blocks, s.num_preemptions, len(s.running),
-                            len(s.waiting), s.spec_stats.summary() if self.config.speculative else {})
-        self.step_no += 1
+        appended = sum(isinstance(o, Token) for o in outputs)
+        self.metrics.on_iteration(now, plan.num_prefill_tokens, appended)
         self._count()
+        return appended
 
     def _emit(self, outputs: list[EngineOutput]) -> None:
         """The outputs as events, in order, and a request's own ones to the caller's sink."""
@@ -248,6 +276,18 @@ class Engine:
         unfinished = {seq.request_id for seq in self.scheduler.live.values()}
         self.stats = EngineStats(len(running), len(unfinished - running), self.scheduler.blocks.num_used_blocks,
                                  self.cache.num_blocks, self.scheduler.num_preemptions)
+
+    # ---- a disaggregated engine's handoff (disaggregated.py): its scheduler's, with their events --------
+
+    def adopt(self, moving: Moving) -> dict[int, int] | None:
+        here, outputs = self.scheduler.adopt(moving)
+        self._emit(outputs)
+        self._count()
+        return here
+
+    def release(self, moving: Moving) -> None:
+        self._emit(self.scheduler.release(moving))
+        self._count()
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -284,6 +324,10 @@ class Engine:
         """Drop a finished request from `requests` (its events are out; the open-ended API run calls this)."""
         self.scheduler.forget(request_id)
 
+    def keep_rows(self, rows: DistRows) -> None:
+        """A served run's store of whole raw rows (the sampling view's what-if), filled as tokens go out."""
+        self.events.rows = rows
+
     def stream_outputs(self, sink: Sink) -> None:
         """Hand every request's arrival, forks, tokens and finish to `sink`, on the stepping thread."""
         self._sink = sink
@@ -294,6 +338,14 @@ class Engine:
     @property
     def requests(self) -> dict[str, Request]:
         return self.scheduler.requests
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.scheduler.blocks.prefix_hit_rate
 
     @property
     def blocks(self) -> BlockManager:
@@ -317,7 +369,9 @@ class Engine:
 
     # ---- the header: what a trace needs to make sense of everything after it ----------------------
 
-    def emit_header(self, scenario: dict | None = None, model_name: str | None = None) -> None:
+    def emit_header(self, scenario: dict | None = None, model_name: str | None = None, num_blocks: int | None = None,
+                    **fields) -> None:
+        """num_blocks, fields: a disaggregated engine's: the blocks of every instance's pool, and its own fields."""
         c = self.loaded.config
         dtype, kv_dtype = DTYPE_NAMES[self.cache.dtype], DTYPE_NAMES[self.cache.storage_dtype]
         self.bus.emit(
@@ -328,9 +382,9 @@ class Engine:
                    "attention": c.attention, "vocab_size": c.vocab_size, "dtype": dtype,
                    "kv_bytes_per_token": self.cache.bytes_per_token, "eos_token_ids": self.scheduler.eos_ids,
                    "config": c.model_dump(mode="json")},
-            cache={"num_blocks": self.cache.num_blocks, "block_size": self.cache.block_size, "dtype": kv_dtype,
-                   "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
-            weights=self.weights, **self._draft_header(), **self.runtime.header,
+            cache={"num_blocks": num_blocks or self.cache.num_blocks, "block_size": self.cache.block_size,
+                   "dtype": kv_dtype, "bytes_per_block": self.cache.bytes_per_block, "formula": kv_formula(c, kv_dtype)},
+            weights=self.weights, **self._draft_header(), **self.runtime.header, **fields,
         )
 
     def _draft_header(self) -> dict:

@@ -17,6 +17,9 @@ class RequestTimes:
     first_token: float | None = None
     finish: float | None = None
     num_output_tokens: int = 0
+    # Disaggregated prefill: the link's seconds moving the request's blocks to its decode instance. The
+    # first token counts as given once it is there: first_token includes them.
+    transfer_s: float | None = None
 
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
@@ -53,6 +56,22 @@ class KVSnapshot:
     blocks_saved_by_sharing: int
 
 
+def kv_snapshot(pools: list[tuple[list[Sequence], BlockManager]]) -> KVSnapshot:
+    """KV use over one pool, or the pools of a disaggregated engine's instances, each with its sequences.
+
+    usage: reserved blocks over all; waste: reserved-but-empty slots over all slots; blocks saved
+    by sharing (forks, prefix hits): what every table would hold unshared, less the distinct blocks."""
+    used = num_blocks = empty = slots = saved = 0
+    for seqs, blocks in pools:
+        used += blocks.num_used_blocks
+        num_blocks += blocks.num_blocks
+        empty += blocks.num_used_blocks * blocks.block_size - slots_holding_tokens(seqs, blocks)
+        slots += blocks.num_blocks * blocks.block_size
+        held = [b for s in seqs for b in blocks.block_table(s.seq_id)]
+        saved += len(held) - len(set(held))
+    return KVSnapshot(used / num_blocks, empty / slots, saved)
+
+
 class MetricsTracker:
     """Accumulates what the `metrics` events and the final table report."""
 
@@ -86,20 +105,15 @@ class MetricsTracker:
         return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
 
     def observe_kv(self, seqs: list[Sequence], blocks: BlockManager) -> KVSnapshot:
-        """This iteration's KV use, added to the running means.
+        """This iteration's KV use, added to the running means."""
+        return self.observe(kv_snapshot([(seqs, blocks)]))
 
-        usage: reserved blocks over all; waste: reserved-but-empty slots over all slots; blocks saved
-        by sharing (forks, prefix hits): what every table would hold unshared, less the distinct blocks."""
-        used, num_blocks, block_size = blocks.num_used_blocks, blocks.num_blocks, blocks.block_size
-        usage = used / num_blocks
-        waste = (used * block_size - slots_holding_tokens(seqs, blocks)) / (num_blocks * block_size)
-        held = [b for s in seqs for b in blocks.block_table(s.seq_id)]
-        saved = len(held) - len(set(held))
-        self._usage_sum += usage
-        self._waste_sum += waste
+    def observe(self, kv: KVSnapshot) -> KVSnapshot:
+        self._usage_sum += kv.usage
+        self._waste_sum += kv.waste
         self._samples += 1
-        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, saved)
-        return KVSnapshot(usage, waste, saved)
+        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, kv.blocks_saved_by_sharing)
+        return kv
 
     def mean_kv(self) -> tuple[float, float]:
         """Mean (usage, waste) over the iterations seen."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -48,11 +50,40 @@ from kvscope.backend.phase import phase_of
 
 DRAFT_NAMESPACE = 1  # the draft model's sequences: their prefix-cache hashes are kept apart from the target's
 
+# What an instance runs: both (one engine), or one side of disaggregated prefill and decode. A prefill
+# instance leaves a prefilled sequence (its next step a decode) running but unscheduled until it moves;
+# a decode instance is given prefilled requests only, and recomputes there what it preempts.
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass
+class Numbering:
+    """Where sequence ids and arrival numbers come from: a scheduler's own, or one that a disaggregated
+    engine's instances share, so that a sequence keeps its id as it moves and a request's default seed
+    (its arrival number) is the one it would have had on one engine."""
+
+    next_seq_id: int = 0
+    next_arrival: int = 0
+
+
+@dataclass
+class Moving:
+    """A prefilled request taken out of a prefill instance's scheduler, on its way to a decode instance's."""
+
+    request: Request
+    seqs: list[Sequence]  # its live sequences, in fork order
+    tables: list[list[int]]  # each one's block table in the pool it leaves
+    sent_at: float  # the prefill instance's clock as it left
+    matchers: dict[int, Matcher] = field(default_factory=dict)
+    texts: dict[int, IncrementalText] = field(default_factory=dict)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, tokenizer: Tokenizer, seed: int = 0,
-                 clock: Callable[[], float] = lambda: 0.0) -> None:
+                 clock: Callable[[], float] = lambda: 0.0, role: Role = "both",
+                 numbering: Numbering | None = None) -> None:
         self.config, self.tokenizer, self.seed, self.clock = config, tokenizer, seed, clock
+        self.role, self.numbering = role, numbering or Numbering()
         self.eos_ids = list(tokenizer.eos_token_ids)
         self._outputs: list[EngineOutput] = []  # what changed since the last stage returned, in order
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching and config.kv_cache,
@@ -67,7 +98,6 @@ class Scheduler:
         self.shadows: dict[int, Sequence] = {}  # target seq_id -> the draft model's sequence
         self.spec_stats = SpecStats()
         self.num_preemptions = 0
-        self._next_seq_id = 0
 
     # ---- the table --------------------------------------------------------------------------------
 
@@ -75,7 +105,9 @@ class Scheduler:
         """Queue a request prepared by admission.prepare (already checked)."""
         params = new.params
         seq = Sequence(self._new_seq_id(), new.request_id, list(new.prompt_ids), len(new.prompt_ids))
-        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + seq.seq_id
+        arrival = self.numbering.next_arrival
+        self.numbering.next_arrival += 1
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + arrival
         draft_generator = torch.Generator().manual_seed((seed + 0x5EED) % 2**63) if self.config.speculative else None
         req = Request(new.request_id, new.prompt_ids, new.prompt_text, new.max_tokens, params, seed, step_no,
                       RequestTimes(new.arrival), seq, [seq], {seq.seq_id: 0}, {seq.seq_id: 0.0},
@@ -115,8 +147,66 @@ class Scheduler:
         return [*self.live.values(), *self.shadows.values()]
 
     def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        self.numbering.next_seq_id += 1
+        return self.numbering.next_seq_id - 1
+
+    # ---- disaggregated prefill: requests leave a prefill instance and arrive at a decode instance ---
+
+    @staticmethod
+    def _prefilled(seq: Sequence) -> bool:
+        """Past its prompt with only its newest token to compute: its next step is a decode."""
+        return bool(seq.output_token_ids) and seq.num_uncomputed_tokens == 1
+
+    def prefilled_requests(self) -> list[str]:
+        """The unfinished requests whose every live sequence runs prefilled: ready to move, in arrival order."""
+        return [req.request_id for req in self.requests.values()
+                if req.finish_reason is None and (live := self.live_of(req))
+                and all(s.status == SeqStatus.RUNNING and self._prefilled(s) for s in live)]
+
+    def moving(self, request_id: str) -> Moving:
+        """A prefilled request as it would leave: its sequences and their blocks here (nothing changes yet)."""
+        req = self.requests[request_id]
+        seqs = self.live_of(req)
+        return Moving(req, seqs, [self.blocks.block_table(s.seq_id) for s in seqs], self.clock(),
+                      {s.seq_id: self.matchers[s.seq_id] for s in seqs if s.seq_id in self.matchers},
+                      {s.seq_id: self.texts[s.seq_id] for s in seqs if s.seq_id in self.texts})
+
+    def release(self, moving: Moving) -> list[EngineOutput]:
+        """Let a request go once its blocks were copied elsewhere: it leaves the table and frees its blocks."""
+        del self.requests[moving.request.request_id]
+        for seq in moving.seqs:
+            self.running.remove(seq)
+            del self.live[seq.seq_id]
+            self.matchers.pop(seq.seq_id, None)
+            self.texts.pop(seq.seq_id, None)
+            self.blocks.free(seq)
+        return self._drain()
+
+    def adopt(self, moving: Moving) -> tuple[dict[int, int] | None, list[EngineOutput]]:
+        """Take in a prefilled request: blocks for its sequences (None, and nothing changed, if too few are
+        free), and it runs from the next step. Returns its blocks there -> its blocks here, for the caller to
+        copy the contents before that step; then `arrived` says what the copy took."""
+        here = self.blocks.adopt(list(zip(moving.seqs, moving.tables, strict=True)))
+        if here is None:
+            return None, []
+        req = moving.request
+        self.requests[req.request_id] = req
+        for seq in moving.seqs:
+            self.live[seq.seq_id] = seq
+            self.running.append(seq)
+        self.matchers.update(moving.matchers)
+        self.texts.update(moving.texts)
+        return here, self._drain()
+
+    def arrived(self, moving: Moving, transfer_s: float) -> None:
+        """The request's blocks are here, after transfer_s on the link: its times move onto this instance's
+        clock, which reads now what the prefill instance's read at sent_at plus the transfer, and its first
+        token counts as given now."""
+        t = moving.request.times
+        shift = self.clock() - moving.sent_at - transfer_s
+        t.arrival += shift
+        t.scheduled = t.scheduled + shift if t.scheduled is not None else None
+        t.first_token, t.transfer_s = self.clock(), transfer_s
 
     def _drain(self) -> list[EngineOutput]:
         outputs, self._outputs = self._outputs, []
@@ -159,6 +249,9 @@ class Scheduler:
         idle: list[Sequence] = []  # beams whose logits are in, waiting for their siblings
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.role == "prefill" and self._prefilled(seq):
+                i += 1  # its decodes are a decode instance's: it waits here, holding its blocks, to move
+                continue
             if not self.config.kv_cache:
                 # No KV cache: nothing computed survives a step, the whole sequence is recomputed (O(n^2)).
                 seq.num_computed_tokens = 0
@@ -447,10 +540,11 @@ class Scheduler:
         for seq in req.seqs:
             self.texts.pop(seq.seq_id, None)
         t = req.times
+        moved = {"transfer_s": t.transfer_s} if t.transfer_s is not None else {}
         self._outputs.append(Finished(req.request_id, req.finish_reason, tuple(req.outputs),
                                       req.seq.num_cached_prompt_tokens, req.abort_reason, req.multi,
-                                      {"ttft_s": t.ttft(), "tpot_s": t.tpot(), "e2e_s": t.e2e(), "queue_s": t.queue()},
-                                      req.error))
+                                      {"ttft_s": t.ttft(), "tpot_s": t.tpot(), "e2e_s": t.e2e(), "queue_s": t.queue(),
+                                       **moved}, req.error))
 
     def _returned(self, req: Request) -> list[dict]:
         """What the request returns: its sequences (n > 1, in order) or its best hypotheses (beam search)."""

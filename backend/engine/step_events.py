@@ -10,7 +10,6 @@ not built.
 from __future__ import annotations
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.engine.block_manager import BlockManager
 from kvscope.backend.engine.dist_rows import DistRows, RecordedRows, row_bytes, row_text
 from kvscope.backend.engine.metrics import KVSnapshot
 from kvscope.backend.engine.request_output import (Arrived, BlockChange, Drafted, EngineOutput, Finished, Forked,
@@ -21,9 +20,22 @@ from kvscope.backend.events.moments import mask_forced
 from kvscope.backend.model.tokenizer import Tokenizer
 
 
+BLOCK_FIELDS = ("block_id", "src_block_id", "dst_block_id")  # a block event's block numbers
+
+
+def batch_rows(plan: SchedulerOutput, instance: int | None = None) -> list[dict]:
+    """The iteration event's `batch`: each scheduled row (and, in a disaggregated run, its instance)."""
+    where = {} if instance is None else {"instance": instance}
+    return [{"request_id": r.request_id, "seq_id": r.seq_id, "phase": r.phase, "num_query_tokens": r.num_tokens,
+             "context_len": r.context_len, **({"num_draft_tokens": r.num_draft} if r.phase == "verify" else {}),
+             **where} for r in plan.rows]
+
+
 class StepEvents:
-    def __init__(self, bus: EventBus, config: EngineConfig, tokenizer: Tokenizer) -> None:
-        self.bus, self.config, self.tokenizer = bus, config, tokenizer
+    def __init__(self, bus: EventBus, config: EngineConfig, tokenizer: Tokenizer, block_offset: int = 0) -> None:
+        """block_offset: where this engine's block numbers start in the events (a disaggregated engine's
+        instances each have a pool of their own, numbered apart)."""
+        self.bus, self.config, self.tokenizer, self.block_offset = bus, config, tokenizer, block_offset
         self._token_text: dict[int, str] = {}
         self.rows: DistRows | None = None  # a served run attaches one: each dist token's whole raw row
         self.recorded = RecordedRows()  # the tokens whose event carries its whole raw row (dist_rows.py)
@@ -80,7 +92,10 @@ class StepEvents:
                       **({"outputs": list(f.outputs)} if f.multi else {}))
 
     def _block(self, b: BlockChange) -> None:
-        self.bus.emit(b.type, **b.fields)
+        if not self.block_offset:
+            self.bus.emit(b.type, **b.fields)
+            return
+        self.bus.emit(b.type, **{k: v + self.block_offset if k in BLOCK_FIELDS else v for k, v in b.fields.items()})
 
     # ---- the iteration ----------------------------------------------------------------------------
 
@@ -89,14 +104,34 @@ class StepEvents:
         sampling), the rest being the scheduler's. extra: fields the runtime adds (simulate mode: the
         iteration's roofline `intensity` and `bound`)."""
         self.bus.emit(
-            "iteration",
-            batch=[{"request_id": r.request_id, "seq_id": r.seq_id, "phase": r.phase,
-                    "num_query_tokens": r.num_tokens, "context_len": r.context_len,
-                    **({"num_draft_tokens": r.num_draft} if r.phase == "verify" else {})} for r in plan.rows],
-            num_batched_tokens=plan.num_batched_tokens, token_budget=self.config.max_num_batched_tokens,
-            num_running=plan.num_running, num_waiting=plan.num_waiting, kv_blocks_used=plan.num_blocks_used,
-            duration_s=duration, execute_s=executing, max_num_seqs=self.config.max_num_seqs, **(extra or {}),
+            "iteration", batch=batch_rows(plan), num_batched_tokens=plan.num_batched_tokens,
+            token_budget=self.config.max_num_batched_tokens, num_running=plan.num_running,
+            num_waiting=plan.num_waiting, kv_blocks_used=plan.num_blocks_used, duration_s=duration,
+            execute_s=executing, max_num_seqs=self.config.max_num_seqs, **(extra or {}),
         )
+        self._masks(plan)
+
+    def instances_iteration(self, parts: list[tuple[int, SchedulerOutput, float, float]]) -> None:
+        """A disaggregated engine's one iteration event for all its instances: (instance, plan, duration,
+        executing) each. Every row names its instance; the counts are their sums, the budget and slots
+        every instance's; the step lasts as long as its slowest instance (they run side by side)."""
+        n = len(parts)
+        self.bus.emit(
+            "iteration", batch=[row for i, plan, _, _ in parts for row in batch_rows(plan, i)],
+            num_batched_tokens=sum(p.num_batched_tokens for _, p, _, _ in parts),
+            token_budget=self.config.max_num_batched_tokens * n, num_running=sum(p.num_running for _, p, _, _ in parts),
+            num_waiting=sum(p.num_waiting for _, p, _, _ in parts),
+            kv_blocks_used=sum(p.num_blocks_used for _, p, _, _ in parts),
+            duration_s=max((d for *_, d, _ in parts), default=0.0), execute_s=max((e for *_, e in parts), default=0.0),
+            max_num_seqs=self.config.max_num_seqs * n,
+            instances=[{"instance": i, "num_batched_tokens": p.num_batched_tokens, "num_running": p.num_running,
+                        "num_waiting": p.num_waiting, "kv_blocks_used": p.num_blocks_used, "duration_s": d}
+                       for i, p, d, _ in parts],
+        )
+        for _, plan, _, _ in parts:
+            self._masks(plan)
+
+    def _masks(self, plan: SchedulerOutput) -> None:
         if self.bus.wants("attention_mask"):
             for r in plan.rows:
                 begin = r.context_len - r.num_tokens
@@ -104,10 +139,16 @@ class StepEvents:
                 self.bus.emit("attention_mask", request_id=r.request_id, seq_id=r.seq_id, kind=kind,
                               query_positions=[begin, r.context_len], key_len=r.context_len)
 
-    def metrics(self, tokens_per_s: float, kv: KVSnapshot, blocks: BlockManager, num_preemptions: int,
+    def kv_transfer(self, request_id: str, seq_ids: list[int], src: int, dst: int, src_blocks: list[int],
+                    dst_blocks: list[int], num_bytes: int, link_s: float) -> None:
+        """A prefilled request's blocks moved between instances (block numbers as the block events give them)."""
+        self.bus.emit("kv_transfer", request_id=request_id, seq_ids=seq_ids, src_instance=src, dst_instance=dst,
+                      src_blocks=src_blocks, dst_blocks=dst_blocks, bytes=num_bytes, link_s=link_s)
+
+    def metrics(self, tokens_per_s: float, kv: KVSnapshot, prefix_hit_rate: float, num_preemptions: int,
                 num_running: int, num_waiting: int, spec: dict[str, float]) -> None:
         self.bus.emit("metrics", tokens_per_s=tokens_per_s, kv_usage=kv.usage, kv_waste=kv.waste,
-                      prefix_hit_rate=blocks.prefix_hit_rate, num_preemptions=num_preemptions,
+                      prefix_hit_rate=prefix_hit_rate, num_preemptions=num_preemptions,
                       num_running=num_running, num_waiting=num_waiting,
                       kv_blocks_saved_by_sharing=kv.blocks_saved_by_sharing, **spec)
 

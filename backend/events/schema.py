@@ -75,6 +75,7 @@ class BatchEntry(_Exact):
     num_query_tokens: int
     context_len: int
     num_draft_tokens: int | None = None  # verify only: drafted tokens checked in this pass
+    instance: int | None = None  # a disaggregated run's: the instance that ran the row (header disaggregation)
 
 
 class TokenDist(_Exact):
@@ -149,6 +150,35 @@ class AllReduceInfo(_Exact):
     ms: float
 
 
+class InstanceInfo(_Exact):
+    """One instance of a disaggregated run: its role and its blocks, numbered [first_block, first_block +
+    num_blocks) in every block event (each instance's pool is its own; the events number them apart)."""
+
+    instance: int
+    role: Literal["prefill", "decode"]
+    first_block: int
+    num_blocks: int
+
+
+class DisaggregationInfo(_Exact):
+    prefill_instances: int
+    decode_instances: int
+    router: Literal["round_robin", "least_loaded"]
+    link: str  # what carries the blocks: "gloo (127.0.0.1)"
+    instances: list[InstanceInfo]
+
+
+class InstanceStep(_Exact):
+    """One instance's share of a disaggregated iteration, timed on its own clock."""
+
+    instance: int
+    num_batched_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    duration_s: float
+
+
 class HeaderEvent(_Event):
     type: Literal["header"]
     schema_version: int
@@ -165,6 +195,7 @@ class HeaderEvent(_Event):
     draft_model: DraftModelInfo | None = None  # speculative decoding with a draft model
     simulated: SimulationInfo | None = None  # simulate mode: modelled time, stand-in tokens
     tensor_parallel: TensorParallelInfo | None = None  # the model sharded over ranks (docs/engine.md)
+    disaggregation: DisaggregationInfo | None = None  # prefill and decode on instances of their own
 
 
 class RequestArrivedEvent(_Event):
@@ -204,6 +235,23 @@ class IterationEvent(_Event):
     intensity: float | None = None
     bound: Literal["memory", "compute"] | None = None
     allreduce: AllReduceInfo | None = None  # a tensor-parallel run's, measured on rank 0
+    # A disaggregated run's instances, each timed on its own clock; duration_s is then the longest of them
+    # (they run side by side) and the counts are their sums.
+    instances: list[InstanceStep] | None = None
+
+
+class KVTransferEvent(_Event):
+    """A disaggregated run moved a prefilled request's blocks from a prefill instance to a decode instance."""
+
+    type: Literal["kv_transfer"]
+    request_id: str
+    seq_ids: list[int]
+    src_instance: int
+    dst_instance: int
+    src_blocks: list[int]  # as the block events number them
+    dst_blocks: list[int]  # dst_blocks[i] received src_blocks[i]'s contents
+    bytes: int
+    link_s: float  # measured: the send of the table and the contents until the last byte was received
 
 
 class BlockAllocEvent(_Event):
@@ -229,7 +277,7 @@ class BlockShareEvent(_Event):
     request_id: str
     logical_index: int
     ref_count: int
-    reason: Literal["prefix_cache", "fork"]
+    reason: Literal["prefix_cache", "fork", "transfer"]
 
 
 class BlockCopyEvent(_Event):
@@ -334,6 +382,9 @@ class RequestFinishedEvent(_Event):
     tpot_s: float | None  # null with fewer than two output tokens
     e2e_s: float
     queue_s: float | None = None  # arrival to the first iteration that ran it; null when it never ran
+    # a disaggregated run's: the link's time moving its blocks to a decode instance, part of ttft_s
+    # (ttft_s = queue_s + prefill + transfer_s); absent when it never moved
+    transfer_s: float | None = None
     reason: str | None = None  # why it was aborted
     outputs: list[SeqOutput] | None = None  # n > 1 or beam search: every returned sequence, best first
     num_cached_prompt_tokens: int | None = None  # prompt tokens found in the prefix cache
@@ -395,6 +446,7 @@ EVENT_MODELS: tuple[type[_Event], ...] = (
     SeqEndEvent,
     PreemptEvent,
     RequestFinishedEvent,
+    KVTransferEvent,
     MetricsEvent,
     RunFinishedEvent,
     ErrorEvent,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvscope.backend.config import EngineConfig
-from kvscope.backend.engine.engine import Engine
+from kvscope.backend.engine.disaggregated import build_engine
 from kvscope.backend.events.state import API_SCENARIO
 from kvscope.backend.model.loader import SHIPPED_MODELS
 from kvscope.backend.model.weights import WeightCache
@@ -33,13 +33,14 @@ class ApiEngineFlags:
     tensor_parallel: int = 1  # --tensor-parallel
     compile_decode: bool = False  # --compile-decode
     batch_invariant: bool = False  # --batch-invariant
+    disaggregation: dict | None = None  # --prefill-instances, --decode-instances, --router
 
 
 def api_engine(model: str, events: str = "full", flags: ApiEngineFlags = ApiEngineFlags()) -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
     shared = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "events": events,
               "tensor_parallel": flags.tensor_parallel, "compile_decode": flags.compile_decode,
-              "batch_invariant": flags.batch_invariant}
+              "batch_invariant": flags.batch_invariant, "disaggregation": flags.disaggregation}
     if model in SHIPPED_MODELS:
         return EngineConfig(num_blocks=1024, **shared)
     return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, weights=flags.weights, **shared)
@@ -61,7 +62,7 @@ class ApiRun(EngineRun):
         super().__init__(run_id, config.events, speed=0.0, paused=False, retention=retention, lesson=False,
                          forgets_finished=True)
         loaded = weights.model(model, config.weights)  # shared with every run of the same model and settings
-        engine = Engine(loaded, config, self.bus, seed=seed, shared=weights)
+        engine = build_engine(loaded, config, self.bus, seed=seed, shared=weights)
         engine.emit_header(api_header_scenario(model, seed), model)
         self.serve(engine, model)
 

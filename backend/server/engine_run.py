@@ -66,7 +66,7 @@ class EngineRun(ServedRun):
         self.loaded = engine.loaded  # read-only for the routes: the tokenizer, the model's config and folder
         self.max_model_len = engine.config.max_model_len
         self.dist_rows = DistRows()  # whole raw rows of recent tokens, for the what-if (GET .../dist)
-        engine.events.rows = self.dist_rows
+        engine.keep_rows(self.dist_rows)
         engine.stream_outputs(self._deliver)
 
     def _deliver(self, output: RequestOutput) -> None:
