@@ -222,13 +222,35 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
             check_tensor_parallel(loaded.config, tp)
         except KvscopeError as e:
             raise UserError(f"--tensor-parallel {tp}", e.reason) from None
-    flags = ApiEngineFlags(weights, tp, getattr(args, "compile_decode", False), getattr(args, "batch_invariant", False))
+    split = disaggregation_of(args) if args.command == "serve" else None
+    flags = ApiEngineFlags(weights, tp, getattr(args, "compile_decode", False), getattr(args, "batch_invariant", False),
+                           split)
+    check_api_engine(model, flags)
     manager = RunManager(default_model=model, library=_library(args), api_flags=flags)
     if events is None:
         return manager, None
     run_id = manager.start_replay(events, paused=True).run_id
     print(f"replaying {args.trace} as run {run_id} ({len(events)} events)")
     return manager, run_id
+
+
+def check_api_engine(model: str, flags) -> None:
+    """The API runs' engine settings, refused now, naming the flag, rather than at the first request."""
+    from pydantic import ValidationError
+
+    from kvscope.backend.engine.disaggregated import check_disaggregation
+    from kvscope.backend.engine.request import RequestError
+    from kvscope.backend.server.api_run import api_engine
+
+    try:
+        config = api_engine(model, flags=flags)
+        if config.disaggregation is not None:
+            check_disaggregation(config)
+    except ValidationError as e:
+        error = validation_error(e, "engine")
+        raise UserError(ENGINE_FLAGS.get(str(error.field), str(error.field)), error.reason) from None
+    except RequestError as e:
+        raise UserError(ENGINE_FLAGS.get(e.field, e.field), e.reason) from None
 
 
 def _library(args: argparse.Namespace):
