@@ -45,13 +45,17 @@ BLOCK_COLORS = {"free": "#eef1f5", "cached": "#bfe3d4", "shared": "#111827"}
 # What no request may look like.
 RESERVED = frozenset({*PHASE_COLORS.values(), RECOMPUTE_COLOR, BUDGET_COLOR, ALLREDUCE_COLOR, *BLOCK_COLORS.values()})
 # Rings that flash on a block when an event touches it.
-FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626"}
-FLASH_LABELS = {"alloc": "allocate", "share": "share", "copy": "copy-on-write", "free": "free", "evict": "evict"}
+FLASH_COLORS = {"alloc": "#16a34a", "share": "#9333ea", "copy": "#f59e0b", "free": "#475569", "evict": "#dc2626",
+                "move": "#0891b2"}
+FLASH_LABELS = {"alloc": "allocate", "share": "share", "copy": "copy-on-write", "free": "free", "evict": "evict",
+                "move": "moved between instances"}
+TRANSFER_COLOR = FLASH_COLORS["move"]  # a disaggregated run's KV moving: the pools' rings, the timeline's marks
 FOCUS_COLOR = "#111827"  # lesson mode's lasting ring (with a white inner line) on the blocks it explains
 # ... in the colour of what the moment did to them, as its flash ring was (and its lesson text names it)
 MOMENT_RING_FLASH = {"copy_on_write": "copy", "share": "share", "prefix_hit": "share", "fork": "share",
                      "preempt": "free", "cache_full": "free", "prune": "free", "block_added": "alloc",
-                     "prompt_cached": "alloc", "prefill_chunk": "alloc", "slot_refilled": "alloc"}
+                     "prompt_cached": "alloc", "prefill_chunk": "alloc", "slot_refilled": "alloc",
+                     "kv_transfer": "move"}
 # The attention mask: a key read from the KV cache (what decode does), one computed in this pass
 # (what prefill does), one masked as the future.
 MASK_COLORS = {"cached": PHASE_COLORS["decode"], "computed": PHASE_COLORS["prefill"], "masked": "#eceff3"}
@@ -87,6 +91,6 @@ def for_js() -> dict:
     """What the page's JavaScript draws with (window.KVSCOPE_COLORS)."""
     return {"requests": list(REQUEST_COLORS), "kinds": kind_colors(), "many": MANY_REQUESTS_COLOR,
             "budget": BUDGET_COLOR, "slots": SLOT_COLORS, "blocks": BLOCK_COLORS, "flash": FLASH_COLORS,
-            "focus": FOCUS_COLOR, "allreduce": ALLREDUCE_COLOR,
+            "focus": FOCUS_COLOR, "allreduce": ALLREDUCE_COLOR, "transfer": TRANSFER_COLOR,
             "mask": MASK_COLORS, "kindNames": list(KINDS), "kindLabels": [KIND_LABELS[kind] for kind in KINDS],
             "phases": list(SHOWN_PHASES)}

@@ -26,9 +26,23 @@ def request_text(view: RequestView, state: RunState, history: RunHistory) -> str
     grammar = constraint(view.sampling)
     if grammar is not None:
         status += f" · structured output: {KIND_LABELS[grammar[0]]}"
+    if view.transfer is not None:
+        status += f" · {moved_text(view)}"
     prompt = "(it arrived before this trace began)" if view.joined else view.prompt_text
     return (f"{view.id} · {status} · {replies(view, state, history)}\n"
             f"prompt, {view.prompt_len} tokens: {prompt}")  # the reply first: a long prompt scrolls
+
+
+def moved_text(view: RequestView) -> str:
+    """A disaggregated request's move, and once it finished its TTFT split into queue, prefill and transfer."""
+    t = view.transfer
+    text = (f"moved at iteration {t['step']} from instance {t['src_instance']} to {t['dst_instance']}: "
+            f"{len(t['src_blocks'])} blocks, {t['bytes'] / 1024:,.1f} KiB in {1000 * t['link_s']:.2f} ms")
+    if view.ttft_s is not None and view.queue_s is not None and view.transfer_s is not None:
+        prefill = view.ttft_s - view.queue_s - view.transfer_s
+        text += (f" · TTFT {1000 * view.ttft_s:.1f} ms = queue {1000 * view.queue_s:.1f} + prefill "
+                 f"{1000 * prefill:.1f} + transfer {1000 * view.transfer_s:.1f}")
+    return text
 
 
 def replies(view: RequestView, state: RunState, history: RunHistory) -> str:

@@ -53,6 +53,7 @@ class Column:
     max_num_seqs: int | None
     allreduce: dict[str, Any] | None = None  # tensor parallel: the step's all-reduces {count, bytes, ms} (rank 0's)
     execute_s: float | None = None  # the executor's part of duration_s (None in older traces)
+    instances: list[dict[str, Any]] | None = None  # disaggregated: each instance's share of the step
 
     @property
     def scheduled(self) -> list[Cell]:
@@ -88,13 +89,16 @@ class Finish:
     between its arrival and its first token (TTFT), then per later token (TPOT), and before the first
     iteration that ran it (queue). The engine's own ttft_s and tpot_s are wall clock, which a paced run
     (4 iterations a second) stretches. The API's run (RunState.serves_api) runs unpaced, as clients wait
-    on it: its figures are the engine's own, the very numbers GET /metrics observes."""
+    on it: its figures are the engine's own, the very numbers GET /metrics observes. So are a disaggregated
+    run's: each instance's own clock (engine time, never paced) and the link's time, which no sum of the
+    iterations' durations knows."""
 
     step: int
     request_id: str
     ttft_s: float | None
     tpot_s: float | None
     queue_s: float | None = None  # arrival to the start of the first iteration that ran it
+    transfer_s: float | None = None  # disaggregated: the link's part of ttft_s
 
 
 @dataclass
@@ -185,8 +189,8 @@ class RunHistory:
 
     def _finish(self, request_id: str, step: int, num_output_tokens: int, state: RunState) -> None:
         view = state.requests.get(request_id)
-        if state.serves_api and view is not None:  # the engine's clock: what clients wait, what /metrics reports
-            self.finishes.append(Finish(step, request_id, view.ttft_s, view.tpot_s, view.queue_s))
+        if (state.serves_api or state.disaggregation) and view is not None:  # the engine's own figures (above)
+            self.finishes.append(Finish(step, request_id, view.ttft_s, view.tpot_s, view.queue_s, view.transfer_s))
             return
         ttft = tpot = None
         if view is not None and view.first_token_step is not None:
@@ -311,7 +315,7 @@ class RunHistory:
 def column_of(e: Event, cells: list[Cell], max_num_seqs: int | None) -> Column:
     """An iteration event as the column the timeline and the batch chart draw."""
     return Column(e["step"], e["t"], e["duration_s"], cells, e["num_batched_tokens"], e["token_budget"],
-                  max_num_seqs, e.get("allreduce"), e.get("execute_s"))
+                  max_num_seqs, e.get("allreduce"), e.get("execute_s"), e.get("instances"))
 
 
 def batch_cells(e: Event, state: RunState) -> list[Cell]:

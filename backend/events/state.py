@@ -41,6 +41,10 @@ class RequestView:
     tpot_s: float | None = None
     e2e_s: float | None = None
     queue_s: float | None = None  # arrival to the first iteration that ran it
+    # disaggregated: its move from a prefill instance to a decode instance (the kv_transfer event's
+    # step, src_instance, dst_instance, src_blocks, dst_blocks, bytes, link_s), and the link's part of its TTFT
+    transfer: dict[str, Any] | None = None
+    transfer_s: float | None = None
     seq_ids: list[int] = field(default_factory=list)  # its sequences: the first, then each fork (n > 1, beams)
     outputs: list[dict[str, Any]] | None = None  # every returned sequence, best first (n > 1, beams)
     joined: bool = False  # first seen running: it arrived before the trace began (prompt, first token unknown)
@@ -102,6 +106,8 @@ class PlainState:
     device: str | None = None  # torch's device the run ran on ("cpu", "cuda:0"): whose clock its times are
     # The model sharded over ranks (header `tensor_parallel`): what each rank holds; None for one process
     tensor_parallel: dict[str, Any] | None = None
+    # Prefill and decode on instances of their own (header `disaggregation`): each instance's role and blocks
+    disaggregation: dict[str, Any] | None = None
     step: int = -1
     waiting: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
@@ -222,6 +228,7 @@ class RunState(PlainState):
         self.simulated = e.get("simulated") is True  # headers before simulate mode do not say
         self.device = e.get("device")
         self.tensor_parallel = e.get("tensor_parallel")
+        self.disaggregation = e.get("disaggregation")
         self._free = dict.fromkeys(range(self.cache["num_blocks"]))
 
     def _on_iteration(self, e: Event) -> None:
@@ -325,9 +332,21 @@ class RunState(PlainState):
         view.output_text = e["output_text"]
         view.ttft_s, view.tpot_s, view.e2e_s = e["ttft_s"], e["tpot_s"], e["e2e_s"]
         view.queue_s = e.get("queue_s")  # absent in traces older than the field
+        view.transfer_s = e.get("transfer_s")  # only after a move between disaggregated instances
         view.outputs = e.get("outputs")
         self._leave_queues(rid)
         self._retire(rid)
+
+    def _on_kv_transfer(self, e: Event) -> None:
+        view = self.requests.get(e["request_id"])
+        if view is not None:
+            view.transfer = {k: e[k] for k in ("step", "src_instance", "dst_instance", "src_blocks", "dst_blocks",
+                                               "bytes", "link_s")}
+
+    @property
+    def instances(self) -> list[dict[str, Any]]:
+        """A disaggregated run's instances ({instance, role, first_block, num_blocks}); empty for one engine."""
+        return (self.disaggregation or {}).get("instances", [])
 
     def _retire(self, rid: str) -> None:
         """A run that lives forever keeps only the newest max_finished finished requests."""

@@ -84,6 +84,11 @@ NVLINK3 = LinkProfile("nvlink3", 300 * GIGA, 8e-6)  # A100 SXM: 600 GB/s total
 PCIE5 = LinkProfile("pcie5", 64 * GIGA, 20e-6)  # PCIe Gen5 x16: 128 GB/s total
 PCIE4 = LinkProfile("pcie4", 32 * GIGA, 20e-6)  # PCIe Gen4 x16: 64 GB/s total
 LINKS = {link.name: link for link in (NVLINK4, NVLINK3, PCIE5, PCIE4)}
+# Between the instances of a disaggregated deployment (disaggregation.py) the KV cache may leave the node:
+# InfiniBand NDR, one 400 Gb/s port per GPU (a DGX H100 has eight ConnectX-7 for its eight GPUs). Not one of
+# LINKS: a tensor-parallel group stays within its node's NVLink or PCIe.
+INFINIBAND = LinkProfile("infiniband", 50 * GIGA, 10e-6)  # NDR 400 Gb/s each way; latency assumed (an RDMA write)
+INSTANCE_LINKS = {**LINKS, INFINIBAND.name: INFINIBAND}
 
 DATASHEET: dict[str, HardwareProfile] = {h.name: h for h in (
     HardwareProfile("h100", "NVIDIA H100 SXM5 80GB", 989.4 * TERA, 66.9 * TERA, 1978.9 * TERA, 3.35e12, 80e9,

@@ -19,7 +19,9 @@ export default {
       <canvas ref="canvas" style="width:100%;height:100%;display:block;cursor:pointer"></canvas>
       <div ref="tip" class="kv-tip" style="position:absolute;display:none;pointer-events:none;z-index:10"></div>
     </div>`,
-  props: { palette: Array, colors: Object, scaleGroup: String }, // palette and colors: frontend/palette.py
+  // palette and colors: frontend/palette.py; first: the number of this canvas's block 0 (a disaggregated
+  // run's instances each draw their own pool, numbered apart): every block number in or out is a global one
+  props: { palette: Array, colors: Object, scaleGroup: String, first: { type: Number, default: 0 } },
   mounted() {
     this.n = 0;
     this.cells = { state: new Uint8Array(0), color: new Int16Array(0), marks: new Uint8Array(0) };
@@ -42,7 +44,7 @@ export default {
     canvas.addEventListener("mouseleave", () => this.onLeave());
     canvas.addEventListener("click", (e) => {
       const b = this.blockAt(e);
-      if (b >= 0) this.$emit("pick", { block: b });
+      if (b >= 0) this.$emit("pick", { block: b + this.first });
     });
     this.resizeObserver = new ResizeObserver(() => this.layout());
     this.resizeObserver.observe(this.$el);
@@ -75,8 +77,9 @@ export default {
     apply(changes, meta) {
       this.probe(meta);
       const now = performance.now();
-      for (const [b, state, color, marks, flash] of changes) {
-        if (b >= this.n) continue;
+      for (const [g, state, color, marks, flash] of changes) {
+        const b = g - this.first;
+        if (b < 0 || b >= this.n) continue;
         this.cells.state[b] = state;
         this.cells.color[b] = color;
         this.cells.marks[b] = marks;
@@ -88,7 +91,7 @@ export default {
     // (a method and a field of one component share one namespace: a field named focus hid this method)
     ring(blocks, color) {
       for (const b of this.focused) this.dirty.add(b);
-      this.focused = new Set(blocks);
+      this.focused = new Set(blocks.map((g) => g - this.first));
       this.ringColor = color || this.colors.focus; // the colour the lesson's text names (palette.ring_color)
       this.all = true; // a ring larger than its cell covers neighbours: repaint them all
       this.$refs.canvas.dataset.ringed = blocks.join(" "); // what a canvas draws, readable by a test or a screen reader
@@ -96,7 +99,7 @@ export default {
       this.schedule();
     },
     tip(block, html) {
-      if (block !== this.hover) return;
+      if (block !== this.hover + this.first) return;
       this.$refs.tip.innerHTML = html;
       this.$refs.tip.style.display = "block";
     },
@@ -198,7 +201,7 @@ export default {
       }
       if (this.geom.numbers) {
         ctx.fillStyle = state === 1 ? "#fff" : "#64748b";
-        ctx.fillText(String(b), x + cell / 2, y + cell / 2);
+        ctx.fillText(String(b + this.first), x + cell / 2, y + cell / 2);
       }
       ctx.globalAlpha = 1;
       if (marks & PICKED) { // the selected request's block
@@ -261,7 +264,7 @@ export default {
       this.hover = b;
       this.dirty.add(b);
       tip.style.display = "none";
-      if (b >= 0) this.$emit("hover", { block: b });
+      if (b >= 0) this.$emit("hover", { block: b + this.first });
       this.schedule();
     },
     onLeave() {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 
 from nicegui import ui
 from nicegui.events import GenericEventArguments
@@ -43,6 +44,11 @@ With **tensor parallelism** (the model split over ranks, each a process) there i
 rank. One block table drives them all, so the same blocks light up in every strip: block 7 holds
 the same tokens on each rank, but each rank keeps only the keys and values of its own KV heads, so
 its block is a share of the bytes. Each strip's title says which heads the rank holds and its bytes.
+
+With **disaggregated prefill and decode** there is one strip per instance, each its own pool: a
+request's prompt fills blocks in its prefill instance's strip; once its first token is drawn, its
+blocks are copied into its decode instance's strip and freed where they were, and both sets ring
+**teal** as they move. The block numbers run on across the strips, as the events number them.
 """
 
 STRIPES = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5px)"
@@ -50,7 +56,7 @@ LEGEND = [(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = r
           (BLOCK_COLORS["cached"], "free, cached prefix"), (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"),
           (STRIPES, "stripes: draft model")]
 RING_LEGEND = [(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
-               for kind, color in FLASH_COLORS.items()] + \
+               for kind, color in FLASH_COLORS.items() if kind != "move"] + \
               [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR},inset 0 0 0 5px #fff", "lesson: look here")]
 
 
@@ -91,6 +97,32 @@ def rank_title(rank: dict, block_size: int, replicated: bool, hosts: bool = Fals
 def on_hosts(state: RunState) -> bool:
     """Whether the run's ranks ran on more than one host (torchrun across machines)."""
     return len({rank.get("host") for rank in state.ranks}) > 1
+
+
+@dataclass(frozen=True)
+class Strip:
+    """One canvas of the pool: its title, and the blocks it draws, [first, first + size)."""
+
+    title: str | None
+    first: int
+    size: int
+
+
+def instance_title(instance: dict) -> str:
+    """A disaggregated instance's strip title: its role, and the blocks of its own pool."""
+    first, n = instance["first_block"], instance["num_blocks"]
+    return f"{instance['role']} instance {instance['instance']} · its own pool, blocks {first}–{first + n - 1}"
+
+
+def strips_of(state: RunState) -> list[Strip]:
+    """The canvases the pool is drawn in: one; a strip per tensor-parallel rank, each drawing every block (one
+    block table drives them all); a strip per disaggregated instance, each drawing its own blocks."""
+    if state.instances:
+        return [Strip(instance_title(i), i["first_block"], i["num_blocks"]) for i in state.instances]
+    replicated = bool((state.tensor_parallel or {}).get("kv_heads_replicated"))
+    bs = state.cache.get("block_size", 0)
+    return [Strip(rank_title(rank, bs, replicated, on_hosts(state)), 0, state.num_blocks) for rank in state.ranks] \
+        or [Strip(None, 0, state.num_blocks)]
 
 
 def cell_of(state: RunState, history: RunHistory, free: set[int], block: int,
@@ -140,28 +172,30 @@ class BlockPoolView(FeedView):
             self.strips = ui.column().classes("w-full gap-1")
             legend(LEGEND)
             legend(RING_LEGEND)
-        self.rank_titles: list[ui.label] = []
-        self.canvases = self._build_strips([])
+        self.titles: list[ui.label] = []
+        self.strips_drawn: list[Strip] = []
+        self.canvases = self._build_strips([Strip(None, 0, 0)])
         selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw
         super().__init__(feed)
         self.scale_note = ""  # side by side: how this pool's drawn area compares with the other's
         self.changes_sent = 0  # cells sent as deltas, for tests
         self.picked_sent: list[int] = []  # blocks last sent marked as the selected request's, for tests
 
-    def _build_strips(self, ranks: list[dict]) -> list[BlockPoolCanvas]:
-        """A canvas per rank, each under its title, sharing the card's height; one untitled canvas for a single
-        process. Rank 0's canvas is the `block-pool` every test and lesson ring finds."""
+    def _build_strips(self, strips: list[Strip]) -> list[BlockPoolCanvas]:
+        """A canvas per strip, each under its title, sharing the card's height. The first canvas is the
+        `block-pool` every test and lesson ring finds."""
         self.strips.clear()
-        self.rank_titles = []
+        self.titles, self.strips_drawn = [], strips
         canvases = []
-        height = f"calc({self.height} / {len(ranks)})" if ranks else self.height
+        height = f"calc({self.height} / {len(strips)})" if len(strips) > 1 else self.height
         with self.strips:
-            for i in range(max(len(ranks), 1)):
-                if ranks:
-                    self.rank_titles.append(ui.label("").classes("kv-caption kv-rank-title").mark("block-pool-rank")
-                                            .props("data-kv=block-pool-rank"))
+            for i, strip in enumerate(strips):
+                if strip.title is not None:
+                    self.titles.append(ui.label("").classes("kv-caption kv-rank-title").mark("block-pool-rank")
+                                       .props("data-kv=block-pool-rank"))
                 mark = "block-pool" if i == 0 else f"block-pool-rank-{i}"
-                canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark(mark).props(f"data-kv={mark}")
+                canvas = BlockPoolCanvas().style(f"width:100%;height:{height}").mark(mark) \
+                    .props(f"data-kv={mark} :first={strip.first}")
                 if self.scale_group:
                     canvas.props(f"scale-group={self.scale_group}")
                 canvas.on("hover", lambda e, c=canvas, r=i: self._on_hover(e, c, r), ["block"])
@@ -169,47 +203,56 @@ class BlockPoolView(FeedView):
                 canvases.append(canvas)
         return canvases
 
-    def _show_ranks(self, state: RunState) -> None:
-        """Strips for the run's ranks (built again only when their number changes), titled with what each holds."""
-        if len(self.canvases) != max(len(state.ranks), 1):
-            self.canvases = self._build_strips(state.ranks)
-        replicated = bool((state.tensor_parallel or {}).get("kv_heads_replicated"))
-        for title, rank in zip(self.rank_titles, state.ranks):
-            title.set_text(rank_title(rank, state.cache.get("block_size", 0), replicated, on_hosts(state)))
+    def _show_strips(self, state: RunState) -> None:
+        """The run's strips (built again only when their blocks change), titled with what each holds."""
+        strips = strips_of(state)
+        if [(s.first, s.size) for s in strips] != [(s.first, s.size) for s in self.strips_drawn]:
+            self.canvases = self._build_strips(strips)
+        for title, strip in zip(self.titles, strips):
+            title.set_text(strip.title)
+
+    def _mine(self, blocks) -> list[list[int]]:
+        """`blocks` (global numbers) split by canvas: each canvas's own."""
+        return [[b for b in blocks if s.first <= b < s.first + s.size] for s in self.strips_drawn]
 
     def ring(self, blocks: list[int], color: str | None = None) -> None:
-        """Lesson mode's lasting rings, on every rank's strip (the same blocks on each), in `color` (default:
-        the focus colour)."""
-        for canvas in self.canvases:
-            canvas.run_method("ring", blocks, color)
+        """Lesson mode's lasting rings, on every strip that draws them (a rank's: all; an instance's: its own),
+        in `color` (default: the focus colour)."""
+        for canvas, mine in zip(self.canvases, self._mine(blocks)):
+            canvas.run_method("ring", mine, color)
 
     def full(self) -> bool:
         state, history, selected = self.feed.state, self.feed.history, self.selection.request_id
-        self._show_ranks(state)
+        self._show_strips(state)
         free = set(state.free_blocks)
         cells = [cell_of(state, history, free, b, selected) if state.kv_cache else (FREE, 0, 0)
                  for b in range(state.num_blocks)]
         self.picked_sent = [b for b, c in enumerate(cells) if c[2] & PICKED]
-        full = {"state": [c[0] for c in cells], "color": [c[1] for c in cells], "marks": [c[2] for c in cells],
-                "focus": selected is not None, "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]}
         meta = self.stamp_args()
-        for canvas in self.canvases:
-            canvas.run_method("reset", full, meta)
+        for canvas, strip in zip(self.canvases, self.strips_drawn):
+            part = cells[strip.first:strip.first + strip.size]
+            canvas.run_method("reset", {"state": [c[0] for c in part], "color": [c[1] for c in part],
+                                        "marks": [c[2] for c in part], "focus": selected is not None,
+                                        "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]}, meta)
         self._caption()
         return True
 
     def delta(self, entries: list[LogEntry]) -> bool:
         flashes: dict[int, str] = {}
+        moved: dict[int, str] = {}  # a disaggregated run's blocks that left one pool and arrived in another
         for entry in entries:
             e = entry.event
             if e["type"] in FLASH_OF:
                 flashes[e["block_id"]] = FLASH_OF[e["type"]]
             elif e["type"] == "block_copy":
                 flashes[e["src_block_id"]] = flashes[e["dst_block_id"]] = "copy"
+            elif e["type"] == "kv_transfer":  # after its blocks' allocs, before their frees: the move wins
+                moved.update(dict.fromkeys([*e["src_blocks"], *e["dst_blocks"]], "move"))
             elif e["type"] == "spec_propose" and e.get("draft_seq_id") is not None:
                 # the draft's blocks may predate the proposal that names its sequence: restripe them
                 for block in self.feed.state.block_tables.get(e["draft_seq_id"], ()):
                     flashes.setdefault(block, "")
+        flashes.update(moved)
         if not flashes or not self.feed.state.kv_cache:
             return False
         state, history = self.feed.state, self.feed.history
@@ -218,8 +261,10 @@ class BlockPoolView(FeedView):
         changes = [[b, *cell_of(state, history, free, b, selected), kind] for b, kind in flashes.items()
                    if b < state.num_blocks]
         meta = self.stamp_args()
-        for canvas in self.canvases:
-            canvas.run_method("apply", changes, meta)
+        for canvas, strip in zip(self.canvases, self.strips_drawn):
+            mine = [c for c in changes if strip.first <= c[0] < strip.first + strip.size]
+            if mine:
+                canvas.run_method("apply", mine, meta)
         self.changes_sent += len(changes)
         self._caption()
         return True
@@ -255,6 +300,9 @@ class BlockPoolView(FeedView):
             text += f" · draft model {sum(len(state.block_tables.get(s, ())) for s in state.draft_seqs)}"
         if state.ranks:
             text += f" · one block table for {len(state.ranks)} ranks: the same blocks on each"
+        if state.instances:
+            text += f" · a pool per instance ({len(state.instances)}): a request's blocks move from its prefill " \
+                    "instance's to its decode instance's (ringed teal)"
         self.caption.set(f"{text} · {self.scale_note}" if self.scale_note else text)
 
     def _on_hover(self, e: GenericEventArguments, canvas: BlockPoolCanvas, rank: int) -> None:
@@ -262,7 +310,10 @@ class BlockPoolView(FeedView):
         if state is None:
             return
         tip = describe_block(state, self.feed.history, block)
-        if rank < len(state.ranks):
+        if rank < len(state.instances):
+            instance = state.instances[rank]
+            tip += f"<br>in the pool of {instance['role']} instance {instance['instance']}"
+        elif rank < len(state.ranks):
             held = state.ranks[rank]
             tip += (f"<br>on rank {rank}: {span_text('KV head', held['kv_heads'])} of these tokens, "
                     f"{human(held['kv_bytes_per_token'] * state.cache.get('block_size', 0))}")

@@ -69,7 +69,8 @@ PERCENT = {"kv_usage", "kv_waste", "prefix_hit_rate", "spec_acceptance_rate"}
 KPI_TITLES = {"tps": "tokens/s (engine time)", "ttft": "mean TTFT (engine)", "tpot": "mean TPOT (engine)",
               "queue": "mean queue time (engine)",
               "usage": "KV usage", "waste": "KV waste", "hit": "prefix hits", "saved": "blocks saved by sharing (peak)",
-              "preempt": "preemptions", "done": "finished", "spec": "drafts accepted"}
+              "preempt": "preemptions", "done": "finished", "spec": "drafts accepted",
+              "transfer": "mean KV transfer (in TTFT)"}
 
 
 # what changes the headline: an iteration's metrics, a finish, and the blocks held (KV usage is the
@@ -232,12 +233,17 @@ class MetricsView(FeedView):
         if state.config.get("speculative"):
             rate = state.spec.acceptance_rate
             values["spec"] = f"{100 * rate:.0f}%" if rate is not None else "–"
+        if state.disaggregation:  # TTFT = queue + prefill + the link's time moving the KV
+            moves = [f.transfer_s for f in history.finishes if f.transfer_s is not None]
+            values["transfer"] = f"{1000 * statistics.fmean(moves):.1f} ms" if moves else "–"
         self.kpis = values
         self.memory.set(memory_text(state))
         # a finished run's usage is its last busy iteration's (afterwards every block is free): say which
         titles = {"usage": f"KV usage (iteration {m.step})"} if state.finished and m and state.kv_cache else {}
         if state.serves_api:  # the engine's own clock per request, the numbers GET /metrics reports
             titles.update(ttft="mean TTFT", tpot="mean TPOT", queue="mean queue time")
+        if state.disaggregation:  # each instance's own clock
+            titles.update(ttft="mean TTFT (queue + prefill + transfer)", tpot="mean TPOT (decode instances)")
         self.kpi_row.set(kpi_html(values, titles))
         self._modelled()
 

@@ -14,7 +14,7 @@ from kvscope.backend.events.history import KIND_RANK, KINDS, Cell, Column
 from kvscope.frontend.grammar_position import tagged
 from kvscope.frontend.hardware import HardwareChoice
 from kvscope.frontend.selection import Selection
-from kvscope.frontend.palette import ALLREDUCE_COLOR, KIND_LABELS, PHASE_COLORS
+from kvscope.frontend.palette import ALLREDUCE_COLOR, KIND_LABELS, PHASE_COLORS, TRANSFER_COLOR
 from kvscope.frontend.views.base import INTEGER_LABELS, FeedView, Js, legend, legend_html, view_card
 from kvscope.frontend.views.charts import make_chart
 from kvscope.frontend.views.chunks import Chunks
@@ -38,6 +38,12 @@ A **tensor-parallel** run (the model split over ranks) has an **all-reduce** ban
 every layer ends its attention and its MLP by summing the ranks' partial outputs, and the filled part
 of each step's outline is the time rank 0 spent in those sums (waiting for the slower rank included).
 Hover it for the milliseconds, the count and the bytes. The modelled axis leaves it out: it was measured here.
+
+A **disaggregated** run (prefill and decode on instances of their own) has a row per instance above the
+requests: each step's outline, filled by the share of it that instance spent working (orange a prefill
+instance, blue a decode instance), each on its own clock. A request's **move** is the teal triangle in
+its row: the iteration its KV blocks went from its prefill instance to its decode instance, between
+its prefill and its first decode (hover: the blocks, the bytes, the link's time).
 """
 
 CELL_SERIES = {
@@ -54,17 +60,22 @@ BAND_SERIES = {
     "type": "custom", "renderItem": Js("kvscope.allreduceCell"), "encode": {"x": [0, 1], "y": 2},
     "clip": True, "animation": False, "z": 3,
 }  # fmt: skip
+INSTANCE_SERIES = {
+    "type": "custom", "renderItem": Js("kvscope.instanceCell"), "encode": {"x": [0, 1], "y": 2},
+    "clip": True, "animation": False, "z": 3,
+}  # fmt: skip
 BAND_LABEL = "all-reduce"  # the band's row, first on the y axis
 END_MARK = {None: 0, "pruned": 2}  # anything else ended normally (1)
 
 
-def legend_items(kv_cache: bool = True, allreduce: bool = False) -> list[tuple[str, str]]:
+def legend_items(kv_cache: bool = True, allreduce: bool = False, moves: bool = False) -> list[tuple[str, str]]:
     """(colour, label) of the timeline's legend: the phases (recompute instead of decode without a
-    KV cache), the all-reduce band of a tensor-parallel run, then the marks."""
+    KV cache), the all-reduce band of a tensor-parallel run, then the marks (a disaggregated run's moves)."""
     hidden = "recompute" if kv_cache else "decode"
     phases = [(PHASE_COLORS[kind], label) for kind, label in KIND_LABELS.items() if kind != hidden]
     band = [(ALLREDUCE_COLOR, "all-reduce: rank 0's share of the step")] if allreduce else []
-    return [*phases, *band, ("#111", "◆ first token · ─ sequences (n > 1, beams)")]
+    move = [(TRANSFER_COLOR, "▶ KV moved to its decode instance")] if moves else []
+    return [*phases, *band, ("#111", "◆ first token · ─ sequences (n > 1, beams)"), *move]
 
 
 def request_cells(cells: list[Cell]) -> list[Cell]:
@@ -120,6 +131,34 @@ def allreduce_item(col: Column, clock: Clock | None) -> list[Any] | None:
     share = min(1.0, ms / step_ms) if step_ms > 0 else 0.0
     return [round(x0, 4), round(x1, 4), 0, round(share, 4), ms, col.step, col.allreduce["count"],
             col.allreduce["bytes"], round(step_ms, 2)]
+
+
+def instance_items(col: Column, roles: list[str], clock: Clock | None) -> list[list[Any]]:
+    """[x0, x1, row, share, ms, step, tokens, running, role (0 prefill, 1 decode), instance] of each disaggregated
+    instance in one step (rows 0.., the instances'): the share of the step it spent working, on its own clock."""
+    if not col.instances:
+        return []
+    x0, x1 = column_span(col, clock)
+    step_s = col.duration_s
+    return [[round(x0, 4), round(x1, 4), i["instance"], round(min(1.0, i["duration_s"] / step_s), 4) if step_s > 0 else 0,
+             round(1000 * i["duration_s"], 2), col.step, i["num_batched_tokens"], i["num_running"],
+             int(roles[i["instance"]] == "decode"), i["instance"]] for i in col.instances if i["instance"] < len(roles)]
+
+
+def transfer_items(state: RunState, rows: dict[str, int], x_of: dict[int, float] | None) -> list[list[Any]]:
+    """[x, row, request_id, what] of each request's move between disaggregated instances, at its iteration."""
+    items = []
+    for rid, view in state.requests.items():
+        moved = view.transfer
+        if moved is None or rid not in rows:
+            continue
+        x = _x(moved["step"], x_of, 0.5)
+        if x is None:
+            continue
+        what = (f"{len(moved['src_blocks'])} blocks, {moved['bytes'] / 1024:,.1f} KiB, instance {moved['src_instance']}"
+                f" → {moved['dst_instance']} in {1000 * moved['link_s']:.2f} ms")
+        items.append([x, rows[rid], rid, what])
+    return items
 
 
 def merge_runs(items: list[list[Any]]) -> list[list[Any]]:
@@ -192,6 +231,9 @@ class TimelineView(FeedView):
         self.chunks = Chunks("tl-", build=merge_runs)
         self.band_chunks = Chunks("ar-")  # the all-reduce band's items, one per step (no two are alike)
         self.band = False  # a tensor-parallel run's all-reduce band is drawn (first row)
+        self.instance_chunks = Chunks("in-")  # a disaggregated run's instance rows, one item per instance a step
+        self.roles: list[str] = []  # a disaggregated run's instances' roles: a row each, first
+        self.transfers_sent: list = []
         self.last_step = -10**9
         self.last_t: float | None = None
         self.rows_sent = 0
@@ -255,16 +297,21 @@ class TimelineView(FeedView):
         self.clock = self._choose_clock()
         # measured time has no place on the modelled axis: the cost model prices its own communication
         self.band = state.tensor_parallel is not None and self.axis != "modelled"
-        self.legend.set_content(legend_html(legend_items(state.kv_cache, self.band)))
+        self.roles = [i["role"] for i in state.instances]
+        self.legend.set_content(legend_html(legend_items(state.kv_cache, self.band, bool(self.roles))))
         self.chunks.clear()
         self.band_chunks.clear()
+        self.instance_chunks.clear()
+        self.transfers_sent = []
         self.step_t = {}
         self.last_step, self.last_t, self.rows_sent, self.ttft_sent, self.branches_sent = -10**9, None, 0, [], []
         self._add_columns(self.feed.history.columns)
         option = self._axes(force=True)
         option["series"] = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.all()]
         option["series"] += [{**BAND_SERIES, "id": sid, "data": data} for sid, data in self.band_chunks.all()]
+        option["series"] += [{**INSTANCE_SERIES, "id": sid, "data": data} for sid, data in self.instance_chunks.all()]
         option["series"].append(self._ttft_series(force=True) or {"id": "ttft", "type": "scatter", "data": []})
+        option["series"].append(self._transfer_series(force=True))
         option["series"].append(self._branch_series(force=True))
         self.push(self.chart, option, replace_series=True)
         return True
@@ -278,7 +325,8 @@ class TimelineView(FeedView):
         option = self._axes()
         series = [{**CELL_SERIES, "id": sid, "data": data} for sid, data in self.chunks.take_dirty()]
         series += [{**BAND_SERIES, "id": sid, "data": data} for sid, data in self.band_chunks.take_dirty()]
-        series += [extra for extra in (self._ttft_series(), self._branch_series()) if extra]
+        series += [{**INSTANCE_SERIES, "id": sid, "data": data} for sid, data in self.instance_chunks.take_dirty()]
+        series += [extra for extra in (self._ttft_series(), self._branch_series(), self._transfer_series()) if extra]
         if series:
             option["series"] = series
         if not option:
@@ -286,10 +334,14 @@ class TimelineView(FeedView):
         self.push(self.chart, option)
         return True
 
+    def top_labels(self) -> list[str]:
+        """The rows above the requests: the all-reduce band, or a disaggregated run's instances."""
+        return [BAND_LABEL] * self.band + [f"{role} {i}" for i, role in enumerate(self.roles)]
+
     def rows(self) -> dict[str, int]:
-        """Each request's row on the y axis: its arrival order, after the all-reduce band when there is one."""
-        rows = self.feed.history.rows
-        return {rid: row + 1 for rid, row in rows.items()} if self.band else rows
+        """Each request's row on the y axis: its arrival order, after the rows above the requests."""
+        rows, above = self.feed.history.rows, len(self.top_labels())
+        return {rid: row + above for rid, row in rows.items()} if above else rows
 
     def _add_columns(self, columns: list[Column]) -> None:
         rows = self.rows()
@@ -301,6 +353,8 @@ class TimelineView(FeedView):
             band = allreduce_item(col, self.clock) if self.band else None
             if band is not None:
                 self.band_chunks.add(col.step, band)
+            for item in instance_items(col, self.roles, self.clock):
+                self.instance_chunks.add(col.step, item)
             t = self.clock(col)[0] if self.clock is not None else col.t
             self.last_step, self.last_t = col.step, t
             self.step_t[col.step] = t
@@ -310,7 +364,7 @@ class TimelineView(FeedView):
         rows = self.feed.history.rows
         if force or len(rows) != self.rows_sent:
             self.rows_sent = len(rows)
-            self.labels_sent = [BAND_LABEL] * self.band + row_labels(rows, self.selection.request_id, self.feed.state)
+            self.labels_sent = self.top_labels() + row_labels(rows, self.selection.request_id, self.feed.state)
             option["yAxis"] = {"data": self.labels_sent}
         if force:
             label = Js("kvscope.seconds") if self.clock is not None else Js(INTEGER_LABELS[":formatter"])
@@ -347,6 +401,15 @@ class TimelineView(FeedView):
         self.ttft_sent = data
         return {"id": "ttft", "type": "scatter", "data": data, "symbol": "diamond", "symbolSize": Js("kvscope.markPx"),
                 "encode": {"x": 0, "y": 1}, "itemStyle": {"color": "#111"}, "z": 5}
+
+    def _transfer_series(self, force: bool = False) -> dict | None:
+        data = transfer_items(self.feed.state, self.rows(), self.step_t if self.clock is not None else None)
+        if not force and data == self.transfers_sent:
+            return None
+        self.transfers_sent = data
+        return {"id": "transfers", "type": "scatter", "data": data, "symbol": "triangle", "symbolRotate": -90,
+                "symbolSize": Js("kvscope.markPx"), "encode": {"x": 0, "y": 1}, "itemStyle": {"color": TRANSFER_COLOR},
+                "z": 5}
 
     def _branch_series(self, force: bool = False) -> dict | None:
         data = branch_items(self.feed.state, self.rows(), self.step_t if self.clock is not None else None)
