@@ -160,7 +160,7 @@ PLACEHOLDER = r"\{([A-Za-z0-9_]+)\}"
 LESSON_FIELDS = ("model", "attention", "n_layers", "n_heads", "n_kv_heads", "head_dim", "kv_shape", "kv_dtype",
                  "kv_bytes_per_token", "bytes_per_block", "block_size", "num_blocks", "batching", "kv_layout",
                  "kv_cache", "prefix_caching", "chunked_prefill", "token_budget", "arrival_rate", "speculative",
-                 "weights_mib", "ranks", "batch_invariant", "hidden_size")
+                 "weights_mib", "ranks", "batch_invariant", "hidden_size", "instances")
 
 
 class LessonStep(_Strict):

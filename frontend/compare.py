@@ -52,8 +52,12 @@ AXES = {
     "compile_decode": Axis("decode step", "engine.compile_decode", {False: "eager", True: "compiled"}, False, True),
     "batch_invariant": Axis("batch invariance", "engine.batch_invariant", {False: "default", True: "batch-invariant"},
                             False, True),
+    "disaggregation": Axis("prefill and decode", "engine.disaggregation",
+                           {"colocated": "colocated", "disaggregated": "disaggregated (1 + 1)"}, "colocated",
+                           "disaggregated"),
 }  # fmt: skip
 SPEC_VALUES = {"off": None, "draft": SPEC_DRAFT, "ngram": SPEC_NGRAM}
+SPLIT_VALUES = {"colocated": None, "disaggregated": {"prefill_instances": 1, "decode_instances": 1}}
 # A GGUF model's weights three ways (docs/quantization.md): de-quantized to float32; those floats quantized
 # to int8 with one scale per tensor (torch's int8 kernel); the file's own blocks (Q4_1: torch's int4 kernel).
 WEIGHT_STORAGE = {
@@ -72,6 +76,8 @@ def override_of(axis: Axis, value: Any, form: dict[str, Any] | None = None,
     that both runs get the same KV bytes and differ in the granularity only."""
     if axis.path == "engine.speculative":
         return {axis.path: SPEC_VALUES[value]}
+    if axis.path == "engine.disaggregation":
+        return {axis.path: SPLIT_VALUES[value]}
     if axis.path == "engine.weights":
         return dict(WEIGHT_STORAGE[value])
     if not axis.values and float(value).is_integer() and axis.path != "generate.arrival.rate_per_step":

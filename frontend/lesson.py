@@ -41,7 +41,8 @@ MOMENT_TITLES = {
     "recompute": "Its recompute", "fork": "First fork", "prune": "First prune",
     "draft_rejected": "First draft rejection", "first_token": "First token sampled",
     "mask_forced": "The grammar overrules the model", "one_token_allowed": "Only one token allowed",
-    "request_finished": "First request finished", "bound_changed": "The bound changes", "finished": "Finished",
+    "request_finished": "First request finished", "bound_changed": "The bound changes",
+    "kv_transfer": "First KV move", "finished": "Finished",
 }  # fmt: skip
 
 

@@ -83,6 +83,18 @@ def model_name(header: Header) -> str | None:
     return Path(str(name).rstrip("/")).name if name else None  # a model folder by its last part
 
 
+def instances(header: Header) -> str | None:
+    """Where prefill and decode run: one engine, or a disaggregated run's instances."""
+    config = dig(header, "config")
+    if not isinstance(config, dict):
+        return None
+    split = config.get("disaggregation")
+    if not isinstance(split, dict):
+        return "one engine (colocated)"
+    p, d = split.get("prefill_instances"), split.get("decode_instances")
+    return f"{p} prefill and {d} decode instance{'s' if d != 1 else ''} (disaggregated)"
+
+
 def arrival_rate(header: Header) -> str | None:
     rate = dig(header, "scenario", "generate", "arrival", "rate_per_step")
     return f"{rate:g}" if isinstance(rate, (int, float)) else None
@@ -114,6 +126,7 @@ FIELDS: dict[str, Callable[[Header], str | None]] = {
     "ranks": ranks,
     "batch_invariant": lambda h: on_off(dig(h, "config", "batch_invariant")),
     "hidden_size": lambda h: count(dig(h, "model", "config", "hidden_size")),
+    "instances": instances,
 }
 
 

@@ -765,7 +765,7 @@ async def test_every_view_explains_itself(dash: Dash, tiny_dir: str) -> None:
     from kvscope.frontend.views import attention, batch, block_pool, block_table, sampling, timeline
     with dash.user.client:
         legends = [h.content for h in ElementFilter(kind=ui.html, local_scope=False) if "kv-legend" in h.content]
-    for items in (timeline.legend_items(), batch.legend_items(), block_pool.LEGEND, block_pool.RING_LEGEND,
+    for items in (timeline.legend_items(), batch.legend_items(), block_pool.LEGEND, block_pool.ring_legend(),
                   block_table.LEGEND, attention.LEGEND, sampling.LEGEND):
         assert any(all(label in shown for _, label in items) for shown in legends), items
     await dash.user.should_see("paged attention")

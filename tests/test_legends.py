@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope.frontend.palette import (ALLREDUCE_COLOR, BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS, FOCUS_COLOR, MANY_REQUESTS_COLOR,
-                              MASK_COLORS, PHASE_COLORS, SLOT_COLORS, SPEC_COLORS, TOKEN_MARK_COLORS, request_color)
+from kvscope.frontend.palette import (ALLREDUCE_COLOR, BLOCK_COLORS, BUDGET_COLOR, CHIP_COLORS, FLASH_COLORS,
+                                      FOCUS_COLOR, MANY_REQUESTS_COLOR, MASK_COLORS, PHASE_COLORS, SLOT_COLORS,
+                                      SPEC_COLORS, TOKEN_MARK_COLORS, TRANSFER_COLOR, request_color)
 from kvscope.frontend.sampling_math import STAGE_LABELS
 from kvscope.frontend.views import attention, batch, block_pool, block_table, metrics, sampling, speculative, timeline
 
@@ -23,8 +24,15 @@ VIEWS = {
                                           + ["#111", ALLREDUCE_COLOR]),
     "batch": (batch.legend_items(), [request_color(0), MANY_REQUESTS_COLOR, BUDGET_COLOR, SLOT_COLORS["used"],
                              SLOT_COLORS["idle"]]),
-    "block pool": (block_pool.LEGEND + block_pool.RING_LEGEND,
-                   [*BLOCK_COLORS.values(), request_color(0), *FLASH_COLORS.values(), FOCUS_COLOR]),
+    "block pool": (block_pool.LEGEND + block_pool.ring_legend(),
+                   [*BLOCK_COLORS.values(), request_color(0), *(c for k, c in FLASH_COLORS.items() if k != "move"),
+                    FOCUS_COLOR]),
+    "block pool of a disaggregated run": (block_pool.LEGEND + block_pool.ring_legend(moves=True),
+                                          [*BLOCK_COLORS.values(), request_color(0), *FLASH_COLORS.values(),
+                                           FOCUS_COLOR]),
+    "timeline of a disaggregated run": (timeline.legend_items(moves=True),
+                                        [c for kind, c in PHASE_COLORS.items() if kind != "recompute"]
+                                        + ["#111", TRANSFER_COLOR]),
     "block table": (block_table.LEGEND, [request_color(0), *CHIP_COLORS.values()]),
     "attention": (attention.LEGEND, [*MASK_COLORS.values()]),
     "sampling": (sampling.LEGEND + sampling.MASK_LEGEND

@@ -58,6 +58,9 @@ IN_SIGHT = """(selector) => {
             whole: box.top >= below - 1 && box.bottom <= window.innerHeight + 1 && box.left >= -1
                    && box.right <= window.innerWidth + 1};
 }"""
+# The blocks ringed on every strip of the pool: a rank's strip rings them all, an instance's its own
+RINGED = """() => [...new Set([...document.querySelectorAll('[data-kv^=block-pool] canvas')]
+    .flatMap((c) => (c.dataset.ringed || '').split(' ').filter(Boolean).map(Number)))].sort((a, b) => a - b).join(' ')"""
 # Each of the card's question parts (choices, status line) inside the card's visible box and the window, and
 # each choice's words inside its button
 ON_THE_CARD = """() => {
@@ -160,10 +163,9 @@ def check_the_step(page, backend_url: str, run_id: str, step: dict, errors: list
     if kind in ("start", "finished"):
         return
     moments = {m.kind: m for m in find_moments(trace_events(backend_url, run_id))}
-    blocks = " ".join(str(b) for b in moments[kind].blocks)
+    blocks = " ".join(str(b) for b in sorted(moments[kind].blocks))
     canvas = page.locator("[data-kv=block-pool] canvas")
-    wait_for(lambda: (canvas.get_attribute("data-ringed") or "") == blocks,
-             f"{kind}: blocks {blocks} not ringed")
+    wait_for(lambda: page.evaluate(RINGED) == blocks, f"{kind}: blocks {blocks} not ringed")
     if blocks:
         assert canvas.get_attribute("data-ring-color") == ring_color(kind), f"{kind}: the ring's colour"
     # the other requests fade only for a step about one request (or whose view shows one: sampling)

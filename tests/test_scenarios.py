@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -35,6 +36,7 @@ LESSONS |= {"structured-output"}
 LESSONS |= {"quantized-weights"}
 LESSONS |= {"tensor-parallel"}
 LESSONS |= {"nondeterminism"}
+LESSONS |= {"disaggregation"}
 
 # The shipped demo models are retrained now and then, and a folder caught without its weights
 # cannot run. Only in that case do these tests borrow a trained GQA copy with the same tokenizer;
@@ -700,3 +702,40 @@ def test_the_nondeterminism_lesson_parts_its_copies_by_default_and_never_when_in
         assert any(d > 0 for d in default.deltas), f"{rid}: the default mode kept every bit: no lesson to teach"
         assert invariant.flip is None and len(invariant.deltas) == 12 and set(invariant.deltas) == {0.0}
         assert caption(rid, invariant).endswith("the same token and the same bits at all 12 tokens.")
+
+
+def test_disaggregation_moves_each_prompts_blocks_and_keeps_decodes_off_the_long_prompts_steps():
+    """Disaggregated, the chats' blocks move once they are prefilled and their decodes never share an instance's
+    step with the long prompt's chunks; colocated, every chunk shares its step with their decodes and makes it
+    longer. The tokens are the same."""
+    split, colocated = run("disaggregation"), run("disaggregation", "engine.disaggregation=null")
+    assert split.outputs == colocated.outputs
+    roles = {i["instance"]: i["role"] for i in split.header["disaggregation"]["instances"]}
+    moves = {e["request_id"]: e for e in split.of("kv_transfer")}
+    assert set(moves) == {"chat-1", "chat-2", "chat-3", "chat-4", "long"}
+    for rid, move in moves.items():  # the prompt's blocks, from the prefill pool to the decode pool
+        assert len(move["src_blocks"]) == len(move["dst_blocks"]) == -(-split.prompt_len(rid) // 16)
+        assert roles[move["src_instance"]] == "prefill" and roles[move["dst_instance"]] == "decode"
+    chunk_steps = [it for it in split.iterations if any(b["request_id"] == "long" and b["phase"] == "prefill"
+                                                        for b in it["batch"])]
+    assert len(chunk_steps) == 3
+    for it in chunk_steps:
+        on = {(b["instance"], b["phase"]) for b in it["batch"]}
+        assert on == {(0, "prefill"), (1, "decode")}, f"step {it['step']}: a decode beside the chunk on its instance"
+
+    def chunk_and_decode_ms(trace, durations):
+        """The median step with a chunk of the long prompt, and the median decode-only step, in ms."""
+        chunk, plain = [], []
+        for it in trace.iterations:
+            has_chunk = any(b["request_id"] == "long" and b["phase"] == "prefill" for b in it["batch"])
+            (chunk if has_chunk else plain).append(1000 * durations(it))
+        return statistics.median(chunk), statistics.median(plain)
+
+    # Colocated, the chats' decodes wait for each chunk: their steps take several times as long.
+    stalled, steady = chunk_and_decode_ms(colocated, lambda it: it["duration_s"])
+    assert stalled > 2 * steady, (stalled, steady)
+    # Disaggregated, the decode instance's own steps keep their pace while the prefill instance reads the prompt.
+    decode_while, decode_else = chunk_and_decode_ms(split, lambda it: it["instances"][1]["duration_s"])
+    assert decode_while < 2 * decode_else, (decode_while, decode_else)
+    finished = {e["request_id"]: e for e in split.of("request_finished")}
+    assert all(f["transfer_s"] == moves[rid]["link_s"] for rid, f in finished.items())

@@ -17,7 +17,7 @@ Event = dict[str, Any]
 MomentKind = Literal["queued", "slot_refilled", "prefill_chunk", "prompt_cached", "first_decode", "block_added",
                      "prefix_hit", "share", "copy_on_write", "cache_full", "preempt", "recompute", "fork",
                      "prune", "draft_rejected", "first_token", "mask_forced", "one_token_allowed", "request_finished",
-                     "bound_changed", "finished"]
+                     "bound_changed", "kv_transfer", "finished"]
 MOMENT_KINDS: tuple[str, ...] = MomentKind.__args__
 # The dashboard's views by name (frontend/column.py), as a lesson step names them.
 ViewName = Literal["blocks", "timeline", "batch", "metrics", "block_table", "attention", "sampling", "speculative",
@@ -32,7 +32,8 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "preempt": ("blocks", "timeline"), "recompute": ("timeline", "batch"), "fork": ("timeline", "blocks"),
     "prune": ("timeline", "blocks"), "draft_rejected": ("speculative",), "first_token": ("sampling",),
     "mask_forced": ("sampling",), "one_token_allowed": ("sampling",),
-    "request_finished": ("timeline", "metrics"), "bound_changed": ("roofline", "batch"), "finished": ("metrics",),
+    "request_finished": ("timeline", "metrics"), "bound_changed": ("roofline", "batch"),
+    "kv_transfer": ("blocks", "timeline"), "finished": ("metrics",),
 }  # fmt: skip
 
 
@@ -223,6 +224,11 @@ class MomentFinder:
     def _on_spec_verify(self, e: Event) -> None:
         if not all(r["accepted"] for r in e["results"]) and (moment := self._note("draft_rejected")):
             moment.add(request_id=e["request_id"])
+
+    def _on_kv_transfer(self, e: Event) -> None:
+        """Disaggregated prefill: a request's blocks leave its prefill instance for its decode instance."""
+        if moment := self._note("kv_transfer"):
+            moment.add([*e["src_blocks"], *e["dst_blocks"]], e["request_id"])
 
     def _on_run_finished(self, e: Event) -> None:
         self._note("finished")

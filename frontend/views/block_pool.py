@@ -13,7 +13,7 @@ from kvscope.frontend.client import LogEntry, RunFeed
 from kvscope.backend.events.history import RunHistory
 from kvscope.frontend.selection import Selection
 from kvscope.frontend.palette import BLOCK_COLORS, FLASH_COLORS, FLASH_LABELS, FOCUS_COLOR, REQUEST_COLORS, request_color
-from kvscope.frontend.views.base import FeedView, legend, view_card
+from kvscope.frontend.views.base import FeedView, legend, legend_html, view_card
 from kvscope.frontend.views.kv_calc import human, span_text
 from kvscope.frontend.views.live_text import LiveText
 
@@ -55,9 +55,11 @@ STRIPES = f"repeating-linear-gradient(45deg,{request_color(0)} 0 3px,#fff 3px 5p
 LEGEND = [(BLOCK_COLORS["free"], "free"), (request_color(0), "in use (colour = request)"),
           (BLOCK_COLORS["cached"], "free, cached prefix"), (BLOCK_COLORS["shared"], "corner: shared (ref > 1)"),
           (STRIPES, "stripes: draft model")]
-RING_LEGEND = [(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
-               for kind, color in FLASH_COLORS.items() if kind != "move"] + \
-              [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR},inset 0 0 0 5px #fff", "lesson: look here")]
+def ring_legend(moves: bool = False) -> list[tuple[str, str]]:
+    """The rings' legend: a disaggregated run's blocks also ring as they move between instances."""
+    return [(f"transparent;box-shadow:inset 0 0 0 3px {color}", f"ring: {FLASH_LABELS[kind]}")
+            for kind, color in FLASH_COLORS.items() if moves or kind != "move"] + \
+        [(f"transparent;box-shadow:inset 0 0 0 3px {FOCUS_COLOR},inset 0 0 0 5px #fff", "lesson: look here")]
 
 
 class BlockPoolCanvas(ui.element, component="block_pool.js"):
@@ -171,7 +173,7 @@ class BlockPoolView(FeedView):
             self.caption = LiveText().classes("kv-caption")
             self.strips = ui.column().classes("w-full gap-1")
             legend(LEGEND)
-            legend(RING_LEGEND)
+            self.rings = legend(ring_legend())
         self.titles: list[ui.label] = []
         self.strips_drawn: list[Strip] = []
         self.canvases = self._build_strips([Strip(None, 0, 0)])
@@ -208,6 +210,7 @@ class BlockPoolView(FeedView):
         strips = strips_of(state)
         if [(s.first, s.size) for s in strips] != [(s.first, s.size) for s in self.strips_drawn]:
             self.canvases = self._build_strips(strips)
+            self.rings.set_content(legend_html(ring_legend(bool(state.instances))))
         for title, strip in zip(self.titles, strips):
             title.set_text(strip.title)
 
