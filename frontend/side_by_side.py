@@ -56,6 +56,9 @@ def value_name(path: str, value: Any) -> str:
     if isinstance(value, dict) and "method" in value:  # engine.speculative
         drafter = f"draft model {value.get('draft_model')}" if value["method"] == "draft" else "n-gram"
         return f"{drafter}, k = {value.get('num_tokens')}"
+    if path == "engine.disaggregation":
+        return "colocated" if value is None else \
+            f"disaggregated ({value.get('prefill_instances')} + {value.get('decode_instances')})"
     names = VALUE_NAMES.get(path, {})  # the compare form's words ("model dtype", "compiled")
     if isinstance(value, (str, int, float)) and value in names:
         return names[value]

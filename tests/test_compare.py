@@ -89,6 +89,17 @@ def test_eager_against_compiled_is_an_axis_named_in_words():
     assert value_name("engine.prefix_caching", False) == "off" and value_name("engine.stop", ["a"]) == "['a']"
 
 
+def test_colocated_against_disaggregated_is_an_axis_named_in_words():
+    from kvscope.frontend.compare import AXES, override_of
+    from kvscope.frontend.side_by_side import value_name
+
+    axis = AXES["disaggregation"]
+    split = {"prefill_instances": 1, "decode_instances": 1}
+    assert [override_of(axis, v) for v in (axis.a, axis.b)] == [{"engine.disaggregation": None},
+                                                                 {"engine.disaggregation": split}]
+    assert [value_name(axis.path, v) for v in (None, split)] == ["colocated", "disaggregated (1 + 1)"]
+
+
 def test_a_run_that_has_not_started_compares_as_empty():
     empty = RunRecord()
     rows = rows_of(empty, empty)
