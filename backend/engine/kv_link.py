@@ -1,7 +1,8 @@
 """The link between disaggregated instances: a torch.distributed group with one rank per instance, and
 the send/recv that moves a request's KV blocks from a prefill instance's cache to a decode instance's.
 
-Each instance is a rank of one gloo group (NCCL would take the same calls on CUDA, one rank per GPU).
+Each instance is a rank of one gloo group, which moves host memory: a CUDA cache's blocks are copied to
+the host and back (NCCL would take the same calls between GPUs, one rank per GPU; not run here).
 kvscope runs every instance in one process, so the ranks are built side by side here (KVLink says
 how), over a store and gloo pairs listening on 127.0.0.1 only (tp_group.local_store, tp_group.Link).
 What moves is real: the sender
@@ -103,16 +104,17 @@ class KVLink:
         self._move([table], [got_table], src, dst)
         if not torch.equal(got_table, table):
             raise TransferFailed(f"instance {dst} received the block table of another transfer")
-        index = torch.tensor(src_blocks, dtype=torch.long)
-        planes = [src_cache.data[:, :, index]]  # [layers, planes, n, block_size, kv_heads, head_dim]
+        index = torch.tensor(src_blocks, dtype=torch.long, device=src_cache.data.device)
+        # gloo moves host memory: a GPU cache's blocks go through it (NCCL between GPUs has not run here)
+        planes = [src_cache.data[:, :, index].cpu()]  # [layers, planes, n, block_size, kv_heads, head_dim]
         if src_cache.scales is not None:
-            planes.append(src_cache.scales[:, :, index])  # [layers, planes, n, block_size, kv_heads]
+            planes.append(src_cache.scales[:, :, index].cpu())  # [layers, planes, n, block_size, kv_heads]
         received = [torch.empty_like(p) for p in planes]
         self._move(planes, received, src, dst)
-        into = torch.tensor(dst_blocks, dtype=torch.long)
-        dst_cache.data[:, :, into] = received[0]
+        into = torch.tensor(dst_blocks, dtype=torch.long, device=dst_cache.data.device)
+        dst_cache.data[:, :, into] = received[0].to(dst_cache.data.device)
         if dst_cache.scales is not None:
-            dst_cache.scales[:, :, into] = received[1]
+            dst_cache.scales[:, :, into] = received[1].to(dst_cache.data.device)
         num_bytes = table.numel() * table.element_size() + sum(p.numel() * p.element_size() for p in planes)
         return Transfer(len(src_blocks), num_bytes, time.perf_counter() - started)
 
