@@ -25,9 +25,14 @@ figures pool the requests of every round. Goodput counts the requests that meet 
 the colocated x1 medians (SLO_TTFT_X and SLO_TPOT_X of them) so that they mean the same on any machine, per
 second of the runs.
 
-The modelled table prices the same requests (each its own class, at rate / requests) on this machine's
-profile measured afresh, its overheads fitted on perf_validate's calibration run, and the link fitted to the
-warm-up's transfers (latency + bytes / bandwidth): modelled beside measured means, and their ratio.
+The modelled table prices the same requests (each its own class, at rate / requests) with
+backend/perf/disaggregation.py on this machine's profile, measured afresh, its overheads fitted on
+perf_validate's calibration run (not this workload), and the link fitted to the run's own transfers
+(latency + bytes / bandwidth, as link_calibrate fits a ring): modelled beside measured means, and their
+ratio. The link is the run's own measurement, so its row checks the form of a transfer's time, not its rate;
+the TTFT, prefill, queue and TPOT rows are predictions. The split of TTFT is where the engine puts it: a
+short prompt scheduled beside a long prompt's chunk waits for that step inside its "prefill", where the
+model's one-prompt-at-a-time queue counts it as queueing.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ SHORT_PROMPT, SHORT_OUTPUT = (16, 64), (48, 96)
 LONG_PROMPT, LONG_OUTPUT = (600, 900), (8, 16)
 LOAD = 0.5  # the default rate: this share of the colocated engine's all-at-once throughput
 SLO_TTFT_X, SLO_TPOT_X = 2.0, 1.25  # the SLOs: these multiples of colocated x1's median TTFT and TPOT
-CALIBRATION_TOKENS = 48
+CALIBRATION_TOKENS = 48  # output tokens of perf_validate's calibration requests (the overhead fit)
+MIN_DIVISOR_S = 1e-4  # a time below this divides into noise (an idle engine's queue): its ratios are left out
 LAYOUTS = ("colocated x1", "colocated x2", "disaggregated 1+1")
 ENGINES = {"colocated x1": 1, "colocated x2": 2, "disaggregated 1+1": 2}
 
@@ -256,7 +262,7 @@ def summarize(runs: list[Run], slo: Slo) -> dict:
         "link_s_per_request": statistics.fmean(s.transfer_s for s in moved) if moved else 0.0,
         "link_bytes_per_s": sum(b for b, _ in transfers) / sum(s for _, s in transfers) if transfers else 0.0,
         "requests": len(served), "slo_met": good / len(served), "goodput_per_s": good / seconds,
-        "run_s": seconds / len(runs), "engines": 0,
+        "run_s": seconds / len(runs),
     }
 
 
@@ -307,8 +313,10 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
 
 
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "-"
+def ratio(a: float, b: float, key: str) -> str:
+    """a / b; "-" for times under MIN_DIVISOR_S, whose ratio is noise (a queue of 0.01 ms)."""
+    small = key.endswith("_s") and b < MIN_DIVISOR_S
+    return "-" if small or not b else f"{a / b:.2f}"
 
 
 FIGURES = (
@@ -329,7 +337,7 @@ def measured_table(summary: dict[str, dict]) -> str:
     c1, c2, d = (summary[k] for k in LAYOUTS)
     rows = [["engines (machines modelled)", 1, 2, 2, "", ""]]
     for label, key, fmt in FIGURES:
-        ratios = ["", ""] if key in NO_RATIO else [ratio(d[key], c1[key]), ratio(d[key], c2[key])]
+        ratios = ["", ""] if key in NO_RATIO else [ratio(d[key], c1[key], key), ratio(d[key], c2[key], key)]
         rows.append([label, fmt(c1[key]), fmt(c2[key]), fmt(d[key]), *ratios])
     return table(["", *LAYOUTS, "disagg ÷ coloc x1", "disagg ÷ coloc x2"], rows)
 
@@ -338,17 +346,19 @@ def model_table(rows: list[dict]) -> str:
     return table(["layout", "figure", "measured (ms)", "modelled (ms)", "modelled ÷ measured"],
                  [[r["layout"], r["figure"], ms(r["measured_s"]),
                    "saturated" if r["modelled_s"] is None else ms(r["modelled_s"]),
-                   "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows])
+                   "-" if r["ratio"] is None or r["measured_s"] < MIN_DIVISOR_S else f"{r['ratio']:.2f}"]
+                  for r in rows])
 
 
-def header(argv: list[str], workload: list[BenchRequest], rate: float, rounds: int, slo: Slo) -> str:
+def header(argv: list[str], workload: list[BenchRequest], rate: float, rate_why: str, rounds: int, slo: Slo) -> str:
     long = sum(len(r.prompt) >= LONG_PROMPT[0] for r in workload)
     return "\n".join([
         f"`{command_line('bench.disaggregation', argv)}`, {datetime.date.today()}, torch threads "
-        f"{torch.get_num_threads()}: {len(workload)} requests ({long} with prompts of {LONG_PROMPT[0]}-{LONG_PROMPT[1]} "
-        f"tokens and {LONG_OUTPUT[0]}-{LONG_OUTPUT[1]} output tokens, the rest {SHORT_PROMPT[0]}-{SHORT_PROMPT[1]} "
-        f"and {SHORT_OUTPUT[0]}-{SHORT_OUTPUT[1]}), Poisson arrivals at {rate:.2f} requests/s, {rounds} round(s); "
-        f"chunks of {CONFIG.max_num_batched_tokens} tokens, up to {CONFIG.max_num_seqs} sequences per engine.",
+        f"{torch.get_num_threads()}: {len(workload)} requests ({long} with prompts of {LONG_PROMPT[0]}-"
+        f"{LONG_PROMPT[1]} tokens and {LONG_OUTPUT[0]}-{LONG_OUTPUT[1]} output tokens, the rest "
+        f"{SHORT_PROMPT[0]}-{SHORT_PROMPT[1]} and {SHORT_OUTPUT[0]}-{SHORT_OUTPUT[1]}), Poisson arrivals at "
+        f"{rate:.2f} requests/s{rate_why}, {rounds} round(s); chunks of {CONFIG.max_num_batched_tokens} tokens, "
+        f"up to {CONFIG.max_num_seqs} sequences per engine.",
         "The instances of the disaggregated run and the two engines of colocated x2 run one after another in this "
         "process, each timed on its own clock: the figures model separate machines of this one's speed. "
         "colocated x1 has half the machines of the other two.",
@@ -359,9 +369,11 @@ def header(argv: list[str], workload: list[BenchRequest], rate: float, rounds: i
 
 # ---- the run ----------------------------------------------------------------------------------------------------
 
-def warm_up(loaded: LoadedModel, workload: list[BenchRequest]) -> dict[str, Run]:
-    """Every layout once, every request at once: the first pass over each shape allocates and picks kernels."""
-    return {layout: run_layout(loaded, layout, at_once(workload)) for layout in LAYOUTS}
+def warm_up(loaded: LoadedModel, workload: list[BenchRequest]) -> float:
+    """Every layout once, every request at once: the first pass over each shape allocates and picks kernels.
+    Returns colocated x1's seconds: the default rate's measure of this machine."""
+    seconds = {layout: run_layout(loaded, layout, at_once(workload)).seconds for layout in LAYOUTS}
+    return seconds["colocated x1"]
 
 
 def rounds_of(loaded: LoadedModel, workload: list[BenchRequest], rounds: int) -> dict[str, list[Run]]:
@@ -372,6 +384,39 @@ def rounds_of(loaded: LoadedModel, workload: list[BenchRequest], rounds: int) ->
             progress(f"round {k + 1}/{rounds}: {layout}")
             runs[layout].append(run_layout(loaded, layout, workload))
     return runs
+
+
+def slo_of(runs: list[Run]) -> Slo:
+    served = [s for r in runs for s in r.served]
+    return Slo(SLO_TTFT_X * percentile([s.ttft_s for s in served], 0.5),
+               SLO_TPOT_X * percentile([s.tpot_s for s in served], 0.5))
+
+
+@dataclass
+class Modelled:
+    profile: HardwareProfile
+    overheads: dict[str, float]
+    link: LinkProfile
+    transfers: int
+    rows: list[dict]
+
+    def describe(self) -> str:
+        p, o, link = self.profile, self.overheads, self.link
+        return (f"Priced by backend/perf/disaggregation.py on {p.label}: roofs {p.fp32_flops / 1e9:.0f} GFLOP/s, "
+                f"{p.mem_bandwidth / 1e9:.0f} GB/s; overheads fitted on perf_validate's calibration run "
+                f"{o['fixed_s'] * 1e3:.2f} ms + {o['per_sequence_s'] * 1e3:.2f} ms per sequence + "
+                f"{o['per_token_s'] * 1e6:.0f} µs per token; the link fitted to the run's {self.transfers} "
+                f"transfers: {link.latency_s * 1e6:.0f} µs + bytes at {link.bandwidth / 1e9:.2f} GB/s.")
+
+
+def model(workload: list[BenchRequest], rate: float, runs: dict[str, list[Run]], summary: dict[str, dict]) -> Modelled:
+    """The pricing of the same workload on this machine, measured now, beside the measured means."""
+    profile = profile_from(this_machine(recalibrate=True))
+    overheads = measure_overheads(MODEL, model_deployment(MODEL, profile), CALIBRATION_TOKENS, 1)
+    transfers = [t for r in runs["disaggregated 1+1"] for t in r.transfers]
+    link = fit_link(transfers)
+    return Modelled(profile, overheads, link, len(transfers),
+                    model_rows(summary, priced(profile, link, workload, rate, overheads)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -393,32 +438,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loaded = cached_model(MODEL)
     progress("warm-up: every layout, every request at once")
-    warm = warm_up(loaded, make_workload(loaded, args.requests, 1.0, args.seed))
-    rate = args.rate or LOAD * args.requests / warm["colocated x1"].seconds
+    seconds = warm_up(loaded, make_workload(loaded, args.requests, 1.0, args.seed))
+    rate = args.rate or LOAD * args.requests / seconds
     workload = make_workload(loaded, args.requests, rate, args.seed)
     runs = rounds_of(loaded, workload, args.rounds)
-    first = runs["colocated x1"]
-    slo = Slo(SLO_TTFT_X * percentile([s.ttft_s for r in first for s in r.served], 0.5),
-              SLO_TPOT_X * percentile([s.tpot_s for r in first for s in r.served], 0.5))
+    slo = slo_of(runs["colocated x1"])
     summary = {layout: {**summarize(rs, slo), "engines": ENGINES[layout]} for layout, rs in runs.items()}
     progress("pricing: this machine measured, overheads fitted")
-    profile = profile_from(this_machine(recalibrate=True))
-    overheads = measure_overheads(MODEL, model_deployment(MODEL, profile), CALIBRATION_TOKENS, 1)
-    link = fit_link(warm["disaggregated 1+1"].transfers)
-    rows = model_rows(summary, priced(profile, link, workload, rate, overheads))
-    print(header(argv, workload, rate, args.rounds, slo), "", measured_table(summary), "", sep="\n")
-    print(f"Priced by backend/perf/disaggregation.py on {profile.label}: roofs {profile.fp32_flops / 1e9:.0f} GFLOP/s, "
-          f"{profile.mem_bandwidth / 1e9:.0f} GB/s; overheads fitted {overheads['fixed_s'] * 1e3:.2f} ms + "
-          f"{overheads['per_sequence_s'] * 1e3:.2f} ms per sequence + {overheads['per_token_s'] * 1e6:.0f} µs per "
-          f"token; the link fitted to the warm-up's {len(warm['disaggregated 1+1'].transfers)} transfers: "
-          f"{link.latency_s * 1e6:.0f} µs + bytes at {link.bandwidth / 1e9:.2f} GB/s.\n")
-    print(model_table(rows))
+    modelled = model(workload, rate, runs, summary)
+    rate_why = "" if args.rate else f" ({LOAD:g} x colocated x1's all-at-once throughput in the warm-up)"
+    print(header(argv, workload, rate, rate_why, args.rounds, slo), measured_table(summary), modelled.describe(),
+          model_table(modelled.rows), sep="\n\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"requests": args.requests, "rate": rate, "seed": args.seed, "rounds": args.rounds,
-                       "slo": asdict(slo), "layouts": summary, "model": rows, "overhead_s": overheads,
-                       "link": {"latency_s": link.latency_s, "bandwidth": link.bandwidth},
-                       "profile": profile.label}, f, indent=2)
+                       "slo": asdict(slo), "layouts": summary, "model": modelled.rows,
+                       "overhead_s": modelled.overheads, "profile": modelled.profile.label,
+                       "link": {"latency_s": modelled.link.latency_s, "bandwidth": modelled.link.bandwidth}},
+                      f, indent=2)
     return 0
 
 

@@ -478,6 +478,24 @@ def cmd_whatif(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2) if args.json else format_table(result))
 
 
+def cmd_whatif_disaggregated(args: argparse.Namespace) -> None:
+    """A request mix on prefill and decode instances against colocated engines on as many GPUs, priced
+    (docs/perf_model.md#disaggregated-prefill-and-decode)."""
+    import json
+
+    from kvscope.backend.perf.disaggregation import compare, format_table
+    from kvscope.backend.perf.errors import PerfError
+
+    try:
+        result = compare(args.model_shape, args.hardware, args.prompt_tokens, args.output_tokens, args.rate,
+                         args.prefill_instances, args.prefill_tp, args.decode_instances, args.decode_tp, args.link,
+                         args.colocated_instances, args.colocated_tp, args.chunk_tokens, args.max_batch,
+                         args.kv_cache_dtype, args.weight_quant)
+    except PerfError as e:
+        raise UserError(f"--{e.field.replace('_', '-')}", str(e.reason)) from None
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+
+
 def cmd_schema(args: argparse.Namespace) -> None:
     import json
 
@@ -657,6 +675,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "what the roofline view measured for a run on this machine, eager or compiled")
     w.add_argument("--json", action="store_true", help="print one JSON object")
     w.set_defaults(func=cmd_whatif)
+
+    from kvscope.backend.perf.disaggregation import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_BATCH
+    from kvscope.backend.perf.hardware import INSTANCE_LINKS
+
+    d = sub.add_parser("whatif-disaggregated", help="a request mix on prefill and decode instances against "
+                                                    "colocated engines on as many GPUs: TTFT, TPOT, the KV transfer")
+    d.add_argument("--model-shape", required=True, help="e.g. llama-3-70b, llama-3-8b, qwen2.5-7b")
+    d.add_argument("--hardware", required=True, help="h100, h200, a100-80gb, l4, rtx-4090 or this-machine")
+    d.add_argument("--link", default="infiniband", help=f"between the instances: {', '.join(INSTANCE_LINKS)}")
+    d.add_argument("--prompt-tokens", type=int, required=True)
+    d.add_argument("--output-tokens", type=int, required=True)
+    d.add_argument("--rate", type=float, required=True, help="requests per second (Poisson), to all instances")
+    d.add_argument("--prefill-instances", type=int, default=1)
+    d.add_argument("--prefill-tp", type=int, default=1, help="GPUs per prefill instance: 1, 2, 4 or 8")
+    d.add_argument("--decode-instances", type=int, default=1)
+    d.add_argument("--decode-tp", type=int, default=1, help="GPUs per decode instance: 1, 2, 4 or 8")
+    d.add_argument("--colocated-instances", type=int, default=None, help="default: as many as fill the same GPUs")
+    d.add_argument("--colocated-tp", type=int, default=None, help="default: --decode-tp")
+    d.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="a step's token budget")
+    d.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="sequences an engine decodes at once")
+    d.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
+    d.add_argument("--weight-quant", default="none", help="none, int8 or int4")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(func=cmd_whatif_disaggregated)
 
     s = sub.add_parser("schema", help="print a JSON Schema")
     s.add_argument("what", choices=["events", "scenario"])

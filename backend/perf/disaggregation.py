@@ -24,10 +24,7 @@ decode batch past max_batch or past memory) makes the deployment saturated: its 
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -109,7 +106,8 @@ class Priced:
         return finite(d)
 
 
-def finite(value):
+def finite(value: object) -> object:
+    """The value with every infinity, however deep in dicts and lists, as None."""
     if isinstance(value, float) and math.isinf(value):
         return None
     if isinstance(value, dict):
@@ -196,6 +194,15 @@ def kv_bytes(dep: Deployment, prompt_tokens: int, block_size: int) -> float:
     return math.ceil(prompt_tokens / block_size) * block_size * dep.shape.config.kv_bytes_per_token(kv_dtype)
 
 
+def weights_short(pool: Pool) -> str | None:
+    """Why one engine's GPU cannot hold its share of the weights, or None."""
+    dep = pool.dep
+    if resident_bytes(dep) <= dep.hardware.memory_bytes:
+        return None
+    return (f"memory: weights of {resident_bytes(dep) / 1e9:,.1f} GB per GPU at tp {dep.tp} exceed "
+            f"{dep.hardware.memory_bytes / 1e9:,.1f} GB (raise tp)")
+
+
 def memory_short(pool: Pool, batch: float, classes: Sequence[RequestClass]) -> str | None:
     """Why one engine cannot hold its weights and `batch` sequences' KV (whatif's test), or None."""
     hw, dep = pool.dep.hardware, pool.dep
@@ -238,26 +245,30 @@ def decoding(pool: Pool, classes: Sequence[RequestClass], prefills: bool) -> Dec
     return None if tpot is None else Decoding(tpot, 1 + a * tpot, share(1 + a * tpot))
 
 
-def saturated(layout: str, gpus: int, classes: Sequence[RequestClass], why: str,
-              utilization: dict[str, float]) -> Priced:
+def saturated(layout: str, gpus: int, classes: Sequence[RequestClass], why: str, utilization: dict[str, float],
+              moved: Sequence[float] | None = None) -> Priced:
+    """A deployment that cannot keep up: every time infinite; the KV a request would move is still known."""
     inf = math.inf
-    return Priced(layout, gpus, [ClassTimes(c.prompt_tokens, c.output_tokens, c.rate, inf, inf, inf)
-                                 for c in classes], inf, inf, utilization, why)
+    return Priced(layout, gpus, [ClassTimes(c.prompt_tokens, c.output_tokens, c.rate, inf, inf, inf, b)
+                                 for c, b in zip(classes, moved or [0.0] * len(classes), strict=True)],
+                  inf, inf, utilization, why)
 
 
 def price_colocated(pool: Pool, classes: Sequence[RequestClass]) -> Priced:
     """Engines that run prompts and decodes in the same steps (chunked prefill)."""
     check_classes(classes)
-    d = decoding(pool, classes, prefills=True)
+    why = weights_short(pool)
+    d = None if why else decoding(pool, classes, prefills=True)
     if d is None:
-        return saturated("colocated", pool.gpus, classes, f"colocated engines: prompts and decodes need more than "
-                                                          f"each engine's time, or {pool.max_batch} sequences", {})
+        return saturated("colocated", pool.gpus, classes, why or f"colocated engines: the prompts' chunks take all "
+                                                                f"of the steps' time, or the decodes need more than "
+                                                                f"{pool.max_batch} sequences each", {})
     others, context = d.batch - 1, decode_context(classes)
     services = [prefill_s(pool, c.prompt_tokens, others, context) for c in classes]
     rates = [c.rate / pool.instances for c in classes]
     rho = sum(r * s for r, s in zip(rates, services, strict=True))
     use = {"prefill": rho, "prefill_share": d.prefill_share}
-    why = "colocated engines: prompts" if rho >= 1 else memory_short(pool, d.batch, classes)
+    why = "colocated engines: prompts take all of their time" if rho >= 1 else memory_short(pool, d.batch, classes)
     if why:
         return saturated("colocated", pool.gpus, classes, why, use)
     wait = mg1_wait(rates, services)
@@ -277,12 +288,14 @@ def price_disaggregated(prefill: Pool, decode: Pool, link: LinkProfile, classes:
     rates = [c.rate / prefill.instances for c in classes]
     use = {"prefill": sum(r * s for r, s in zip(rates, services, strict=True)),
            "link": sum(r * t for r, t in zip(rates, transfers, strict=True))}
-    d = decoding(decode, classes, prefills=False)
-    why = ("prefill instances" if use["prefill"] >= 1 else "link" if use["link"] >= 1 else
-           f"decode instances: more than {decode.max_batch} sequences each" if d is None else
-           memory_short(decode, d.batch, classes) or memory_short(prefill, 1, classes))
+    why = weights_short(prefill) or weights_short(decode)
+    d = None if why else decoding(decode, classes, prefills=False)
+    why = why or ("prefill instances: prompts take all of their time" if use["prefill"] >= 1 else
+                  "link: transfers take all of its time" if use["link"] >= 1 else
+                  f"decode instances: the decodes need more than {decode.max_batch} sequences each" if d is None else
+                  memory_short(decode, d.batch, classes) or memory_short(prefill, 1, classes))
     if why:
-        return saturated("disaggregated", gpus, classes, why, use)
+        return saturated("disaggregated", gpus, classes, why, use, moved)
     wait = mg1_wait(rates, services)
     return Priced("disaggregated", gpus, [ClassTimes(c.prompt_tokens, c.output_tokens, c.rate, wait, s, t, b)
                                           for c, s, t, b in zip(classes, services, transfers, moved, strict=True)],
@@ -332,13 +345,16 @@ def compare(model_shape: str, hardware: str, prompt_tokens: int, output_tokens: 
     classes = [RequestClass(prompt_tokens, output_tokens, rate)]
     check_classes(classes)
 
-    def engines(tp: int, instances: int, field: str) -> Pool:
-        return pool(deployment(model_shape, hardware, tp, kv_cache_dtype, weight_quant), instances, field,
-                    chunk_tokens, max_batch)
+    def engines(tp: int, instances: int, role: str) -> Pool:
+        """A role's pool; a tp the deployment refuses is named as the role's (prefill_tp, not tp)."""
+        try:
+            dep = deployment(model_shape, hardware, tp, kv_cache_dtype, weight_quant)
+        except PerfError as e:
+            raise PerfError(f"{role}_tp" if e.field == "tp" else e.field, e.reason) from None
+        return pool(dep, instances, f"{role}_instances", chunk_tokens, max_batch)
 
-    prefill, decode = engines(prefill_tp, prefill_instances, "prefill_instances"), \
-        engines(decode_tp, decode_instances, "decode_instances")
-    colocated = engines(colocated_tp, colocated_instances, "colocated_instances")
+    prefill, decode = engines(prefill_tp, prefill_instances, "prefill"), engines(decode_tp, decode_instances, "decode")
+    colocated = engines(colocated_tp, colocated_instances, "colocated")
     wire = instance_link(link)
     dep = prefill.dep
     return {"model_shape": dep.shape.name, "hardware": dep.hardware.name, "hardware_label": dep.hardware.label,
@@ -364,11 +380,11 @@ def format_table(result: dict) -> str:
     lines = [f"{r['model_shape']} on {r['hardware_label']}: prompts of {r['prompt_tokens']:,} tokens, "
              f"{r['output_tokens']:,} output tokens, {r['rate']:g} requests/s ({kv} KV, chunks of "
              f"{r['chunk_tokens']:,} tokens)",
-             f"{'':<18}{'colocated':>16}{'disaggregated':>16}{'disagg ÷ coloc':>16}",
-             f"{'GPUs':<18}{gpus(c, 'engines'):>16}{gpus_split(r):>16}",
+             f"{'':<18}{'colocated':>18}{'disaggregated':>18}{'disagg ÷ coloc':>16}",
+             f"{'GPUs':<18}{colocated_gpus(r):>18}{disaggregated_gpus(r):>18}",
              *(row(label, c, d, key, scale, fmt) for label, key, scale, fmt in TABLE_ROWS)]
     mb = (d["kv_bytes"] or 0) / 1e6
-    lines.append(f"KV per request {mb:,.1f} MB over {link['name']} at {link['bandwidth'] / 1e9:,.0f} GB/s x "
+    lines.append(f"KV per request {mb:,.1f} MB over {link['name']} at {link['bandwidth'] / 1e9:,.0f} GB/s × "
                  f"{link['lanes']} lane{'s' * (link['lanes'] != 1)}, {link['latency_s'] * 1e6:g} µs latency")
     lines.append(f"busy: colocated prompts {percent(c['utilization'].get('prefill'))} of each engine's prefill "
                  f"slot, their chunks {percent(c['utilization'].get('prefill_share'))} of its steps; "
@@ -389,57 +405,18 @@ def row(label: str, c: dict, d: dict, key: str, scale: float, fmt: str) -> str:
         return "saturated" if v is None else format(v * scale, fmt)
 
     ratio = f"{d[key] / c[key]:.2f}" if c[key] and d[key] is not None else "-"
-    return f"{label:<18}{cell(c[key]):>16}{cell(d[key]):>16}{ratio:>16}"
+    return f"{label:<18}{cell(c[key]):>18}{cell(d[key]):>18}{ratio:>16}"
 
 
-def gpus(part: dict, what: str) -> str:
-    return f"{part['gpus']} ({part['instances']} x tp {part['tp']})"
+def colocated_gpus(r: dict) -> str:
+    c = r["colocated"]
+    return f"{c['gpus']} = {c['instances']}×tp{c['tp']}"
 
 
-def gpus_split(r: dict) -> str:
+def disaggregated_gpus(r: dict) -> str:
     p, q = r["prefill"], r["decode"]
-    return f"{r['disaggregated']['gpus']} ({p['instances']}x{p['tp']}+{q['instances']}x{q['tp']})"
+    return f"{r['disaggregated']['gpus']} = {p['instances']}×tp{p['tp']}+{q['instances']}×tp{q['tp']}"
 
 
 def percent(share: float | None) -> str:
     return "-" if share is None else f"{share:.0%}"
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvscope.backend.perf.disaggregation", description=__doc__.splitlines()[0])
-    p.add_argument("--model-shape", required=True, help="e.g. llama-3-70b, llama-3-8b, qwen2.5-7b")
-    p.add_argument("--hardware", required=True, help="h100, h200, a100-80gb, l4, rtx-4090 or this-machine")
-    p.add_argument("--link", default="infiniband", help=f"between the instances: {', '.join(INSTANCE_LINKS)}")
-    p.add_argument("--prompt-tokens", type=int, required=True)
-    p.add_argument("--output-tokens", type=int, required=True)
-    p.add_argument("--rate", type=float, required=True, help="requests per second (Poisson), all instances")
-    p.add_argument("--prefill-instances", type=int, default=1)
-    p.add_argument("--prefill-tp", type=int, default=1, help="GPUs per prefill instance: 1, 2, 4 or 8")
-    p.add_argument("--decode-instances", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1, help="GPUs per decode instance: 1, 2, 4 or 8")
-    p.add_argument("--colocated-instances", type=int, default=None, help="default: as many as fill the same GPUs")
-    p.add_argument("--colocated-tp", type=int, default=None, help="default: --decode-tp")
-    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="a step's token budget")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="sequences an engine decodes at once")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
-    p.add_argument("--weight-quant", default="none", help="none, int8 or int4")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        result = compare(args.model_shape, args.hardware, args.prompt_tokens, args.output_tokens, args.rate,
-                         args.prefill_instances, args.prefill_tp, args.decode_instances, args.decode_tp, args.link,
-                         args.colocated_instances, args.colocated_tp, args.chunk_tokens, args.max_batch,
-                         args.kv_cache_dtype, args.weight_quant)
-    except PerfError as e:
-        print(f"disaggregation: --{e.field.replace('_', '-')}: {e.reason}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
