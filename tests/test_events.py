@@ -58,6 +58,10 @@ def header_fields(num_blocks: int = 6, block_size: int = 4) -> dict:
                                        "kv_bytes_per_token": 256, "kv_bytes": 256 * block_size * num_blocks,
                                        "host": f"box ({'127.0.0.1' if r == 0 else '10.0.0.2'})"}
                                       for r in range(2)]},
+        "disaggregation": {"prefill_instances": 1, "decode_instances": 1, "router": "round_robin",
+                           "link": "gloo (127.0.0.1)",
+                           "instances": [{"instance": 0, "role": "prefill", "first_block": 0, "num_blocks": 3},
+                                         {"instance": 1, "role": "decode", "first_block": 3, "num_blocks": 3}]},
     }
 
 
@@ -76,7 +80,7 @@ EXAMPLES: dict[str, dict] = {
     "iteration": {
         "batch": [
             {"request_id": "r0", "seq_id": 0, "phase": "verify", "num_query_tokens": 3, "context_len": 9,
-             "num_draft_tokens": 2}
+             "num_draft_tokens": 2, "instance": 1}
         ],
         "num_batched_tokens": 3,
         "token_budget": 256,
@@ -89,6 +93,10 @@ EXAMPLES: dict[str, dict] = {
         "intensity": 12.5,
         "bound": "memory",
         "allreduce": {"count": 12, "bytes": 12288, "ms": 1.5},
+        "instances": [{"instance": 0, "num_batched_tokens": 0, "num_running": 0, "num_waiting": 0,
+                       "kv_blocks_used": 0, "duration_s": 0.0001},
+                      {"instance": 1, "num_batched_tokens": 3, "num_running": 1, "num_waiting": 0,
+                       "kv_blocks_used": 1, "duration_s": 0.01}],
     },
     "block_alloc": {"block_id": 0, "seq_id": 0, "request_id": "r0", "logical_index": 0},
     "block_free": {"block_id": 0, "seq_id": 0, "request_id": "r0", "cached": True},
@@ -156,11 +164,14 @@ EXAMPLES: dict[str, dict] = {
         "tpot_s": None,
         "e2e_s": 0.2,
         "queue_s": 0.05,
+        "transfer_s": 0.001,
         "reason": "client disconnected",
         "outputs": [{"seq_id": 0, "output_token_ids": [42], "output_text": "x", "finish_reason": "abort",
                      "cumulative_logprob": -1.5, "score": None}],
         "num_cached_prompt_tokens": 0,
     },
+    "kv_transfer": {"request_id": "r0", "seq_ids": [0], "src_instance": 0, "dst_instance": 1, "src_blocks": [0, 1],
+                    "dst_blocks": [3, 4], "bytes": 16416, "link_s": 0.0007},
     "metrics": {
         "tokens_per_s": 120.5,
         "kv_usage": 0.5,

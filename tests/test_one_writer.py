@@ -191,7 +191,8 @@ def test_the_trusted_names_are_the_ones_known() -> None:
 # The event reducer's view of a request (what the dashboard draws) and the API's view of one choice.
 KNOWN_TRUSTED = {
     "backend/events/state.py": ["arrival_step", "error", "finish_reason", "finished", "max_tokens",
-                                "output_text", "outputs", "prompt_text", "request_id", "seq_id", "status"],
+                                "output_text", "outputs", "prompt_text", "request_id", "seq_id", "status",
+                                "transfer_s"],
     "backend/server/generation.py": ["finish_reason"],
 }
 
