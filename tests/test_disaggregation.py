@@ -262,6 +262,26 @@ def test_what_it_does_not_run_with_is_refused_naming_the_field(demo, field, sett
     assert e.value.field == field
 
 
+def test_more_blocks_in_all_than_a_trace_may_number_are_refused_before_any_pool_is_made(demo):
+    with pytest.raises(RequestError) as e:
+        build_engine(demo, EngineConfig(num_blocks=400_000, disaggregation=DisaggregationConfig(decode_instances=2)))
+    assert e.value.field == "engine.num_blocks" and "3 instances of 400,000 blocks" in e.value.reason
+
+
+def test_a_server_counts_every_instances_pool_against_its_kv_limits(demo):
+    from kvscope.backend.server.limits import kv_cache_bytes
+
+    one = kv_cache_bytes(EngineConfig(**BASE), demo.config)
+    split = EngineConfig(**BASE, disaggregation=DisaggregationConfig(prefill_instances=2, decode_instances=3))
+    assert kv_cache_bytes(split, demo.config) == 5 * one
+    engine = build_engine(demo, split)
+    try:
+        assert sum(i.engine.cache.data.numel() * i.engine.cache.data.element_size() for i in engine.instances) \
+            == 5 * one
+    finally:
+        engine.close()
+
+
 def test_the_same_run_gives_the_same_events(demo, work):
     config = EngineConfig(**BASE, disaggregation=DisaggregationConfig(prefill_instances=2, decode_instances=2,
                                                                         router="least_loaded"))

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvscope.backend.config import EngineConfig
+from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig
 from kvscope.backend.engine.dist_rows import DistRows
 from kvscope.backend.engine.engine import Engine, EngineStats, Runtime, StepTimes, load_runtime
 from kvscope.backend.engine.kv_link import KVLink, TransferFailed
@@ -67,6 +67,13 @@ def check_disaggregation(config: EngineConfig) -> None:
     for refused, field, why in refusals:
         if refused:
             raise RequestError(field, f"not with engine.disaggregation: {why}")
+
+
+def check_blocks(num_blocks: int | None, instances: int) -> None:
+    """The instances' pools are numbered as one in the events: together at most MAX_NUM_BLOCKS."""
+    if num_blocks is not None and num_blocks * instances > MAX_NUM_BLOCKS:
+        raise RequestError("engine.num_blocks", f"{instances} instances of {num_blocks:,} blocks each are more than "
+                                                f"{MAX_NUM_BLOCKS:,} blocks in all: fewer blocks, or fewer instances")
 
 
 class InstanceClock:
@@ -125,7 +132,10 @@ class DisaggregatedEngine:
         numbering = Numbering()
         self.instances: list[Instance] = []
         first_block = 0
-        for index, role in enumerate(["prefill"] * d.prefill_instances + ["decode"] * d.decode_instances):
+        roles = ["prefill"] * d.prefill_instances + ["decode"] * d.decode_instances
+        self.link: KVLink | None = None
+        check_blocks(config.num_blocks, len(roles))  # before any pool is allocated, when the config says
+        for index, role in enumerate(roles):
             clock = InstanceClock()
             runtime = load_runtime(loaded, config, shared)
             runtime.clock = clock
@@ -133,6 +143,11 @@ class DisaggregatedEngine:
                             numbering=numbering, block_offset=first_block)
             self.instances.append(Instance(index, role, engine, clock, first_block))
             first_block += engine.cache.num_blocks
+            try:  # a pool sized from kv_cache_memory_mb: known once the first is built
+                check_blocks(engine.cache.num_blocks, len(roles))
+            except RequestError:
+                self.close()
+                raise
         self.num_blocks = first_block
         self.prefill = [i for i in self.instances if i.role == "prefill"]
         self.decode = [i for i in self.instances if i.role == "decode"]
@@ -318,7 +333,8 @@ class DisaggregatedEngine:
     def close(self) -> None:
         for instance in self.instances:
             instance.engine.close()
-        self.link.close()
+        if self.link is not None:
+            self.link.close()
 
     # ---- the header ---------------------------------------------------------------------------------
 

@@ -159,4 +159,6 @@ def kv_cache_bytes(engine: EngineConfig, config: ModelConfig, draft: ModelConfig
     per_token = sum(rank.kv_bytes_per_token(kv_dtype) for rank in ranks)
     if draft is not None:  # the draft's cache has the target's blocks (speculative.make_proposer)
         per_token += draft.kv_bytes_per_token(kv_dtype)
-    return blocks * engine.block_size * per_token
+    split = engine.disaggregation  # a disaggregated engine's instances each hold a pool of their own
+    pools = split.prefill_instances + split.decode_instances if split is not None else 1
+    return pools * blocks * engine.block_size * per_token
