@@ -77,14 +77,14 @@
           style: { fill: colors.allreduce } },
       ] };
     },
-    // [x0, x1, row, share, ms, step, tokens, running, role (0 prefill, 1 decode), instance]: a disaggregated
+    // [x0, x1, row, share, ms, step, tokens, running, role (its kind's index), instance]: a disaggregated
     // instance's step, outlined, the share of it that instance spent working filled in its role's colour
     instanceCell(params, api) {
       const row = api.value(2);
       const h = Math.max(api.size([0, 1])[1] * 0.6, 3);
       const a = api.coord([api.value(0), row]), b = api.coord([api.value(1), row]);
       const width = Math.max(b[0] - a[0] - 0.4, 0.8), y = a[1] - h / 2;
-      const fill = colors.kinds[colors.kindNames.indexOf(api.value(8) ? "decode" : "prefill")];
+      const fill = KIND_COLORS[api.value(8)];
       return { type: "group", children: [
         { type: "rect", shape: { x: a[0], y, width, height: h }, style: { fill: null, stroke: fill, opacity: 0.35, lineWidth: 1 } },
         { type: "rect", shape: { x: a[0], y, width: Math.max(width * api.value(3), api.value(6) ? 0.8 : 0), height: h },
@@ -94,7 +94,7 @@
     timelineTip(p) {
       const v = p.value;
       if (p.seriesId && p.seriesId.startsWith("in-"))
-        return `<b>${v[8] ? "decode" : "prefill"} instance ${v[9]}</b> · iteration ${v[5]}<br>${v[6]} tokens, ` +
+        return `<b>${colors.kindNames[v[8]]} instance ${v[9]}</b> · iteration ${v[5]}<br>${v[6]} tokens, ` +
                `${v[7]} running<br>${v[4]} ms on its own clock (${Math.round(v[3] * 100)}% of the step)`;
       if (p.seriesId === "transfers") return `<b>${esc(v[2])}</b>: KV moved<br>${esc(v[3])}`;
       if (p.seriesId && p.seriesId.startsWith("ar-"))

@@ -176,6 +176,7 @@ class BlockPoolView(FeedView):
             self.rings = legend(ring_legend())
         self.titles: list[ui.label] = []
         self.strips_drawn: list[Strip] = []
+        self.ringed: tuple[list[int], str | None] = ([], None)  # the lesson's lasting rings, and their colour
         self.canvases = self._build_strips([Strip(None, 0, 0)])
         selection.on_change(self.invalidate)  # its blocks outlined, the others dimmed: a full redraw
         super().__init__(feed)
@@ -206,11 +207,13 @@ class BlockPoolView(FeedView):
         return canvases
 
     def _show_strips(self, state: RunState) -> None:
-        """The run's strips (built again only when their blocks change), titled with what each holds."""
+        """The run's strips (the canvases built again only when the strips' number or first blocks change: a
+        pool's size arrives with each reset), titled with what each holds."""
         strips = strips_of(state)
-        if [(s.first, s.size) for s in strips] != [(s.first, s.size) for s in self.strips_drawn]:
+        if [s.first for s in strips] != [s.first for s in self.strips_drawn]:
             self.canvases = self._build_strips(strips)
             self.rings.set_content(legend_html(ring_legend(bool(state.instances))))
+        self.strips_drawn = strips
         for title, strip in zip(self.titles, strips):
             title.set_text(strip.title)
 
@@ -220,7 +223,8 @@ class BlockPoolView(FeedView):
 
     def ring(self, blocks: list[int], color: str | None = None) -> None:
         """Lesson mode's lasting rings, on every strip that draws them (a rank's: all; an instance's: its own),
-        in `color` (default: the focus colour)."""
+        in `color` (default: the focus colour); drawn again by each full redraw (new strips, their sizes)."""
+        self.ringed = (list(blocks), color)
         for canvas, mine in zip(self.canvases, self._mine(blocks)):
             canvas.run_method("ring", mine, color)
 
@@ -237,6 +241,8 @@ class BlockPoolView(FeedView):
             canvas.run_method("reset", {"state": [c[0] for c in part], "color": [c[1] for c in part],
                                         "marks": [c[2] for c in part], "focus": selected is not None,
                                         "bytes_per_block": pool_bytes(state) and state.cache["bytes_per_block"]}, meta)
+        if self.ringed[0]:
+            self.ring(*self.ringed)
         self._caption()
         return True
 

@@ -134,15 +134,16 @@ def allreduce_item(col: Column, clock: Clock | None) -> list[Any] | None:
 
 
 def instance_items(col: Column, roles: list[str], clock: Clock | None) -> list[list[Any]]:
-    """[x0, x1, row, share, ms, step, tokens, running, role (0 prefill, 1 decode), instance] of each disaggregated
-    instance in one step (rows 0.., the instances'): the share of the step it spent working, on its own clock."""
+    """[x0, x1, row, share, ms, step, tokens, running, role (its KINDS index: prefill or decode), instance] of each
+    disaggregated instance in one step (rows 0.., the instances'): the share of the step it spent working, on its
+    own clock."""
     if not col.instances:
         return []
     x0, x1 = column_span(col, clock)
     step_s = col.duration_s
     return [[round(x0, 4), round(x1, 4), i["instance"], round(min(1.0, i["duration_s"] / step_s), 4) if step_s > 0 else 0,
              round(1000 * i["duration_s"], 2), col.step, i["num_batched_tokens"], i["num_running"],
-             int(roles[i["instance"]] == "decode"), i["instance"]] for i in col.instances if i["instance"] < len(roles)]
+             KINDS.index(roles[i["instance"]]), i["instance"]] for i in col.instances if i["instance"] < len(roles)]
 
 
 def transfer_items(state: RunState, rows: dict[str, int], x_of: dict[int, float] | None) -> list[list[Any]]:
