@@ -163,8 +163,9 @@ class LessonGuide:
             moments, pacing = self.feed.moments, self.feed.pacing
             held = pacing.lesson and pacing.paused and state.step >= 0
             self.seen = next((i for i, m in enumerate(moments) if held and m.step == state.step), len(moments))
-        elif self.trail and self.trail[-1].moment is not None and self.trail[-1].moment.step > state.step:
-            self._rewind()  # a replay was sought back before the step on screen
+        elif self.feed.kind == "replay" and self.trail and self.trail[-1].moment is not None \
+                and self.trail[-1].moment.step > state.step:
+            self._rewind()  # sought back before the step on screen (a live run never goes back: a resync is not this)
         self.epoch = self.feed.epoch
         self.mode.set_value(self.feed.pacing.lesson)
         steps = lesson_steps(state.scenario)

@@ -203,7 +203,7 @@ def go_on(page, name: str, button: str = "lesson-continue") -> None:
     """Press continue (or previous) and wait for the card's next step."""
     before = progress(page)
     page.locator(f"[data-kv={button}]").click()
-    wait_for(lambda: progress(page) != before, f"{name}: no step after {before!r} ({button})", WAIT_S * 3)
+    wait_for(lambda: progress(page) not in (before, ""), f"{name}: no step after {before!r} ({button})", WAIT_S * 3)
 
 
 def verdict(page) -> str | None:
