@@ -158,9 +158,8 @@ class DisaggregatedEngine:
         self.elapsed = 0.0  # the run's seconds: each step as long as its slowest instance's
         self.step_no = 0
         self.stats = EngineStats(num_blocks=self.num_blocks)
-        first = self.instances[0].engine
-        self.runtime, self.device, self.attention_backend = first.runtime, first.device, first.attention_backend
-        self.grammars, self.cache = first.grammars, first.cache
+        first = self.instances[0].engine  # what a caller reads of one engine: the same on each instance
+        self.runtime, self.grammars = first.runtime, first.grammars
 
     def clock(self) -> float:
         return self.elapsed
@@ -319,16 +318,6 @@ class DisaggregatedEngine:
         counts = [i.engine.blocks.prefix_counts for i in self.instances]
         looked = sum(n for _, n in counts)
         return sum(h for h, _ in counts) / looked if looked else 0.0
-
-    @property
-    def spec_stats(self):
-        return self.instances[0].engine.spec_stats
-
-    def live_sequences(self) -> list:
-        return [s for i in self.instances for s in i.engine.live_sequences()]
-
-    def token_text(self, token: int) -> str:
-        return self.instances[0].engine.token_text(token)
 
     def close(self) -> None:
         for instance in self.instances:
