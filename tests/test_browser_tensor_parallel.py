@@ -111,8 +111,16 @@ def test_one_rank_against_two_side_by_side_states_bytes_per_rank_and_all_reduces
     page.goto(f"{dashboard_url}/?run={ids[0]}&compare={ids[1]}")
     table = page.locator(".kv-side-table")
     wait_for(lambda: table.count() and "10.6 MiB" in table.inner_text(), "no weights per rank in the row")
-    heads = table.locator("tr").nth(0).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)")
-    cells = [table.locator("tr").nth(i).evaluate("(tr) => [...tr.cells].map((c) => c.innerText)") for i in (1, 2)]
+
+    def one_rendering() -> list[list[str]] | None:
+        """The row's header and both runs' cells read at once: it is redrawn as the runs go on, and a figure
+        that stops being the same in both adds a column (read apart, a header and its cells could differ)."""
+        rows = table.first.evaluate("(t) => [...t.querySelectorAll('tr')]"
+                                    ".map((tr) => [...tr.cells].map((c) => c.innerText))")
+        whole = len(rows) >= 3 and len(rows[1]) == len(rows[2]) == len(rows[0]) and "weights per rank" in rows[0]
+        return rows[:3] if whole and rows[2][rows[0].index("weights per rank")] == "10.6 MiB" else None
+
+    heads, *cells = wait_for(one_rendering, "no whole rendering of the row")
     rows = {head: (a, b) for head, a, b in zip(heads, *cells)}
     assert rows["weights per rank"] == ("19.3 MiB", "10.6 MiB")
     assert rows["KV bytes per token per rank"] == ("3,072", "1,536")
