@@ -15,6 +15,13 @@ KVSCOPE_ARCHITECTURE = "KvscopeForCausalLM"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 KV_SCALE_BYTES = 4  # an int8 cache keeps one float32 scale per row it stores (kernels/cache_write.py)
+KVCacheDtype = Literal["auto", "float16", "bfloat16", "int8"]  # vLLM's --kv-cache-dtype names, where they exist
+KV_CACHE_DTYPES: tuple[str, ...] = KVCacheDtype.__args__
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The dtype a KV cache stores: the model's own for "auto", else the one named."""
+    return model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def kv_bytes_per_token(n_layers: int, rows_per_layer: int, row_values: int, bytes_per_value: int,
@@ -291,7 +298,10 @@ class EngineConfig(BaseModel):
                                   description="weights sharing one quantization scale along the input dimension; "
                                               "0 = one scale per tensor (the baseline); must divide every "
                                               "linear layer's input size")
-    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto", description="what the KV cache stores: auto = the model's dtype; float16 or bfloat16 halve a "
+                                    "float32 model's cache (the values rounded once, as written); int8 = codes and a "
+                                    "float32 scale per token and KV head")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensor_parallel: int = Field(default=1, ge=1, le=64,
                                  description="ranks (processes) the model is sharded over: it must divide the "

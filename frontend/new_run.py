@@ -210,7 +210,8 @@ class NewRunPanel:
                 .classes("w-24").mark("cfg-weight_quant")
             ui.number("group size", min=0, precision=0).bind_value(f, "quant_group_size").classes("w-24") \
                 .mark("cfg-quant_group_size").tooltip("weights sharing one scale; 0 = one scale per tensor")
-            ui.select({"auto": "model dtype", "int8": "int8 + scales"}, label="KV dtype") \
+            ui.select({"auto": "model dtype", "float16": "float16", "bfloat16": "bfloat16", "int8": "int8 + scales"},
+                      label="KV dtype") \
                 .bind_value(f, "kv_cache_dtype").classes("w-28").mark("cfg-kv_cache_dtype")
 
     def _sampling_form(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
+from kvscope.backend.config import KV_CACHE_DTYPES
 from kvscope.backend.errors import KvscopeError, validation_error
 
 
@@ -36,6 +37,8 @@ SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "
                   "min_p": "--min-p", "seed": "--seed", "n": "--n", "beam_width": "--beam-width",
                   "length_penalty": "--length-penalty"}
 WEIGHTS_CHOICES = ("native", "float32")
+KV_DTYPE_HELP = ("what the KV cache stores: auto (the model's dtype), float16 or bfloat16 (half a float32 cache), "
+                 "int8 (codes and a scale per token and KV head)")
 COMPILE_HELP = ("decode steps through one torch.compile'd graph of the model: faster steps after a compile "
                 "of a minute or two on first use (docs/engine.md#compiled-decode)")
 INVARIANT_HELP = ("each request's tokens and log-probabilities the same, bit for bit, whatever else is in its batch or "
@@ -536,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=int, default=4, help="speculative: tokens drafted per step")
     g.add_argument("--weight-quant", choices=("none", "int8", "int4"), default="none")
     g.add_argument("--weights", choices=WEIGHTS_CHOICES, default="native", help=WEIGHTS_HELP)
-    g.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
     g.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
     g.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
@@ -665,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--context", type=int, required=True, help="tokens of context (prompt length with --prefill)")
     w.add_argument("--prefill", action="store_true", help="cost the prompts' prefill instead of a decode step")
     w.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: 1, 2, 4 or 8")
-    w.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
+    w.add_argument("--kv-cache-dtype", default="auto", help=KV_DTYPE_HELP)
     w.add_argument("--weight-quant", default="none", help="none, int8 or int4")
     w.add_argument("--quant-group-size", type=int, default=64, help="weights per quantization scale (0: per tensor)")
     w.add_argument("--link", default=None, help="override the GPU's link: nvlink4, nvlink3, pcie5 or pcie4; "
@@ -695,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--colocated-tp", type=int, default=None, help="default: --decode-tp")
     d.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help="a step's token budget")
     d.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="sequences an engine decodes at once")
-    d.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8")
+    d.add_argument("--kv-cache-dtype", default="auto", help=KV_DTYPE_HELP)
     d.add_argument("--weight-quant", default="none", help="none, int8 or int4")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_whatif_disaggregated)

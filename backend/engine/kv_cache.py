@@ -9,13 +9,17 @@ blocks, [num_blocks, block_size, n_kv_heads] per layer and plane: one scale per 
 row, `scale = max|row| / 127`, exactly the layout and rounding of kernels/cache_write.py. `write`
 quantizes, the torch readers (`gather_keys`, `gather_values`) dequantize, and the Triton kernels
 take the scales as k_scale/v_scale. MLA's value is a view of the key row, so it shares the key's scale.
+
+float16 / bfloat16 (`kv_dtype="float16"`, ...) under a float32 model: the values are rounded once, as
+written, and read back in the model's dtype: half the bytes of a float32 cache (llama.cpp's default
+K/V is float16), no scales.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvscope.backend.config import DTYPE_BYTES, ModelConfig, kv_bytes_per_token
+from kvscope.backend.config import DTYPE_BYTES, ModelConfig, kv_bytes_per_token, kv_storage_dtype
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 INT8_MAX = 127.0
@@ -35,8 +39,8 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kv_dtype_name(kv_dtype: str, dtype: torch.dtype) -> str:
-    """The dtype a cache stores: int8, or the model's own ("auto")."""
-    return "int8" if kv_dtype == "int8" else DTYPE_NAMES[dtype]
+    """The dtype a cache of a `dtype` model stores: the model's own ("auto"), or the one named."""
+    return kv_storage_dtype(kv_dtype, DTYPE_NAMES[dtype])
 
 
 class KVCache:
@@ -45,7 +49,7 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype  # the model's dtype: what readers return
         self.quantized = kv_dtype == "int8"
-        self.storage_dtype = torch.int8 if self.quantized else dtype
+        self.storage_dtype = getattr(torch, kv_dtype_name(kv_dtype, dtype))
         self.latent_dim = config.mla.kv_lora_rank if config.mla else None
         if config.mla:
             heads, dim, planes = 1, config.mla.kv_lora_rank + config.mla.qk_rope_head_dim, 1
@@ -95,7 +99,7 @@ class KVCache:
         never of the pool (tests/test_quant.py measures the bytes allocated)."""
         rows = data[blocks]  # [..., block_size, heads, dim]
         if scales is None:
-            return rows
+            return rows.to(self.dtype)  # a 16-bit cache's values widened: only these blocks
         return (rows * scales[blocks][..., None]).to(self.dtype)  # int8 * float32 -> float32
 
     # ---- writes -------------------------------------------------------------------------------------
@@ -110,7 +114,7 @@ class KVCache:
         for plane, x in enumerate(rows):
             where = (self.index[layer], self.index[plane], *at)
             if self.scales is None:
-                self.data.index_put_(where, x.to(self.dtype))
+                self.data.index_put_(where, x.to(self.storage_dtype))
             else:
                 codes, scale = quantize_rows_int8(x)
                 self.data.index_put_(where, codes)

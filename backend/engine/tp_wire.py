@@ -27,7 +27,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvscope.backend.config import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, ModelConfig
+from kvscope.backend.config import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS, KVCacheDtype, ModelConfig
 from kvscope.backend.engine.step_input import StepInput
 from kvscope.backend.engine.tp_auth import Refused
 from kvscope.backend.model.shard_spec import FloatName, ShardStorage
@@ -109,7 +109,7 @@ class WorkerSpec(BaseModel):
     dtype: FloatName  # the model's float dtype
     num_blocks: int = Field(ge=1, le=MAX_NUM_BLOCKS)
     block_size: int = Field(ge=1, le=MAX_BLOCK_SIZE)
-    kv_dtype: Literal["auto", "int8"]
+    kv_dtype: KVCacheDtype
     attention: Literal["torch", "triton"]
     state_bytes: int = Field(ge=0)
     state_sha256: str = Field(pattern="^[0-9a-f]{64}$")

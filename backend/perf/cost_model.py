@@ -34,7 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.backend.config import DTYPE_BYTES
+from kvscope.backend.config import DTYPE_BYTES, KV_CACHE_DTYPES, kv_storage_dtype
 from kvscope.backend.model.quant_rules import QuantError, check_group_size, kernel_for
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.phase import PHASES
@@ -43,7 +43,6 @@ from kvscope.backend.perf.ring import ring_bytes_sent
 from kvscope.backend.perf.shapes import Linear, ModelShape
 
 TP_DEGREES = (1, 2, 4, 8)
-KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTS = ("none", "int8", "int4")
 QUANT_SCALE_BYTES = 4  # quant.py keeps one float32 scale per group where it dequantizes ...
 KERNEL_SCALE_BYTES = 2  # ... and bfloat16 scales (and zeros) where torch's kernels read them
@@ -122,7 +121,7 @@ class Deployment:
     def kv_bytes_per_token(self) -> float:
         """Cache bytes one token takes on one rank: KV heads split across ranks, MLA's latent replicated."""
         c = self.shape.config
-        total = c.kv_bytes_per_token(self.dtype if self.kv_cache_dtype == "auto" else "int8")
+        total = c.kv_bytes_per_token(kv_storage_dtype(self.kv_cache_dtype, self.dtype))
         if c.mla is not None:
             return total
         return total * math.ceil(c.num_key_value_heads / self.tp) / c.num_key_value_heads

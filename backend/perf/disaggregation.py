@@ -28,10 +28,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvscope.backend.config import kv_storage_dtype
 from kvscope.backend.perf.cost_model import BatchItem, Deployment, iteration_cost, resident_bytes
 from kvscope.backend.perf.errors import PerfError, unknown_name
 from kvscope.backend.perf.hardware import INSTANCE_LINKS, LinkProfile
-from kvscope.backend.perf.whatif import DTYPE_SHORT, deployment
+from kvscope.backend.perf.whatif import deployment, kv_text
 
 DEFAULT_CHUNK_TOKENS = 2048  # vLLM's max_num_batched_tokens for online serving (chunked prefill)
 DEFAULT_MAX_BATCH = 256  # vLLM's max_num_seqs
@@ -190,7 +191,7 @@ def fixed_point(step: Callable[[float], float], limit: float) -> float | None:
 
 def kv_bytes(dep: Deployment, prompt_tokens: int, block_size: int) -> float:
     """The prompt's KV, all ranks: its whole blocks at the KV formula's bytes per token."""
-    kv_dtype = dep.dtype if dep.kv_cache_dtype == "auto" else "int8"
+    kv_dtype = kv_storage_dtype(dep.kv_cache_dtype, dep.dtype)
     return math.ceil(prompt_tokens / block_size) * block_size * dep.shape.config.kv_bytes_per_token(kv_dtype)
 
 
@@ -375,7 +376,7 @@ def compare(model_shape: str, hardware: str, prompt_tokens: int, output_tokens: 
 def format_table(result: dict) -> str:
     """Colocated beside disaggregated, and their ratio, in plain text."""
     r, c, d = result, result["colocated"], result["disaggregated"]
-    kv = "int8" if r["kv_cache_dtype"] == "int8" else DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    kv = kv_text(r["kv_cache_dtype"], r["dtype"])
     link = r["link"]
     lines = [f"{r['model_shape']} on {r['hardware_label']}: prompts of {r['prompt_tokens']:,} tokens, "
              f"{r['output_tokens']:,} output tokens, {r['rate']:g} requests/s ({kv} KV, chunks of "

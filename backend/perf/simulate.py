@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig
+from kvscope.backend.config import MAX_NUM_BLOCKS, EngineConfig, ModelConfig, kv_storage_dtype
 from kvscope.backend.engine.engine import Runtime
 from kvscope.backend.engine.sampling_params import SamplingParams
 from kvscope.backend.engine.step_input import StepInput
@@ -151,9 +151,8 @@ def simulation(model_shape: str, hardware: str, tp: int, link: str | None, utili
                                              "has: raise engine.block_size")
     shape_config = dep.shape.config
     dtype = getattr(torch, dep.dtype)
-    kv_dtype = "int8" if config.kv_cache_dtype == "int8" else dep.dtype
-    cache = PoolShape(num_blocks, config.block_size, dtype, torch.int8 if kv_dtype == "int8" else dtype,
-                      shape_config.kv_bytes_per_token(kv_dtype))
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dep.dtype)
+    cache = PoolShape(num_blocks, config.block_size, dtype, getattr(torch, kv_dtype), shape_config.kv_bytes_per_token(kv_dtype))
     tokenizer = stand_in_tokenizer()
     clock = ModelledClock()
     hw = dep.hardware

@@ -13,13 +13,20 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from kvscope.backend.perf.cost_model import (KV_CACHE_DTYPES, WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
+from kvscope.backend.config import kv_storage_dtype
+from kvscope.backend.perf.cost_model import ( WEIGHT_QUANTS, BatchItem, Deployment, IterationCost,
                                      iteration_cost, resident_bytes)
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import LINKS, HardwareProfile, get_hardware
 from kvscope.backend.perf.shapes import ModelShape, get_shape
 
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def kv_text(kv_cache_dtype: str, dtype: str) -> str:
+    """What a what-if's KV cache stores, as its tables name it: "fp16", "int8"."""
+    kv = kv_storage_dtype(kv_cache_dtype, dtype)
+    return DTYPE_SHORT.get(kv, kv)
 
 
 def deployment(model_shape: str | ModelShape, hardware: str | HardwareProfile, tp: int = 1,
@@ -109,7 +116,7 @@ def format_table(result: dict) -> str:
             if r["phase"] == "prefill" else
             f"decode step of {r['batch']:,} {rows}{'s' * (r['batch'] != 1)} at context {r['context']:,}")
     weights = r["weight_quant"] if r["weight_quant"] != "none" else DTYPE_SHORT.get(r["dtype"], r["dtype"])
-    kv = "int8" if r["kv_cache_dtype"] == "int8" else DTYPE_SHORT.get(r["dtype"], r["dtype"])
+    kv = kv_text(r["kv_cache_dtype"], r["dtype"])
     tp = f", tp {r['tp']} over {r['link']}" if r["tp"] > 1 else ""
     lines = [f"{r['model_shape']} on {r['hardware_label']}{tp}: {what} ({weights} weights, {kv} KV)",
              f"{'op group':<12}{'GFLOP':>12}{'MB':>12}{'FLOP/B':>10}  {'bound':<8}{'ms':>10}"]

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvscope.backend.config import EngineConfig, ModelConfig
+from kvscope.backend.config import EngineConfig, ModelConfig, kv_storage_dtype
 from kvscope.backend.engine.kv_cache import num_blocks_for_budget
 from kvscope.backend.model.loader import SHIPPED_MODELS, SMOLLM2, gguf_file, model_facts
 from kvscope.backend.model.sharding import check_tensor_parallel, shard_config, shard_plan
@@ -151,7 +151,7 @@ def weight_copy_bytes(config: ModelConfig, quant: str = "none", group_size: int 
 def kv_cache_bytes(engine: EngineConfig, config: ModelConfig, draft: ModelConfig | None = None) -> int:
     """The bytes an engine of this config will allocate for KV caches (the draft model's included), by the
     engine's own formula: what Engine.__init__ would size, computed from the configs before building it."""
-    kv_dtype = "int8" if engine.kv_cache_dtype == "int8" else LOAD_DTYPE  # the cache is in the weights' dtype
+    kv_dtype = kv_storage_dtype(engine.kv_cache_dtype, LOAD_DTYPE)  # "auto": the cache is in the weights' dtype
     check_tensor_parallel(config, engine.tensor_parallel)
     # every rank's pool: its heads, num_blocks blocks each (a KV head replicated on several ranks counts each time)
     ranks = [shard_config(config, shard_plan(config, r, engine.tensor_parallel)) for r in range(engine.tensor_parallel)]
