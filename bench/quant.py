@@ -1,4 +1,4 @@
-"""Quantization benchmark: what int8/int4 weights and an int8 KV cache cost in quality, and save in bytes.
+"""Quantization benchmark: what int8/int4 weights and a 16-bit or int8 KV cache cost in quality, and save in bytes.
 
     python -m bench.quant [--windows N] [--chunk C] [--json OUT.json] [--model demo|smollm2|FILE.gguf]
                           [--only none,gguf-native]
@@ -12,7 +12,7 @@ Every setting is scored on the same validation windows (backend/model/quality.py
 Weight-only rows run the quantized copy (backend/model/quant.py) densely over each window. KV rows go
 through the real engine: each window is one request, prefilled in `--chunk`-token chunks through
 Engine -> ModelRunner -> the paged (torch) attention backend, so every query attends to keys and
-values that were quantized into the int8 cache and dequantized on the way out; the hidden states of
+values that were rounded into the float16 or int8 cache and read back on the way out; the hidden states of
 every position are taken from the model's forward and projected to logits. A "float KV via the
 engine" row checks that this path itself adds nothing. For a GGUF file the reference is the file
 de-quantized to float32 (`weights="float32"`), and a "gguf-native" row scores the file run as it
@@ -61,14 +61,14 @@ class Setting:
     name: str
     weights: str  # none | int8 | int4 | native (a GGUF file as stored)
     group_size: int  # 0 = per tensor
-    kv: str  # auto | int8
+    kv: str  # auto | float16 | int8
     engine: bool  # through the engine's paged cache, or dense
 
     @property
     def label(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per-tensor"
         w = {"none": "float", "native": "the GGUF file's own"}.get(self.weights, f"{self.weights} {group}")
-        return f"weights {w}, KV {'int8' if self.kv == 'int8' else 'float'}" + (" (engine)" if self.engine else "")
+        return f"weights {w}, KV {'float' if self.kv == 'auto' else self.kv}" + (" (engine)" if self.engine else "")
 
 
 SETTINGS = [
@@ -77,6 +77,7 @@ SETTINGS = [
       for mode in ("int8", "int4") for g in (0, 32, 64, 128)),
     Setting("gguf-native", "native", 0, "auto", False),
     Setting("engine-float-kv", "none", 0, "auto", True),
+    Setting("kv-float16", "none", 0, "float16", True),
     Setting("kv-int8", "none", 0, "int8", True),
     Setting("int8-g64+kv-int8", "int8", 64, "int8", True),
 ]

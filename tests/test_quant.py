@@ -328,6 +328,8 @@ def test_bench_quant_smoke(tmp_path, capsys):
     assert list(rows) == [s.name for s in SETTINGS if s.weights != "native"] and result["meta"]["tokens"] == 256
     assert rows["engine-float-kv"]["kl"] < 1e-6  # the engine path itself adds nothing ...
     assert rows["kv-int8"]["kl"] > 1e-7  # ... so this is the int8 cache's own error
+    assert 0 < rows["kv-float16"]["kl"] < rows["kv-int8"]["kl"]  # float16's rounding: smaller, not nothing
+    assert rows["kv-float16"]["kv_bytes_per_token"] * 2 == rows["none"]["kv_bytes_per_token"]
     assert rows["kv-int8"]["kv_bytes_per_token"] < rows["none"]["kv_bytes_per_token"] / 3
     assert rows["int4-g64"]["weight_bytes"] < rows["int8-g64"]["weight_bytes"] < rows["none"]["weight_bytes"]
     assert len(result["targets"]) == 4
