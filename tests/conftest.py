@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -15,6 +17,10 @@ settings.register_profile("explore", deadline=None)
 settings.load_profile("deterministic")
 
 from kvscope.backend.model.loader import LoadedModel, load_model
+
+# bench/gpu.py runs the kernels' tests on a GPU this way: their tensors, made without a device, land there
+if os.environ.get("KVSCOPE_TEST_DEVICE"):
+    torch.set_default_device(os.environ["KVSCOPE_TEST_DEVICE"])
 
 # `python -m pytest -q -m quick`: a first check of the engine's core in a minute or two, where the whole
 # default run takes about 20 minutes (docs/testing.md). Files or test ids (a parametrized id's base
