@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
     import torch
 
-    from bench.kernels import peak_for
+    from bench.kernels import peak_for, write_json
 
     cuda = torch.cuda.is_available() and not args.interpret_smoke
     meta = {"command": "python -m bench.gpu " + " ".join(argv), "torch": torch.__version__,
@@ -234,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - one part's failure is a finding, and the next part still runs
             results[key] = {"error": f"{type(e).__name__}: {e}"}
             print(f"## {key}: failed, {type(e).__name__}: {e}\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 
