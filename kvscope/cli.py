@@ -227,7 +227,7 @@ def _start_manager(args: argparse.Namespace, events: list[dict] | None):
             raise UserError(f"--tensor-parallel {tp}", e.reason) from None
     split = disaggregation_of(args) if args.command == "serve" else None
     flags = ApiEngineFlags(weights, tp, getattr(args, "compile_decode", False), getattr(args, "batch_invariant", False),
-                           split)
+                           split, getattr(args, "kv_cache_dtype", "auto"))
     check_api_engine(model, flags)
     manager = RunManager(default_model=model, library=_library(args), api_flags=flags)
     if events is None:
@@ -561,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
             v.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help=TP_HELP)
             v.add_argument("--compile-decode", action="store_true", help=COMPILE_HELP)
             v.add_argument("--batch-invariant", action="store_true", help=INVARIANT_HELP)
+            v.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_DTYPE_HELP)
             add_disaggregation_flags(v, "; every API run's")
         v.add_argument("--cors-origin", action="append", help="allow this browser origin (CORS is off by default)")
         v.add_argument("--public-watch", action="store_true",

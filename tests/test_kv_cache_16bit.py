@@ -98,3 +98,29 @@ def test_the_byte_accounting_and_the_what_if_price_a_16_bit_cache(demo):
     assert kv_bytes("llama-3-8b", "float16") == kv_bytes("llama-3-8b", "auto")  # a bfloat16 model's cache is 16-bit
     demo_shape = shape_from_config(demo.config.model_copy(update={"torch_dtype": "float32"}), "demo")  # as it runs here
     assert kv_bytes(demo_shape, "bfloat16") * 2 == kv_bytes(demo_shape, "auto") == 2 * kv_bytes(demo_shape, "float16")
+
+
+def test_serve_keeps_the_api_runs_kv_in_float16_through_the_openai_client(tmp_path):
+    """`kvscope serve --kv-cache-dtype float16`, as a user runs it: the flag reaches every API run's engine, a chat
+    through the official client is answered, and the run's header says what the cache stores."""
+    import json
+
+    import openai
+
+    from kvscope.backend.server.api_run import ApiEngineFlags, api_engine
+    from kvscope.backend.server.manager import RunManager
+    from kvscope.cli import build_parser, check_api_engine
+    from tests.server_helpers import live_server
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "float16"])
+    flags = ApiEngineFlags(kv_cache_dtype=args.kv_cache_dtype)
+    check_api_engine("demo", flags)
+    assert api_engine("smollm2", flags=flags).kv_cache_dtype == "float16"
+    manager = RunManager(default_model="demo", library=None, api_flags=flags)
+    with live_server(manager) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "ROMEO:"}],
+                                               max_tokens=4, temperature=0)
+        assert reply.choices[0].message.content
+        header = json.loads(manager.api_run("demo").trace_jsonl().splitlines()[0])
+    assert header["cache"]["dtype"] == "float16" and header["config"]["kv_cache_dtype"] == "float16"

@@ -34,13 +34,15 @@ class ApiEngineFlags:
     compile_decode: bool = False  # --compile-decode
     batch_invariant: bool = False  # --batch-invariant
     disaggregation: dict | None = None  # --prefill-instances, --decode-instances, --router
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: float16 fits twice a float32 cache's tokens in the same MB
 
 
 def api_engine(model: str, events: str = "full", flags: ApiEngineFlags = ApiEngineFlags()) -> EngineConfig:
     """A demo model's API run gets 1024 blocks (a pool the dashboard can draw); any other a memory budget."""
     shared = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "events": events,
               "tensor_parallel": flags.tensor_parallel, "compile_decode": flags.compile_decode,
-              "batch_invariant": flags.batch_invariant, "disaggregation": flags.disaggregation}
+              "batch_invariant": flags.batch_invariant, "disaggregation": flags.disaggregation,
+              "kv_cache_dtype": flags.kv_cache_dtype}
     if model in SHIPPED_MODELS:
         return EngineConfig(num_blocks=1024, **shared)
     return EngineConfig(num_blocks=None, kv_cache_memory_mb=API_KV_CACHE_MB, weights=flags.weights, **shared)
