@@ -50,7 +50,8 @@ PROMPTS = ["ROMEO:\nWhat light", "JULIET:\n", "First Citizen:\nBefore we proceed
 
 def kernel_tests(quick: bool) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0", "KVSCOPE_TEST_DEVICE": "cuda"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS] + (["-x"] if quick else [])
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS,
+               *(["-x"] if quick else [])]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"## 1. Triton kernels against their references on the device\n\n`{' '.join(command[1:])}`: {summary}\n")

@@ -55,7 +55,8 @@ def test_the_engine_reports_a_16_bit_cache_and_keeps_greedy_tokens(demo_runs, de
     c = demo.config
     assert header["cache"]["dtype"] == kv and header["model"]["dtype"] == "float32"
     assert header["model"]["kv_bytes_per_token"] == c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
-    assert header["cache"]["formula"]["bytes_per_value"] == 2 and header["cache"]["formula"]["scale_bytes_per_token"] == 0
+    formula = header["cache"]["formula"]
+    assert formula["bytes_per_value"] == 2 and formula["scale_bytes_per_token"] == 0
     assert engine.cache.data.dtype == getattr(torch, kv) and engine.cache.data.any()
     assert out == demo_runs["auto"][2]  # greedy tokens survive 16-bit K/V on the demo model
 
@@ -92,9 +93,13 @@ def test_mla_with_a_bfloat16_cache_runs_and_counts_its_latent_in_two_bytes():
 
 
 def test_the_byte_accounting_and_the_what_if_price_a_16_bit_cache(demo):
-    full, half = (kv_cache_bytes(EngineConfig(num_blocks=64, kv_cache_dtype=kv), demo.config) for kv in ("auto", "float16"))
+    full, half = (kv_cache_bytes(EngineConfig(num_blocks=64, kv_cache_dtype=kv), demo.config)
+                  for kv in ("auto", "float16"))
     assert half * 2 == full
-    kv_bytes = lambda shape, kv: whatif(shape, "h100", batch=32, context=4096, kv_cache_dtype=kv)["memory"]["kv_bytes"]  # noqa: E731
+
+    def kv_bytes(shape, kv: str) -> float:
+        return whatif(shape, "h100", batch=32, context=4096, kv_cache_dtype=kv)["memory"]["kv_bytes"]
+
     assert kv_bytes("llama-3-8b", "float16") == kv_bytes("llama-3-8b", "auto")  # a bfloat16 model's cache is 16-bit
     demo_shape = shape_from_config(demo.config.model_copy(update={"torch_dtype": "float32"}), "demo")  # as it runs here
     assert kv_bytes(demo_shape, "bfloat16") * 2 == kv_bytes(demo_shape, "auto") == 2 * kv_bytes(demo_shape, "float16")

@@ -152,7 +152,8 @@ def simulation(model_shape: str, hardware: str, tp: int, link: str | None, utili
     shape_config = dep.shape.config
     dtype = getattr(torch, dep.dtype)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dep.dtype)
-    cache = PoolShape(num_blocks, config.block_size, dtype, getattr(torch, kv_dtype), shape_config.kv_bytes_per_token(kv_dtype))
+    cache = PoolShape(num_blocks, config.block_size, dtype, getattr(torch, kv_dtype),
+                      shape_config.kv_bytes_per_token(kv_dtype))
     tokenizer = stand_in_tokenizer()
     clock = ModelledClock()
     hw = dep.hardware
