@@ -14,8 +14,7 @@ import math
 from dataclasses import replace
 
 from kvscope.backend.config import kv_storage_dtype
-from kvscope.backend.perf.cost_model import (WEIGHT_QUANTS, BatchItem, Deployment, IterationCost, iteration_cost,
-                                             resident_bytes)
+from kvscope.backend.perf.cost_model import BatchItem, Deployment, IterationCost, iteration_cost, resident_bytes
 from kvscope.backend.perf.errors import PerfError
 from kvscope.backend.perf.hardware import LINKS, HardwareProfile, get_hardware
 from kvscope.backend.perf.shapes import ModelShape, get_shape
