@@ -129,3 +129,22 @@ def test_serve_keeps_the_api_runs_kv_in_float16_through_the_openai_client(tmp_pa
         assert reply.choices[0].message.content
         header = json.loads(manager.api_run("demo").trace_jsonl().splitlines()[0])
     assert header["cache"]["dtype"] == "float16" and header["config"]["kv_cache_dtype"] == "float16"
+
+
+def test_a_bfloat16_cache_moves_between_disaggregated_instances_as_it_is_stored(demo):
+    """The KV link sends the pool's own bytes: a 16-bit cache arrives as written, and the split engine gives the
+    colocated one's tokens over it."""
+    from kvscope.backend.config import DisaggregationConfig
+    from kvscope.backend.engine.sampling_params import SamplingParams
+    from tests.engine_helpers import mixed_workload
+    from tests.test_disaggregation import BASE, results, serve
+
+    work, greedy = mixed_workload(demo, count=6, seed=4), SamplingParams(temperature=0.0)
+    colocated = results(serve(demo, EngineConfig(**BASE, kv_cache_dtype="bfloat16"), work, greedy))
+    events: list[dict] = []
+    split = serve(demo, EngineConfig(**BASE, kv_cache_dtype="bfloat16", disaggregation=DisaggregationConfig()),
+                  work, greedy, events)
+    assert results(split) == colocated
+    moves = [e for e in events if e["type"] == "kv_transfer"]
+    per_block = demo.config.kv_bytes_per_token("bfloat16") * BASE["block_size"]  # two bytes a value
+    assert moves and all(e["bytes"] == len(e["src_blocks"]) * (per_block + 16) for e in moves)  # + the int64 table
