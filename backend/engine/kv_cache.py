@@ -99,7 +99,7 @@ class KVCache:
         never of the pool (tests/test_quant.py measures the bytes allocated)."""
         rows = data[blocks]  # [..., block_size, heads, dim]
         if scales is None:
-            return rows.to(self.dtype)  # a 16-bit cache's values widened: only these blocks
+            return rows if rows.dtype == self.dtype else rows.to(self.dtype)  # a 16-bit cache widened: these blocks
         return (rows * scales[blocks][..., None]).to(self.dtype)  # int8 * float32 -> float32
 
     # ---- writes -------------------------------------------------------------------------------------
