@@ -14,6 +14,11 @@ keeps the low one centred). Its weights are the file's exactly (the scales round
 Q4). Columns: each route's time per call (median of `--reps`, after warm-up), the bytes it reads and
 their rate, and its output's largest error against the exact Q8_0 product, relative to the output's
 largest value.
+
+A second table takes the int8 rows at more rows of activations (a prefill chunk, a wide decode batch):
+torch's int8 kernel, a GEMV per row, against `int8_tiles_matmul` (backend/model/quant.py: bfloat16 tiles
+of the codes, one GEMM each for all rows), which the engine runs from `GEMM_ROWS` rows up; the error
+is each one's against the same int8 rows' exact product.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ import time
 
 import torch
 
+from kvscope.backend.model.quant import GEMM_ROWS, int8_tiles_matmul
+
 GROUP = 32
 SHAPES = {"q, k, v joined": (960, 576), "o_proj": (576, 576), "gate, up joined": (3072, 576), "down_proj": (576, 1536),
           "lm_head (49,152 rows)": (49152, 576)}  # (out N, in K)
+ROWS = (1, 8, 16, 32, 128)  # rows of activations for the second table
 
 
 def q8_0_blocks(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +101,26 @@ def measure(name: str, n: int, k: int, reps: int) -> dict:
             "rows_error": error(by_rows()), "planes_error": error(by_planes())}
 
 
+def measure_rows(name: str, n: int, k: int, m: int, reps: int) -> dict:
+    """The int8 rows at m rows of activations: torch's kernel against bfloat16 tiles."""
+    gen = torch.Generator().manual_seed(0)
+    rows, row_scales = int8_rows(*q8_0_blocks(n, k, gen))
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    exact = x.double() @ (rows.double() * row_scales.double()[:, None]).T
+
+    def kernel() -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, rows, row_scales)
+
+    def tiles() -> torch.Tensor:
+        return int8_tiles_matmul(x, rows, row_scales)
+
+    def error(y: torch.Tensor) -> float:
+        return ((y.double() - exact).abs().max() / exact.abs().max()).item()
+
+    return {"layer": name, "n": n, "k": k, "m": m, "kernel_us": median_us(kernel, reps),
+            "tiles_us": median_us(tiles, reps), "kernel_error": error(kernel()), "tiles_error": error(tiles())}
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.report import command_line, table
 
@@ -109,9 +137,16 @@ def main(argv: list[str] | None = None) -> int:
                 [[f"{r['layer']} [{r['n']} x {r['k']}]", f"{r['rows_us']:.1f}", f"{r['planes_us']:.1f}",
                   f"{r['planes_us'] / r['rows_us']:.2f}x", f"{r['rows_gb_s']:.1f}", f"{r['planes_gb_s']:.1f}",
                   f"{r['rows_error']:.1e}", f"{r['planes_error']:.1e}"] for r in results]))
+    by_rows = [measure_rows(name, n, k, m, max(args.reps // 10, 5)) for name, (n, k) in SHAPES.items() for m in ROWS]
+    print(f"\nThe int8 rows by rows of activations (`GEMM_ROWS` = {GEMM_ROWS}: the engine's switch to tiles)\n")
+    print(table(["layer [N x K]", "rows of x", "int8 kernel µs", "bfloat16 tiles µs", "tiles ÷ kernel",
+                 "error, kernel", "error, tiles"],
+                [[f"{r['layer']} [{r['n']} x {r['k']}]", str(r["m"]), f"{r['kernel_us']:.1f}", f"{r['tiles_us']:.1f}",
+                  f"{r['tiles_us'] / r['kernel_us']:.2f}x", f"{r['kernel_error']:.1e}", f"{r['tiles_error']:.1e}"]
+                 for r in by_rows]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"one_token": results, "by_rows": by_rows}, f, indent=2)
     return 0
 
 

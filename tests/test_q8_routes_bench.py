@@ -26,6 +26,10 @@ def test_the_script_prints_both_routes_per_layer(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(q8_routes, "SHAPES", {"small": (64, 96)})
     out = tmp_path / "q8.json"
     assert q8_routes.main(["--reps", "5", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())
+    figures = json.loads(out.read_text())
+    (row,) = figures["one_token"]
     assert row["planes_error"] < row["rows_error"] and row["rows_us"] > 0 and row["planes_us"] > 0
-    assert "| small [64 x 96] |" in capsys.readouterr().out
+    assert [r["m"] for r in figures["by_rows"]] == list(q8_routes.ROWS)
+    assert all(r["kernel_error"] < 1e-2 and r["tiles_error"] < 1e-2 for r in figures["by_rows"])  # bfloat16's rounding
+    printed = capsys.readouterr().out
+    assert "| small [64 x 96] |" in printed and "| small [64 x 96] | 128 |" in printed

@@ -100,10 +100,38 @@ def test_torch_kernels_compute_what_the_dequantized_weight_computes(mode, group_
     q = QuantLinear.from_linear(linear, mode, group_size)
     codes, scales = quantize_weight(linear.weight.detach(), mode, group_size, torch.bfloat16)  # a kernel's scales
     assert q.kernel == f"{mode}pack" and torch.equal(q.codes(), codes)  # torch's packing loses nothing
-    for shape in ((1, k), (3, 7, k)):  # a decode row; a batch of prefill rows
+    for shape in ((1, k), (3, 7, k)):  # a decode row; a batch of prefill rows (21: int8 multiplies tiles)
         x = torch.randn(shape)
         want = nn.functional.linear(x, dequantize_weight(codes, scales, group_size), linear.bias)
         assert (q(x) - want).abs().max() <= KERNEL_TOLERANCE * want.abs().max()
+
+
+def test_int8_layers_switch_to_bfloat16_tiles_at_gemm_rows_and_every_tile_counts(monkeypatch):
+    torch.manual_seed(2)
+    linear = nn.Linear(96, 37, bias=False)  # 37 rows of codes: tiles of 5 leave a last one of 2
+    q = QuantLinear.from_linear(linear, "int8", 0)
+    weight = dequantize_weight(*quantize_weight(linear.weight.detach(), "int8", 0, torch.bfloat16), 0)
+    tiled, real = [], quant.int8_tiles_matmul
+    monkeypatch.setattr(quant, "int8_tiles_matmul", lambda *a: tiled.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(quant, "TILE_BYTES", 2 * 96 * 5)  # five rows of bfloat16 codes a tile
+    for m in (quant.GEMM_ROWS - 1, quant.GEMM_ROWS, 3 * quant.GEMM_ROWS):
+        x = torch.randn(m, 96)
+        want = nn.functional.linear(x, weight)
+        assert (q(x) - want).abs().max() <= KERNEL_TOLERANCE * want.abs().max()
+    assert tiled == [quant.GEMM_ROWS, 3 * quant.GEMM_ROWS]  # torch's kernel below GEMM_ROWS rows, tiles from there
+
+
+def test_a_compiled_int8_layer_keeps_one_graph_on_both_sides_of_gemm_rows():
+    from torch._dynamo.testing import CompileCounter
+
+    q = QuantLinear.from_linear(nn.Linear(64, 32, bias=False), "int8", 0)
+    counter = CompileCounter()  # counts the graphs dynamo hands its backend, and runs them as traced
+    compiled = torch.compile(q, backend=counter, dynamic=True)
+    for m in (2, quant.GEMM_ROWS + 4, 3):  # a branch on the symbolic batch would compile the second apart
+        x = torch.randn(m, 64)
+        assert torch.equal(compiled(x), torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q.qweight, q.row_scales()).float())
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("mode, group_size, k, n", [("int8", 32, 128, 32), ("int4", 0, 128, 32),

@@ -7,7 +7,8 @@ single outlier column stretches the grid for every weight; groups confine an out
 its own group (docs/quantization.md).
 
 What runs quantized: torch's own CPU kernels multiply by the integer weights directly, and no
-float copy of a weight exists at any time:
+float copy of a whole weight exists at any time (an int8 layer given 16 rows or more multiplies
+bfloat16 tiles of 4 MiB at most instead: `int8_rows_matmul`):
 - int8 per tensor (group_size 0) or one group per row (group_size = in_features): the scale is one
   per output channel, which is what `aten._weight_int8pack_mm(x [M, K], w int8 [N, K], scales [N])`
   takes (a per-tensor scale is repeated N times at forward, N numbers).
@@ -54,6 +55,8 @@ from kvscope.backend.model.quant_rules import QuantError, QuantMode, check_group
 QMAX = {"int8": 127, "int4": 7}  # absmax maps to this code
 QMIN = {"int8": -127, "int4": -8}
 KERNEL_DTYPE = torch.bfloat16  # the kernels' activations, scales and zeros: their only vectorized dtype
+GEMM_ROWS = 16  # rows of activations from which an int8 layer multiplies bfloat16 tiles (int8_rows_matmul)
+TILE_BYTES = 4 << 20  # one such tile's bfloat16 copy: bounded, whatever the layer's size
 
 
 # ---- the quantizer ----------------------------------------------------------------------------------
@@ -96,6 +99,33 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     low = (packed & 0x0F).to(torch.int8) - 8
     high = (packed >> 4).to(torch.int8) - 8
     return torch.stack((low, high), dim=-1).flatten(-2)  # interleave back: [N, K / 2, 2] -> [N, K]
+
+
+# ---- the int8 matmul --------------------------------------------------------------------------------
+
+
+def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 @ (codes int8 [N, K] * scales [N]).T -> [M, N] (bfloat16, or float32 from GEMM_ROWS up).
+
+    torch's int8 kernel computes each row of x as a GEMV of its own, reading every weight once per row:
+    its time grows with M (SmolLM2's 28 MB lm_head: 2.8 ms for one row, 26 ms for 32). From GEMM_ROWS
+    rows up (a prefill chunk, a wide decode batch) `int8_tiles_matmul` reads each weight once for all
+    rows. A compiled decode graph keeps torch's kernel: a branch on its symbolic batch size would compile
+    a second graph mid-run, and a step of one row (the compiled decode's case) is the kernel's best."""
+    if torch.compiler.is_compiling() or x.shape[0] < GEMM_ROWS:  # no guard on a compiled graph's batch
+        return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+    return int8_tiles_matmul(x, codes, scales)
+
+
+def int8_tiles_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The same product as one GEMM per tile of rows: each tile of codes widened to bfloat16 (exactly:
+    bfloat16 holds -127..127; TILE_BYTES at most, whatever the layer's size), multiplied by all of x at
+    once, and the scales applied after, in float32. -> float32 [M, N]. `python -m bench.q8_routes` times
+    both routes by rows of x."""
+    rows = max(1, TILE_BYTES // (2 * codes.shape[1]))  # a tile's bfloat16 copy: TILE_BYTES at most
+    xt = x.T  # [K, M]
+    parts = [codes[start:start + rows].to(KERNEL_DTYPE) @ xt for start in range(0, codes.shape[0], rows)]  # [rows, M]
+    return (torch.cat(parts).float() * scales.float()[:, None]).T  # [N, M] -> [M, N]
 
 
 # ---- the module ------------------------------------------------------------------------------------
@@ -181,7 +211,7 @@ class QuantLinear(nn.Module):
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [M, K]: the kernels take 2-D activations only
         if self.kernel == "int8pack":
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.row_scales())
+            y = int8_rows_matmul(flat, self.qweight, self.row_scales())
         else:
             # .contiguous(): a joined part's scales are a column slice of its group's (joined.py), and the
             # kernel reads a strided one as if it were dense, silently wrong
