@@ -108,10 +108,10 @@ def int8_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     """x [M, K] bfloat16 @ (codes int8 [N, K] * scales [N]).T -> [M, N] (bfloat16, or float32 from GEMM_ROWS up).
 
     torch's int8 kernel computes each row of x as a GEMV of its own, reading every weight once per row:
-    its time grows with M (SmolLM2's 28 MB lm_head: 2.8 ms for one row, 26 ms for 32). From GEMM_ROWS
+    its time grows with M (SmolLM2's 28 MB lm_head: 2.5 ms for one row, 23 ms for 32). From GEMM_ROWS
     rows up (a prefill chunk, a wide decode batch) `int8_tiles_matmul` reads each weight once for all
-    rows. A compiled decode graph keeps torch's kernel: a branch on its symbolic batch size would compile
-    a second graph mid-run, and a step of one row (the compiled decode's case) is the kernel's best."""
+    rows. A compiled decode graph keeps torch's kernel at every batch size: a branch on its symbolic
+    batch would guard the graph on it, and a batch on the other side would compile a second mid-run."""
     if torch.compiler.is_compiling() or x.shape[0] < GEMM_ROWS:  # no guard on a compiled graph's batch
         return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
     return int8_tiles_matmul(x, codes, scales)
