@@ -74,6 +74,11 @@ def median_us(fn, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
+    """The largest error of y against the exact product, relative to the product's largest value."""
+    return ((y.double() - exact).abs().max() / exact.abs().max()).item()
+
+
 def measure(name: str, n: int, k: int, reps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     codes, scales = q8_0_blocks(n, k, gen)
@@ -90,15 +95,12 @@ def measure(name: str, n: int, k: int, reps: int) -> dict:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scales_zeros)  # [1, 2N]
         return y[:, :n].float() + y[:, n:].float()
 
-    def error(y: torch.Tensor) -> float:
-        return ((y.double() - exact).abs().max() / exact.abs().max()).item()
-
     bytes_rows = rows.nbytes + row_scales.nbytes
     bytes_planes = packed.nbytes + scales_zeros.nbytes
     rows_us, planes_us = median_us(by_rows, reps), median_us(by_planes, reps)
     return {"layer": name, "n": n, "k": k, "rows_us": rows_us, "planes_us": planes_us,
             "rows_gb_s": bytes_rows / rows_us / 1e3, "planes_gb_s": bytes_planes / planes_us / 1e3,
-            "rows_error": error(by_rows()), "planes_error": error(by_planes())}
+            "rows_error": relative_error(by_rows(), exact), "planes_error": relative_error(by_planes(), exact)}
 
 
 def measure_rows(name: str, n: int, k: int, m: int, reps: int) -> dict:
@@ -114,11 +116,9 @@ def measure_rows(name: str, n: int, k: int, m: int, reps: int) -> dict:
     def tiles() -> torch.Tensor:
         return int8_tiles_matmul(x, rows, row_scales)
 
-    def error(y: torch.Tensor) -> float:
-        return ((y.double() - exact).abs().max() / exact.abs().max()).item()
-
-    return {"layer": name, "n": n, "k": k, "m": m, "kernel_us": median_us(kernel, reps),
-            "tiles_us": median_us(tiles, reps), "kernel_error": error(kernel()), "tiles_error": error(tiles())}
+    return {"layer": name, "n": n, "k": k, "m": m,
+            "kernel_us": median_us(kernel, reps), "tiles_us": median_us(tiles, reps),
+            "kernel_error": relative_error(kernel(), exact), "tiles_error": relative_error(tiles(), exact)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,8 @@ def test_a_compiled_int8_layer_keeps_one_graph_on_both_sides_of_gemm_rows():
     compiled = torch.compile(q, backend=counter, dynamic=True)
     for m in (2, quant.GEMM_ROWS + 4, 3):  # a branch on the symbolic batch would compile the second apart
         x = torch.randn(m, 64)
-        assert torch.equal(compiled(x), torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q.qweight, q.row_scales()).float())
+        kernel = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q.qweight, q.row_scales())
+        assert torch.equal(compiled(x), kernel.float())
     assert counter.frame_count == 1
     torch._dynamo.reset()
 
