@@ -5,7 +5,6 @@ page error or console error)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,8 @@ from kvscope.backend.server.limits import ServiceLimits
 from kvscope.backend.server.manager import RunManager
 from tests.server_helpers import live_server, settled_feed, until, wait_for
 from tests.test_browser import CHROMIUM, api, browser, dashboard_url, page, scenario, start, wait_at_rest  # noqa: F401
-from tests.test_dashboard import (Dash, backend_url, dash, nicegui_storage, simulated, synthetic_column,  # noqa: F401
-                                  until_run)
+from tests.test_dashboard import (Dash, assert_no_error_logs, backend_url, dash, nicegui_storage, simulated,  # noqa: F401
+                                  synthetic_column, until_run)
 
 
 def cuts(events: list[dict], steps: tuple[int, ...]) -> list[int]:
@@ -152,8 +151,7 @@ async def test_a_compare_page_saved_as_a_pair_reopens_side_by_side_from_the_libr
         assert runs[left]["kind"] == runs[right]["kind"] == "replay" and page is not dash.last
         await until(lambda: all(f.state is not None for f in dash.last.side_by_side.feeds))
         await until(lambda: dash.last.side_by_side.titles_now == ("block size: 8", "block size: 4"))
-    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
-    assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
+    assert_no_error_logs(caplog)
 
 
 async def until_pairs(dash: Dash, count: int) -> None:

@@ -96,12 +96,20 @@ async def simulated(backend_url: str, model: str) -> AsyncIterator[Dash]:
         await asyncio.sleep(0)
 
 
+def assert_no_error_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """No ERROR record in the test's call. NiceGUI's shutdown waits 2 s for its tasks to cancel and logs an
+    error when they take longer, naming those still running: on a loaded CI machine they can all finish just
+    after, and a record that names none says nothing was stuck."""
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR
+              and not (str(r.msg).startswith("Could not cancel") and r.args and not r.args[-1])]
+    assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
+
+
 @pytest.fixture
 async def dash(backend_url: str, tiny_dir: str, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Dash]:
     async with simulated(backend_url, tiny_dir) as dash:
         yield dash
-    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
-    assert not errors, f"{len(errors)} error logs, the first: {[r.getMessage() for r in errors[:3]]}"
+    assert_no_error_logs(caplog)
 
 
 def small_scenario(model: str, name: str = "small", count: int = 6, **engine) -> dict:
